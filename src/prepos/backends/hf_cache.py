@@ -1,0 +1,43 @@
+"""The one adapter over the transformers cache API, which changed between 5.x releases:
+the forward keyword (`past_key_values` before, `cache` after) and `Cache.crop`'s argument
+(an absolute `max_length` before, a negative `tokens_to_remove` after)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+
+class CacheAdapter:
+    def __init__(self, model: torch.nn.Module):
+        params = inspect.signature(model.forward).parameters
+        self.kwarg = "cache" if "cache" in params else "past_key_values"
+        crop_params = list(inspect.signature(DynamicCache.crop).parameters)
+        self.crop_removes = "tokens_to_remove" in crop_params
+        self.config = model.config
+
+    def new(self) -> DynamicCache:
+        try:
+            return DynamicCache(config=self.config)
+        except TypeError:  # releases whose DynamicCache takes no config
+            return DynamicCache()
+
+    @staticmethod
+    def length(cache: DynamicCache) -> int:
+        return int(cache.get_seq_length())
+
+    def crop(self, cache: DynamicCache, length: int) -> None:
+        """Keep the first `length` positions."""
+        current = self.length(cache)
+        if length >= current:
+            return
+        if self.crop_removes:
+            cache.crop(length - current)  # negative: tokens to remove from the end
+        else:
+            cache.crop(length)
+
+    def forward_kwargs(self, cache: Any) -> dict:
+        return {self.kwarg: cache, "use_cache": True}

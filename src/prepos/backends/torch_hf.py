@@ -1,0 +1,50 @@
+"""In-process back end: a Hugging Face causal LM run through PyTorch, on CPU or CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from prepos.backends.base import Backend
+from prepos.backends.hf_cache import CacheAdapter
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    full_distribution = True
+
+    def __init__(self, model: torch.nn.Module, device: str = "cpu"):
+        self.model = model.eval()
+        self.device = torch.device(device)
+        self.cache = CacheAdapter(model)
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=DTYPES[dtype], local_files_only=True
+        ).to(device)
+        return cls(model, device)
+
+    def new_kv(self) -> Any:
+        return self.cache.new()
+
+    @torch.inference_mode()
+    def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, logits_to_keep=1, **self.cache.forward_kwargs(kv))
+        return out.logits[0, -1].float().cpu()
+
+    def crop(self, kv: Any, length: int) -> None:
+        self.cache.crop(kv, length)

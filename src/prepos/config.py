@@ -1,0 +1,51 @@
+"""Frozen configuration: the engine, its confidence gate and its KV cell budget."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Algorithm 2 / Eq. 12: fire iff gap > tau and argmax in the fast-answer set.
+
+    `answers` holds the answer strings of the fast-answer set A; the engine maps each to the
+    token ids that decode to it (with and without a leading space). An empty set admits no
+    token, so the relaxed fast path never fires until a calibrated gate is loaded.
+    """
+
+    tau: float = 2.0
+    answers: tuple[str, ...] = ()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> GateConfig:
+        raw = json.loads(Path(path).read_text())
+        return cls(tau=float(raw["tau"]), answers=tuple(raw.get("answers", ())))
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """KV cell budgets, in tokens. Pre-positions that would exceed them are skipped."""
+
+    session_cells: int = 4096
+    engine_cells: int = 262_144
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    chunk_tokens: int = 8  # idle work runs in chunks of this many tokens, yielding between them
+    max_context: int | None = None  # default: the model's max_position_embeddings
+    shift_keep: float = 0.5  # a window shift keeps this fraction of the context for data
+    reserve_tokens: int = 64  # head-room a streaming session keeps for a query and its answer
+    max_versions: int = 1024  # committed versions kept for rollback per session
+    preposition: bool = True  # pre-position on idle after each committed update
+    gate: GateConfig = field(default_factory=GateConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    threads: int | None = None  # torch intra-op threads (None: leave torch's default)

@@ -1,0 +1,465 @@
+"""The facade: sessions, requests, metrics. `query_stream` reads as Algorithm 2."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path as FsPath
+from typing import Callable, Sequence
+
+import torch
+
+from prepos.backends.base import Backend
+from prepos.config import EngineConfig, GateConfig
+from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
+from prepos.entries import ChatFormat, parse_tool_calls
+from prepos.errors import InvalidInput, OverBudget
+from prepos.gate import Gate
+from prepos.generation import Generation
+from prepos.prepositioner import Prepositioner
+from prepos.sampling import generator_for, sample
+from prepos.scheduler import KVPool, Scheduler
+from prepos.session import (
+    AGENTIC,
+    FAST_MODES,
+    HEADER,
+    STREAMING,
+    TURN,
+    ReadySet,
+    Session,
+    SessionSpec,
+    SessionStore,
+    Snapshot,
+    query_key,
+)
+from prepos.stream import Stream
+
+DEFAULT_SAMPLING = SamplingParams()
+
+
+class Engine:
+    def __init__(self, backend: Backend, fmt: ChatFormat, config: EngineConfig | None = None,
+                 model_name: str = "model"):
+        self.config = config = config or EngineConfig()
+        self.backend = backend
+        self.fmt = fmt
+        self.model_name = model_name
+        self.max_context = min(config.max_context or backend.max_context, backend.max_context)
+        self.gate = Gate(config.gate, fmt)
+        self.sessions = SessionStore()
+        self.pool = KVPool(backend, config.budget.engine_cells)
+        self.scheduler = Scheduler()
+        self.prepos = Prepositioner(fmt, self.pool, config.chunk_tokens,
+                                    config.budget.session_cells)
+        self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
+        self.observers: list[Callable[[Result], None]] = []  # called with every finished result
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | FsPath, config: EngineConfig | None = None) -> Engine:
+        """Load a local Hugging Face causal-LM directory (config, safetensors, tokenizer with
+        a chat template). A `gate.json` beside it is the calibrated gate, used unless the
+        config brings its own fast-answer set. Nothing is fetched from a hub."""
+        from transformers import AutoTokenizer
+
+        from prepos.backends.torch_hf import TorchBackend
+
+        path = FsPath(path)
+        if not (path / "config.json").is_file():
+            raise InvalidInput(f"{path} is not a model directory (no config.json)")
+        config = config or EngineConfig()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        if not config.gate.answers and (path / "gate.json").is_file():
+            config = replace(config, gate=GateConfig.load(path / "gate.json"))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        backend = TorchBackend.from_pretrained(path, config.device, config.dtype)
+        return cls(backend, ChatFormat(tokenizer), config, model_name=path.name)
+
+    # == sessions ==========================================================================
+    def create_session(self, kind: str, system: str | None = None, tools: Sequence[dict] = (),
+                       standing: Sequence[str] = (), fast_path: str = "exact",
+                       preposition: bool = True, budget_cells: int | None = None,
+                       owner: str | None = None) -> str:
+        spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
+                           budget_cells, owner=owner)
+        spec.validate()
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise InvalidInput("system must be a non-empty string when given")
+        c = self.config
+        s = Session(self.sessions.new_id(), spec, self.fmt, self.max_context, c.max_versions,
+                    c.shift_keep, c.reserve_tokens)
+        self.sessions.add(s)
+        self._committed(s, s.snap, None, wait=False)
+        return s.id
+
+    def close_session(self, sid: str, owner: str | None = None) -> None:
+        s = self.sessions.remove(sid, owner)
+        with s.lock:
+            s.ready.valid = False
+
+        def drop():
+            self.pool.drop(s.id)
+            yield
+
+        self.scheduler.submit(drop())
+
+    def session(self, sid: str, owner: str | None = None) -> Session:
+        return self.sessions.get(sid, owner)
+
+    def info(self, sid: str, owner: str | None = None) -> dict:
+        s = self.sessions.get(sid, owner)
+        with s.lock:
+            snap, ready = s.snap, s.ready
+        return {
+            "id": s.id, "kind": s.kind, "version": snap.version, "tokens": len(snap.tokens),
+            "messages": len(snap.messages), "awaiting_tool_result": s.awaiting_tool,
+            "fast_path": s.spec.fast_path, "standing_queries": list(s.spec.standing),
+            "ready": {
+                "version": ready.version, "valid": ready.valid, "consumed": ready.consumed,
+                "done": ready.done,
+                "records": {":".join(map(str, k)): {"p": r.p, "gap": r.gap, "token": r.top_text,
+                                                    "entry_tokens": len(r.entry)}
+                            for k, r in ready.records.items()},
+            },
+        }
+
+    # == mutations =========================================================================
+    def append(self, sid: str, text: str, wait: bool = True, owner: str | None = None) -> int:
+        """Streaming: commit a data message (shifting the window when the context is full);
+        with `wait`, return once it is in the KV cache."""
+        s = self.sessions.get(sid, owner)
+        snap, dropped = s.append(text)
+        self._committed(s, snap, dropped, wait)
+        return snap.version
+
+    def rollback(self, sid: str, version: int, wait: bool = True, owner: str | None = None) -> int:
+        s = self.sessions.get(sid, owner)
+        snap, dropped = s.rollback(version)
+        self._committed(s, snap, dropped, wait)
+        return snap.version
+
+    def shift(self, sid: str, drop: int | None = None, wait: bool = True,
+              owner: str | None = None) -> int:
+        s = self.sessions.get(sid, owner)
+        snap, dropped = s.shift(drop)
+        self._committed(s, snap, dropped, wait)
+        return snap.version
+
+    def add_message(self, sid: str, role: str, content: str,
+                    tool_calls: Sequence[dict] | None = None, wait: bool = True,
+                    owner: str | None = None) -> int:
+        """Agentic: commit a message without generating: a user message, a tool result, or
+        an assistant message the client already has (an OpenAI-style history)."""
+        s = self.sessions.get(sid, owner)
+        msg: dict = {"role": role, "content": content}
+        if tool_calls:
+            if role != "assistant":
+                raise InvalidInput("only assistant messages carry tool_calls")
+            msg["tool_calls"] = [_check_call(c) for c in tool_calls]
+        snap, dropped = s.add_message(msg)
+        self._committed(s, snap, dropped, wait)
+        return snap.version
+
+    def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None,
+                   wait: bool) -> None:
+        """After every commit: settle the dropped pre-position, ingest, pre-position."""
+        self.prepos.invalidated(dropped)
+        if wait and snap.tokens:
+            self._call(self._ingest(s, snap))
+        c = self.config
+        if c.preposition and s.spec.preposition:
+            with s.lock:
+                ready = s.ready
+            if ready.version == snap.version and ready.valid:
+                self.scheduler.submit(self.prepos.job(s, snap, ready), idle=True)
+
+    def _ingest(self, s: Session, snap: Snapshot):
+        kv = self.pool.get(s.id)
+        if kv.common_prefix(snap.tokens) < len(snap.tokens):
+            self.pool.make_room(s.id, snap.tokens, self._committed_len)
+            kv.advance(snap.tokens)
+        yield
+
+    # == requests (Algorithm 2) ============================================================
+    def query(self, sid: str, question: str, sampling: SamplingParams | None = None,
+              fast_path: str | None = None, logprobs: bool = False,
+              owner: str | None = None) -> Result:
+        return self.query_stream(sid, question, sampling, fast_path, logprobs, owner).result()
+
+    def query_stream(self, sid: str, question: str, sampling: SamplingParams | None = None,
+                     fast_path: str | None = None, logprobs: bool = False,
+                     owner: str | None = None) -> Stream:
+        """Streaming: answer an ad-hoc or standing query. Never blocks on model work."""
+        t0 = time.perf_counter()
+        sampling = sampling or DEFAULT_SAMPLING
+        s = self.sessions.get(sid, owner)
+        s.require(STREAMING)
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidInput("question must be a non-empty string")
+        mode = self._mode(s, fast_path)
+        with s.lock:
+            snap, ready = s.snap, s.ready
+        header = ready.records.get(HEADER)
+        if mode != "off":
+            exact = ready.records.get(query_key(question))
+            if exact is not None:  # realized entry == pre-positioned entry: zero added risk
+                return self._serve_exact(s, snap, ready, exact, sampling, logprobs, t0)
+            if mode == "relaxed" and header is not None:
+                if self.gate.fires(header):  # Eq. 12: one cached token, no scheduler
+                    return self._serve_relaxed(ready, header, t0, logprobs)
+                self._count("gate_miss")
+        ent = s.entries(snap)
+        entry = self.fmt.encode(self.fmt.frame(ent.user, question))
+        return self._submit(s, snap.tokens + tuple(entry), len(snap.tokens), snap.version,
+                            ready, sampling, logprobs, t0,
+                            gap=header.gap if header is not None else None)
+
+    def turn(self, sid: str, user: str | None = None, sampling: SamplingParams | None = None,
+             fast_path: str | None = None, logprobs: bool = False,
+             owner: str | None = None) -> Result:
+        return self.turn_stream(sid, user, sampling, fast_path, logprobs, owner).result()
+
+    def turn_stream(self, sid: str, user: str | None = None,
+                    sampling: SamplingParams | None = None, fast_path: str | None = None,
+                    logprobs: bool = False, owner: str | None = None) -> Stream:
+        """Agentic: commit `user` (if given), generate the assistant turn, commit it. A turn
+        that ends in a tool call leaves the session awaiting a tool result."""
+        return self._agentic(sid, {"role": "user", "content": user} if user is not None else None,
+                             sampling, fast_path, logprobs, owner)
+
+    def tool_result(self, sid: str, content: str, sampling: SamplingParams | None = None,
+                    fast_path: str | None = None, logprobs: bool = False,
+                    owner: str | None = None) -> Result:
+        return self.tool_result_stream(sid, content, sampling, fast_path, logprobs,
+                                       owner).result()
+
+    def tool_result_stream(self, sid: str, content: str, sampling: SamplingParams | None = None,
+                           fast_path: str | None = None, logprobs: bool = False,
+                           owner: str | None = None) -> Stream:
+        """Agentic: commit a tool result and resume the next turn delta-only from the
+        pre-positioned envelope."""
+        return self._agentic(sid, {"role": "tool", "content": content}, sampling, fast_path,
+                             logprobs, owner)
+
+    def _agentic(self, sid: str, message: dict | None, sampling: SamplingParams | None,
+                 fast_path: str | None, logprobs: bool, owner: str | None) -> Stream:
+        t0 = time.perf_counter()
+        sampling = sampling or DEFAULT_SAMPLING
+        s = self.sessions.get(sid, owner)
+        s.require(AGENTIC)
+        mode = self._mode(s, fast_path)
+        with s.lock:
+            base, ready = s.snap, s.ready
+        if message is None:
+            if s.awaiting_tool:
+                raise InvalidInput(f"session {s.id} awaits a tool result, not a new turn")
+            turn = ready.records.get(TURN)
+            if mode != "off" and turn is not None:
+                return self._serve_exact(s, base, ready, turn, sampling, logprobs, t0,
+                                         on_finish=self._commit_answer(s, base.version))
+            snap, dropped = base, None
+        else:
+            n_header = len(s.entries(base).header)
+            snap, dropped = s.add_message(  # the request's delta, committed if it fits
+                message, check=lambda n: self._check_room(s, n + n_header, sampling))
+        header = s.entries(snap).header
+        return self._submit(s, snap.tokens + header, len(base.tokens), snap.version,
+                            dropped if dropped is not None else ready, sampling, logprobs, t0,
+                            on_finish=self._commit_answer(s, snap.version),
+                            settle_dropped=dropped is not None)
+
+    def _commit_answer(self, s: Session, version: int) -> Callable[[Result], None]:
+        def commit(res: Result) -> None:
+            content, calls = parse_tool_calls(res.text)
+            res.tool_calls = calls
+            msg: dict = {"role": "assistant", "content": content}
+            if calls:
+                msg["tool_calls"] = calls
+            snap, dropped = s.add_message(msg, expected_version=version)
+            res.version = snap.version
+            self._committed(s, snap, dropped, wait=False)
+
+        return commit
+
+    # -- the three paths -----------------------------------------------------------------
+    def _serve_relaxed(self, ready: ReadySet, rec: ReadyRecord, t0: float,
+                       logprobs: bool) -> Stream:
+        """The gate fired: one cached token, the question-independent answer."""
+        self.prepos.consume(ready)
+        res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
+                     finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p)
+        if logprobs:
+            res.logprobs.append(rec.top_logprobs[0])
+        res.timing.ttft = res.timing.total = time.perf_counter() - t0
+        self._count("fast_relaxed")
+        stream = Stream()
+        stream.finish(res)
+        self._observe(res)
+        return stream
+
+    def _serve_exact(self, s: Session, snap: Snapshot, ready: ReadySet, rec: ReadyRecord,
+                     sampling: SamplingParams, logprobs: bool, t0: float,
+                     on_finish: Callable[[Result], None] | None = None) -> Stream:
+        """First token from the cached logits with the request's own sampling; further
+        tokens decode on from the resident entry KV."""
+        self.prepos.consume(ready)
+        self._count("fast_exact")
+        res = Result(Path.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
+                     prompt_tokens=rec.p)
+        stream = Stream()
+        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
+                         self._finisher(on_finish))
+        rng = generator_for(sampling)
+        if rec.logits is not None:
+            first = sample(rec.logits, sampling, rng)
+        else:  # a top-k back end: the cached argmax is all there is
+            first = rec.argmax
+        if out.add(first, rec.logits):
+            return stream
+        seq = snap.tokens + rec.entry
+        self._check_room(s, len(seq), sampling)
+        task = self._decode(s, seq, out, sampling, rng, snap.version)
+        self.scheduler.submit(task, on_error=stream.fail)
+        return stream
+
+    def _submit(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,
+                ready: ReadySet, sampling: SamplingParams, logprobs: bool, t0: float,
+                gap: float | None = None, on_finish: Callable[[Result], None] | None = None,
+                settle_dropped: bool = False) -> Stream:
+        """Fall-through or cold, decided by what the KV holds: restore to the longest
+        resident prefix, prefill only the delta, then decode."""
+        self._check_room(s, len(seq), sampling)
+        stream = Stream()
+        res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
+        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
+                         self._finisher(on_finish))
+
+        def run():
+            tm = res.timing
+            tm.queue = time.perf_counter() - t0
+            self.pool.make_room(s.id, seq, self._committed_len)
+            step = self.pool.get(s.id).advance(seq)
+            tm.restore, tm.prefill, tm.prefill_tokens = step.restore_s, step.forward_s, step.prefilled
+            tm.cached_tokens = max(0, step.kept - base_len)
+            res.cached_prompt_tokens = min(step.kept, len(seq))
+            used = tm.cached_tokens > 0
+            if used:
+                res.path = Path.FALL
+                self.prepos.consume(ready)
+            elif settle_dropped:
+                self.prepos.invalidated(ready)
+            self._count("fall" if used else "cold")
+            rng = generator_for(sampling)
+            if not out.add(sample(step.logits, sampling, rng), step.logits):
+                yield
+                yield from self._decode(s, seq, out, sampling, rng, version)
+
+        self.scheduler.submit(run(), on_error=stream.fail)
+        return stream
+
+    def _decode(self, s: Session, seq: tuple[int, ...], out: Generation,
+                sampling: SamplingParams, rng, version: int):
+        """One decode step per scheduler quantum, from the resident KV."""
+        kv = self.pool.get(s.id)
+        while True:
+            step = kv.advance(seq + tuple(out.tokens))
+            if out.add(sample(step.logits, sampling, rng), step.logits):
+                return
+            yield
+
+    # == helpers ===========================================================================
+    def _mode(self, s: Session, fast_path: str | None) -> str:
+        if fast_path is None:
+            return s.spec.fast_path
+        if fast_path not in FAST_MODES:
+            raise InvalidInput(f"fast_path must be one of {FAST_MODES}, got {fast_path!r}")
+        return fast_path
+
+    def _check_room(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
+        need = prompt_len + sampling.max_tokens
+        if need > self.max_context:
+            raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens "
+                             f"{sampling.max_tokens} exceeds the context of {self.max_context}")
+        budget = s.budget(self.config.budget.session_cells)
+        if need > budget:
+            raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens "
+                             f"{sampling.max_tokens} exceeds the session budget of {budget} cells")
+
+    def _committed_len(self, sid: str) -> int:
+        s = self.sessions._sessions.get(sid)
+        return len(s.snap.tokens) if s is not None else 0
+
+    def _finisher(self, then: Callable[[Result], None] | None) -> Callable[[Result], None]:
+        def finish(res: Result) -> None:
+            if then is not None:
+                then(res)
+            self._observe(res)
+
+        return finish
+
+    def _observe(self, res: Result) -> None:
+        for fn in self.observers:
+            fn(res)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.paths[name] += 1
+
+    def _call(self, gen) -> None:
+        """Run a task at foreground priority and wait for it."""
+        err: list[BaseException] = []
+        task = self.scheduler.submit(gen, on_error=err.append)
+        task.done.wait()
+        if err:
+            raise err[0]
+
+    def ready_header(self, sid: str, owner: str | None = None) -> ReadyRecord | None:
+        """The question-independent ready record of a streaming session, if recorded."""
+        s = self.sessions.get(sid, owner)
+        with s.lock:
+            return s.ready.records.get(HEADER)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return self.scheduler.wait_idle(timeout)
+
+    def metrics(self) -> dict:
+        fg, idle = self.scheduler.queue_lengths()
+        with self._lock:
+            paths = dict(self.paths)
+        return {
+            "prepositions": self.prepos.counters.as_dict(),
+            "paths": paths,
+            "sessions": len(self.sessions),
+            "kv_cells_used": self.pool.used,
+            "kv_cells_budget": self.pool.engine_cells,
+            "queue_foreground": fg,
+            "queue_idle": idle,
+        }
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_call(call: dict) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise InvalidInput("a tool call needs function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError as exc:
+            raise InvalidInput(f"tool call arguments are not JSON: {exc}") from exc
+    if not isinstance(args, dict):
+        raise InvalidInput("tool call arguments must be a JSON object")
+    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}

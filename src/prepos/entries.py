@@ -1,0 +1,135 @@
+"""Token sequences and entries, all derived from the model's own chat template.
+
+Nothing here is written per model. The committed sequence of a session is the template's
+rendering of its conversation, tokenized; an entry (the tokens a request appends before
+generation resumes) is found by rendering the conversation with one more message whose
+content is a sentinel and splitting the text at it: what precedes the sentinel is the
+entry's prefix (query prefix, tool-result envelope), what follows it is the closing of the
+message plus the assistant header. The generic assistant header is what the generation
+prompt adds to the committed text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from prepos.errors import InvalidInput
+
+SENTINEL = "PREPOSxSENTINELx7f3a"
+
+
+@dataclass(frozen=True)
+class Split:
+    """The text around a message's content: `prefix + content + suffix`."""
+
+    prefix: str
+    suffix: str
+
+
+class ChatFormat:
+    """Renders conversations with a tokenizer's chat template and tokenizes them."""
+
+    def __init__(self, tokenizer: Any):
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInput("the tokenizer has no chat_template; prepos needs one")
+        self.tokenizer = tokenizer
+        self.end_of_turn = self._end_of_turn_ids()
+        probe = self.render([{"role": "user", "content": f" {SENTINEL} "}])
+        self.trims_content = f" {SENTINEL} " not in probe
+
+    # -- rendering -----------------------------------------------------------------------
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+               generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tools=list(tools) if tools else None, tokenize=False,
+                add_generation_prompt=generation_prompt,
+            )
+        except Exception as exc:  # jinja raises for conversations a template refuses
+            raise InvalidInput(f"the chat template refused the conversation: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def split(self, messages: Sequence[dict], tools: Sequence[dict] | None, role: str,
+              base_text: str, generation_prompt: bool = True) -> Split:
+        """The text a new `role` message adds after `messages` (whose rendering is
+        `base_text`), split at its content."""
+        text = self.render([*messages, {"role": role, "content": SENTINEL}], tools,
+                           generation_prompt)
+        if not text.startswith(base_text) or text.count(SENTINEL) != 1:
+            raise InvalidInput(f"the chat template does not render a {role!r} message "
+                               "after the conversation as an extension of it")
+        before, after = text[len(base_text):].split(SENTINEL)
+        return Split(before, after)
+
+    def frame(self, split: Split, content: str) -> str:
+        """The text of a message with this framing, as the template would render it."""
+        return split.prefix + (content.strip() if self.trims_content else content) + split.suffix
+
+    def header(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+               base_text: str) -> str:
+        text = self.render(messages, tools, generation_prompt=True)
+        if not text.startswith(base_text):
+            raise InvalidInput("the chat template's generation prompt is not an extension")
+        return text[len(base_text):]
+
+    def _end_of_turn_ids(self) -> frozenset[int]:
+        """Token ids that end an assistant turn: eos, and the first token the template puts
+        after an assistant message's content."""
+        ids: set[int] = set()
+        eos = self.tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+        try:
+            msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}]
+            after = self.render(msgs).split(SENTINEL, 1)[1]
+            toks = self.encode(after)
+            special = set(self.tokenizer.all_special_ids)
+            if toks and toks[0] in special:
+                ids.add(toks[0])
+        except InvalidInput:
+            pass
+        return frozenset(ids)
+
+
+# -- tool calls in generated text ---------------------------------------------------------
+_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split generated assistant text into content and tool calls. Understands the two
+    common markups: `<tool_call>{json}</tool_call>` blocks (ChatML/Hermes/Qwen) and a whole
+    message that is one JSON object with "name" and "arguments"/"parameters" (Llama 3)."""
+    calls = []
+    for m in _HERMES.finditer(text):
+        call = _as_call(m.group(1))
+        if call:
+            calls.append(call)
+    if calls:
+        return _HERMES.sub("", text).strip(), calls
+    call = _as_call(text.strip())
+    if call:
+        return "", [call]
+    return text, []
+
+
+def _as_call(raw: str) -> dict | None:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, dict):
+        return None
+    return {"type": "function", "function": {"name": obj["name"], "arguments": args}}

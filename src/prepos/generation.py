@@ -1,0 +1,77 @@
+"""Assembling a request's output token by token: incremental detokenization, stop
+sequences, end of turn, max tokens, and the first-token time."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from prepos.core import Result, SamplingParams
+from prepos.entries import ChatFormat
+from prepos.sampling import token_logprob
+from prepos.stream import Stream, TokenEvent
+
+
+class Generation:
+    def __init__(self, fmt: ChatFormat, sampling: SamplingParams, stream: Stream,
+                 result: Result, t0: float, want_logprobs: bool = False,
+                 on_finish: Callable[[Result], None] | None = None):
+        self.fmt = fmt
+        self.sampling = sampling
+        self.stream = stream
+        self.result = result
+        self.t0 = t0
+        self.want_logprobs = want_logprobs
+        self.on_finish = on_finish
+        self.tokens: list[int] = result.tokens
+        self._text = ""
+        self._emitted = 0
+        self._hold = max((len(s) for s in sampling.stop), default=1) - 1
+
+    def add(self, token: int, logits: torch.Tensor | None = None,
+            logprob: float | None = None) -> bool:
+        """Take the next token; returns True when the generation is finished."""
+        if not self.tokens and self.result.timing.ttft == 0.0:
+            self.result.timing.ttft = time.perf_counter() - self.t0
+        if token in self.fmt.end_of_turn:
+            return self.finish("stop")
+        if logprob is None and self.want_logprobs and logits is not None:
+            logprob = token_logprob(logits, token)
+        self.tokens.append(token)
+        if logprob is not None:
+            self.result.logprobs.append(logprob)
+        text = self.fmt.decode(self.tokens)
+        stop_at = min((i for i in (text.find(s) for s in self.sampling.stop) if i >= 0),
+                      default=-1)
+        if stop_at >= 0:
+            self._text = text[:stop_at]
+            return self.finish("stop", token, logprob)
+        self._text = text
+        safe = len(text) - self._hold
+        if text.endswith("\ufffd"):  # an incomplete character: wait for its next byte
+            safe = min(safe, len(text) - 1)
+        self._emit(token, safe, logprob)
+        if len(self.tokens) >= self.sampling.max_tokens:
+            return self.finish("length")
+        return False
+
+    def _emit(self, token: int, upto: int, logprob: float | None) -> None:
+        delta = self._text[self._emitted:upto] if upto > self._emitted else ""
+        self._emitted = max(self._emitted, upto)
+        self.stream.push(TokenEvent(token, delta, logprob))
+
+    def finish(self, reason: str, token: int | None = None, logprob: float | None = None) -> bool:
+        rest = self._text[self._emitted:]
+        if rest or token is not None:
+            self.stream.push(TokenEvent(token if token is not None else -1, rest, logprob))
+            self._emitted = len(self._text)
+        res = self.result
+        res.text = self._text
+        res.finish_reason = reason
+        res.timing.total = time.perf_counter() - self.t0
+        if self.on_finish is not None:
+            self.on_finish(res)
+        self.stream.finish(res)
+        return True

@@ -1,0 +1,159 @@
+"""Algorithm 1: after a committed update, at idle priority, append each entry, run one
+forward, and record the ready distribution, unless the cell budget says skip.
+
+What to pre-position follows from the session's state:
+- streaming: the generic assistant header (question-independent, relaxed match), each
+  standing query's full entry (exact match), and the query prefix left resident so an
+  ad-hoc query pays only its delta;
+- agentic awaiting a tool result: the tool-result envelope;
+- agentic with a committed user or tool message and no answer yet: the generation prompt
+  (exact match for the next turn); after an answer: the next user message's prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Generator
+
+from prepos.backends.base import Dist
+from prepos.core import ReadyRecord
+from prepos.entries import ChatFormat
+from prepos.scheduler import KVPool
+from prepos.session import (
+    ENVELOPE,
+    HEADER,
+    STREAMING,
+    TURN,
+    ReadySet,
+    Session,
+    Snapshot,
+    query_key,
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    key: tuple | None  # where the record goes; None: leave the KV pre-paid, record nothing
+    entry: tuple[int, ...]
+
+
+@dataclass
+class Counters:
+    """Pre-positions, counted per committed version (one Algorithm 1 run each)."""
+
+    started: int = 0
+    recorded: int = 0
+    consumed: int = 0  # used by a request before invalidation: a hit
+    invalidated: int = 0  # cleared by a mutation before any request used it: wasted
+    discarded: int = 0  # of those, still in flight when the mutation came
+    skipped: int = 0  # entries skipped for the cell budget (never evicting)
+
+    @property
+    def hit_rate(self) -> float | None:
+        n = self.consumed + self.invalidated
+        return self.consumed / n if n else None
+
+    @property
+    def wasted(self) -> float | None:
+        h = self.hit_rate
+        return None if h is None else 1.0 - h
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "hit_rate": self.hit_rate, "wasted": self.wasted}
+
+
+class Prepositioner:
+    def __init__(self, fmt: ChatFormat, pool: KVPool, chunk_tokens: int, session_cells: int):
+        self.fmt = fmt
+        self.pool = pool
+        self.chunk = chunk_tokens
+        self.session_cells = session_cells
+        self.counters = Counters()
+        self._lock = threading.Lock()  # counters are bumped from the worker and callers
+
+    # -- what to pre-position ------------------------------------------------------------
+    def targets(self, session: Session, snap: Snapshot) -> list[Target]:
+        ent = session.entries(snap)
+        enc = self.fmt.encode
+        if session.kind == STREAMING:
+            out = [Target(HEADER, ent.header)]
+            for q in session.spec.standing:
+                out.append(Target(query_key(q), tuple(enc(self.fmt.frame(ent.user, q)))))
+            if not session.spec.standing:  # a standing entry already starts with the prefix
+                out.append(Target(None, tuple(enc(ent.user.prefix))))
+            return out
+        if ent.tool is not None:
+            return [Target(ENVELOPE, tuple(enc(ent.tool.prefix)))]
+        last = snap.messages[-1]["role"] if snap.messages else "system"
+        if last in ("user", "tool"):
+            return [Target(TURN, ent.header)]
+        return [Target(None, tuple(enc(ent.user.prefix)))]
+
+    # -- Algorithm 1 ---------------------------------------------------------------------
+    def job(self, session: Session, snap: Snapshot, ready: ReadySet) -> Generator:
+        """Runs on the model worker at idle priority, one chunk per step."""
+        kv = self.pool.get(session.id)
+        budget = session.budget(self.session_cells)
+        started = False
+        try:
+            for target in self.targets(session, snap):
+                seq = snap.tokens + target.entry
+                if len(seq) > budget or not self.pool.fits(session.id, seq):
+                    self._bump("skipped")  # skip without eviction: the baseline path applies
+                    continue
+                while True:
+                    if not ready.valid:  # the session moved on: discard, never record
+                        if started:
+                            self._bump("discarded")
+                        return
+                    if not started:
+                        started = ready.started = True
+                        self._bump("started")
+                    step = kv.advance(seq, self.chunk)
+                    if step.done:
+                        break
+                    yield
+                if target.key is not None:
+                    self._record(session, ready, target, seq, step.logits)
+                yield
+            with session.lock:
+                ready.done = True
+                if started and ready.valid:
+                    self._bump("recorded")
+        finally:
+            ready.done = True
+
+    def _record(self, session: Session, ready: ReadySet, target: Target, seq: tuple,
+                logits) -> None:
+        dist = logits if isinstance(logits, Dist) else Dist.from_logits(logits)
+        rec = ReadyRecord(
+            p=len(seq), entry=target.entry, logits=dist.logits, top_ids=dist.top_ids,
+            top_logprobs=dist.top_logprobs, gap=dist.gap, version=ready.version,
+            top_text=self.fmt.decode([dist.top_ids[0]]),
+        )
+        with session.lock:  # record only if the version it was computed from is current
+            if ready.valid:
+                ready.records[target.key] = rec
+
+    # -- accounting ----------------------------------------------------------------------
+    def consume(self, ready: ReadySet | None) -> None:
+        """A request used this ready set (a record, or its pre-paid KV)."""
+        if ready is None:
+            return
+        with self._lock:
+            if ready.valid and not ready.consumed:
+                ready.consumed = True
+                self.counters.consumed += 1
+
+    def invalidated(self, dropped: ReadySet | None) -> None:
+        """A mutation cleared this ready set; it is waste if nothing used it."""
+        if dropped is None:
+            return
+        with self._lock:
+            if dropped.started and not dropped.consumed:
+                self.counters.invalidated += 1
+
+    def _bump(self, name: str) -> None:
+        with self._lock:
+            setattr(self.counters, name, getattr(self.counters, name) + 1)

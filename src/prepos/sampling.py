@@ -1,0 +1,40 @@
+"""Choosing a token from logits with a request's sampling parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from prepos.core import SamplingParams
+
+
+def generator_for(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator()
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always the first token)
+        drop = torch.cumsum(probs, dim=-1) - probs >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    return float(torch.log_softmax(logits.float(), dim=-1)[token])

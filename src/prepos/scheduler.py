@@ -1,0 +1,148 @@
+"""The model worker: one thread runs every forward. Foreground requests go before idle work;
+each task is a generator that does one quantum of model work per step (a request's first
+token or one decode step; one chunk of a pre-position), so a request waits behind at most
+one chunk of idle work, and foreground requests interleave round-robin.
+
+The worker also owns the KV caches (`KVPool`): only tasks, running on the worker, touch them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Generator, Sequence
+
+from prepos.backends.base import Backend, KVSequence
+from prepos.errors import EngineClosed, OverBudget
+
+
+class KVPool:
+    """Every session's KV cache, and the engine-wide cell budget. Worker-thread only."""
+
+    def __init__(self, backend: Backend, engine_cells: int):
+        self.backend = backend
+        self.engine_cells = engine_cells
+        self._kv: dict[str, KVSequence] = {}
+
+    def get(self, sid: str) -> KVSequence:
+        kv = self._kv.get(sid)
+        if kv is None:
+            kv = self._kv[sid] = KVSequence(self.backend)
+        return kv
+
+    def drop(self, sid: str) -> None:
+        kv = self._kv.pop(sid, None)
+        if kv is not None:
+            kv.release()
+
+    @property
+    def used(self) -> int:
+        return sum(len(kv) for kv in self._kv.values())
+
+    def extra_cells(self, sid: str, target: Sequence[int]) -> int:
+        """Cells `target` needs beyond what the session's cache already holds."""
+        kv = self._kv.get(sid)
+        if kv is None:
+            return len(target)
+        return max(0, len(target) - len(kv))
+
+    def fits(self, sid: str, target: Sequence[int]) -> bool:
+        return self.used + self.extra_cells(sid, target) <= self.engine_cells
+
+    def make_room(self, sid: str, target: Sequence[int], committed: Callable[[str], int]) -> None:
+        """For a foreground request: crop other sessions' speculative cells (pre-positioned
+        entries, past answers) back to their committed length. Live state is never
+        evicted; if that is not enough the request is refused."""
+        if self.fits(sid, target):
+            return
+        for other, kv in self._kv.items():
+            if other != sid:
+                kv.crop(min(len(kv), committed(other)))
+            if self.fits(sid, target):
+                return
+        raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells is full "
+                         f"({self.used} in use by committed session state)")
+
+
+class Task:
+    __slots__ = ("gen", "idle", "on_error", "submitted", "started", "done")
+
+    def __init__(self, gen: Generator, idle: bool, on_error: Callable[[BaseException], None]):
+        self.gen = gen
+        self.idle = idle
+        self.on_error = on_error
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
+        self.done = threading.Event()
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self._fg: deque[Task] = deque()
+        self._idle: deque[Task] = deque()
+        self._cv = threading.Condition()
+        self._pending = 0  # submitted and not finished
+        self._stopped = False
+        self.idle_steps = 0
+        self.fg_steps = 0
+        self._thread = threading.Thread(target=self._loop, name="prepos-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, gen: Generator, idle: bool = False,
+               on_error: Callable[[BaseException], None] | None = None) -> Task:
+        task = Task(gen, idle, on_error or (lambda exc: None))
+        with self._cv:
+            if self._stopped:
+                gen.close()
+                raise EngineClosed("the engine is closed")
+            (self._idle if idle else self._fg).append(task)
+            self._pending += 1
+            self._cv.notify_all()
+        return task
+
+    def queue_lengths(self) -> tuple[int, int]:
+        return len(self._fg), len(self._idle)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending == 0 or self._stopped, timeout)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+        for task in [*self._fg, *self._idle]:
+            task.gen.close()
+            task.on_error(EngineClosed("the engine closed before this task ran"))
+            task.done.set()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._fg or self._idle or self._stopped)
+                if self._stopped:
+                    return
+                task = self._fg.popleft() if self._fg else self._idle.popleft()
+            if task.started is None:
+                task.started = time.perf_counter()
+            more = True
+            try:
+                next(task.gen)
+            except StopIteration:
+                more = False
+            except BaseException as exc:  # a task's failure is its own; the worker lives on
+                more = False
+                task.on_error(exc)
+            if task.idle:
+                self.idle_steps += 1
+            else:
+                self.fg_steps += 1
+            with self._cv:
+                if more:
+                    (self._idle if task.idle else self._fg).append(task)
+                else:
+                    self._pending -= 1
+                    task.done.set()
+                    self._cv.notify_all()

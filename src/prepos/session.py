@@ -1,0 +1,309 @@
+"""Sessions and their store. A session owns its committed conversation, its version and its
+ready records; every mutation swaps the committed snapshot, bumps the version and clears the
+ready records in one critical section (invariant 1). KV tensors are not here: the model
+worker owns them (scheduler.py)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from prepos.core import ReadyRecord
+from prepos.entries import ChatFormat, Split
+from prepos.errors import (
+    Conflict,
+    InvalidInput,
+    NoToolResultAwaited,
+    OverBudget,
+    SessionNotFound,
+    ToolResultAwaited,
+    VersionNotFound,
+    WrongSessionKind,
+)
+
+STREAMING = "streaming"
+AGENTIC = "agentic"
+KINDS = (STREAMING, AGENTIC)
+FAST_MODES = ("exact", "relaxed", "off")
+
+HEADER = ("header",)  # the question-independent assistant header (streaming, relaxed match)
+TURN = ("turn",)  # the generation prompt of an agentic session (exact match)
+ENVELOPE = ("envelope",)  # the tool-result envelope of a session awaiting a tool result
+
+
+def query_key(question: str) -> tuple:
+    return ("query", question)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One committed version of a session."""
+
+    version: int
+    messages: tuple[dict, ...]
+    text: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Entries:
+    """Entry framings of one committed version, derived from the chat template."""
+
+    header: tuple[int, ...]  # generic assistant header (the generation prompt)
+    user: Split  # a user message (query) framing; its suffix ends with the header
+    tool: Split | None  # the tool-result envelope, when a tool result is awaited
+
+
+@dataclass
+class ReadySet:
+    """The ready records of one committed version (one pre-position, Algorithm 1)."""
+
+    version: int
+    records: dict[tuple, ReadyRecord] = field(default_factory=dict)
+    valid: bool = True
+    consumed: bool = False
+    started: bool = False  # the background job began its first forward
+    done: bool = False  # the background job finished (recorded, skipped or discarded)
+
+
+@dataclass
+class SessionSpec:
+    kind: str
+    system: str | None = None
+    tools: tuple[dict, ...] = ()
+    standing: tuple[str, ...] = ()  # registered queries, pre-positioned as exact matches
+    fast_path: str = "exact"
+    preposition: bool = True
+    budget_cells: int | None = None  # per-session KV budget (default: the engine's)
+    data_role: str = "user"
+    owner: str | None = None
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidInput(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.fast_path not in FAST_MODES:
+            raise InvalidInput(f"fast_path must be one of {FAST_MODES}, got {self.fast_path!r}")
+        if self.standing and self.kind != STREAMING:
+            raise WrongSessionKind("standing queries belong to streaming sessions")
+        if any(not isinstance(q, str) or not q.strip() for q in self.standing):
+            raise InvalidInput("standing queries must be non-empty strings")
+        if self.budget_cells is not None and self.budget_cells < 1:
+            raise InvalidInput("budget_cells must be >= 1")
+
+
+class Session:
+    def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
+                 max_versions: int, shift_keep: float, reserve: int):
+        self.id = sid
+        self.spec = spec
+        self.fmt = fmt
+        self.max_context = max_context
+        self.max_versions = max_versions
+        self.shift_keep = shift_keep
+        self.reserve = reserve
+        self.lock = threading.Lock()  # guards snap, ready, history (held briefly)
+        self.mutex = threading.RLock()  # serializes mutations (held while rendering)
+        self.closed = False
+        self.ready = ReadySet(0)
+        self.history: OrderedDict[int, Snapshot] = OrderedDict()
+        self._entries: tuple[int, Entries] | None = None
+        messages = ({"role": "system", "content": spec.system},) if spec.system else ()
+        text = fmt.render(messages, spec.tools) if messages else ""
+        self.snap = Snapshot(0, messages, text, tuple(fmt.encode(text)) if text else ())
+        self._check_fits(len(self.snap.tokens))
+        self.history[0] = self.snap
+
+    # -- reads ---------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def version(self) -> int:
+        return self.snap.version
+
+    @property
+    def awaiting_tool(self) -> bool:
+        msgs = self.snap.messages
+        return bool(msgs) and msgs[-1]["role"] == "assistant" and bool(msgs[-1].get("tool_calls"))
+
+    def require(self, kind: str) -> None:
+        if self.spec.kind != kind:
+            raise WrongSessionKind(f"session {self.id} is {self.spec.kind}, not {kind}")
+
+    def entries(self, snap: Snapshot | None = None) -> Entries:
+        snap = snap or self.snap
+        cached = self._entries
+        if cached and cached[0] == snap.version:
+            return cached[1]
+        fmt, msgs, tools = self.fmt, snap.messages, self.spec.tools
+        header = tuple(fmt.encode(fmt.header(msgs, tools, snap.text)))
+        user = fmt.split(msgs, tools, "user", snap.text)
+        awaiting = bool(msgs) and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls")
+        tool = fmt.split(msgs, tools, "tool", snap.text) if awaiting else None
+        ent = Entries(header, user, tool)
+        self._entries = (snap.version, ent)
+        return ent
+
+    def budget(self, engine_default: int) -> int:
+        return self.spec.budget_cells or engine_default
+
+    # -- mutations -----------------------------------------------------------------------
+    def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
+        """Streaming: commit a data message; shift the window first if the context is full."""
+        self.require(STREAMING)
+        _check_text(text, "data")
+        with self.mutex:
+            msgs = [*self.snap.messages, {"role": self.spec.data_role, "content": text}]
+            snap = self._render(msgs)
+            if len(snap[1]) + self.reserve > self.max_context:
+                msgs = self._shifted(msgs)
+                snap = self._render(msgs)
+            return self._commit(msgs, *snap)
+
+    def shift(self, drop: int | None = None) -> tuple[Snapshot, ReadySet | None]:
+        """Streaming: drop the `drop` oldest data messages (default: down to the shift target),
+        keeping the system region; positions are recomputed from the new sequence."""
+        self.require(STREAMING)
+        with self.mutex:
+            first = self._first_data()
+            data = len(self.snap.messages) - first
+            if drop is None:
+                msgs = self._shifted(list(self.snap.messages))
+            else:
+                if not isinstance(drop, int) or not 1 <= drop <= data:
+                    raise InvalidInput(f"drop must be an integer in [1, {data}], got {drop!r}")
+                msgs = [*self.snap.messages[:first], *self.snap.messages[first + drop:]]
+            return self._commit(msgs, *self._render(msgs, incremental=False))
+
+    def rollback(self, version: int) -> tuple[Snapshot, ReadySet | None]:
+        with self.mutex:
+            if not isinstance(version, int) or version not in self.history:
+                kept = f"{min(self.history)}..{max(self.history)}"
+                raise VersionNotFound(f"session {self.id} has no version {version!r} "
+                                      f"(versions kept: {kept})")
+            old = self.history[version]
+            return self._commit(list(old.messages), old.text, old.tokens)
+
+    def add_message(self, message: dict, expected_version: int | None = None,
+                    check: Callable[[int], None] | None = None
+                    ) -> tuple[Snapshot, ReadySet | None]:
+        """Agentic: commit a user, assistant or tool message. `check` sees the new length
+        before anything changes and may refuse by raising."""
+        self.require(AGENTIC)
+        role = message.get("role")
+        if role not in ("user", "assistant", "tool"):
+            raise InvalidInput(f"message role must be user, assistant or tool, got {role!r}")
+        _check_text(message.get("content", ""), role, allow_empty=role == "assistant")
+        with self.mutex:
+            if expected_version is not None and self.snap.version != expected_version:
+                raise Conflict(f"session {self.id} changed (version {self.snap.version}, "
+                               f"expected {expected_version})")
+            if role == "tool" and not self.awaiting_tool:
+                raise NoToolResultAwaited(f"session {self.id} is not awaiting a tool result")
+            if role == "user" and self.awaiting_tool:
+                raise ToolResultAwaited(f"session {self.id} awaits a tool result first")
+            msgs = [*self.snap.messages, dict(message)]
+            text, tokens = self._render(msgs)
+            if check is not None:
+                check(len(tokens))
+            return self._commit(msgs, text, tokens)
+
+    # -- internals -----------------------------------------------------------------------
+    def _first_data(self) -> int:
+        msgs = self.snap.messages
+        return 1 if msgs and msgs[0]["role"] == "system" else 0
+
+    def _shifted(self, msgs: list[dict]) -> list[dict]:
+        first = 1 if msgs and msgs[0]["role"] == "system" else 0
+        target = int(self.max_context * self.shift_keep)
+        drop = 0
+        while first + drop < len(msgs) - 1:
+            drop += 1
+            trial = [*msgs[:first], *msgs[first + drop:]]
+            if len(self.fmt.encode(self.fmt.render(trial, self.spec.tools))) <= target:
+                break
+        return [*msgs[:first], *msgs[first + drop:]]
+
+    def _render(self, msgs: list[dict], incremental: bool = True) -> tuple[str, tuple[int, ...]]:
+        text = self.fmt.render(msgs, self.spec.tools)
+        old = self.snap
+        if incremental and text.startswith(old.text):
+            tokens = old.tokens + tuple(self.fmt.encode(text[len(old.text):]))
+        else:  # the template re-rendered history (or a shift): tokenize the whole of it
+            tokens = tuple(self.fmt.encode(text))
+        self._check_fits(len(tokens))
+        return text, tokens
+
+    def _check_fits(self, n: int) -> None:
+        if n + self.reserve > self.max_context:
+            raise OverBudget(f"session {self.id} would hold {n} tokens; the context is "
+                             f"{self.max_context} with {self.reserve} reserved for a request")
+        limit = self.spec.budget_cells
+        if limit is not None and n > limit:
+            raise OverBudget(f"session {self.id} would hold {n} tokens, over its budget of "
+                             f"{limit} KV cells")
+
+    def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
+        """Swap the snapshot, bump the version, clear the ready records: one critical
+        section. Returns the new snapshot and the ready set it invalidated."""
+        with self.lock:
+            snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
+            dropped = self.ready
+            if dropped is not None:
+                dropped.valid = False
+            self.ready = ReadySet(snap.version)
+            self.snap = snap
+            self.history[snap.version] = snap
+            while len(self.history) > self.max_versions:
+                self.history.popitem(last=False)
+        return snap, dropped
+
+
+def _check_text(text: object, what: str, allow_empty: bool = False) -> None:
+    if not isinstance(text, str):
+        raise InvalidInput(f"{what} content must be a string, got {type(text).__name__}")
+    if not allow_empty and not text.strip():
+        raise InvalidInput(f"{what} content must not be empty")
+
+
+class SessionStore:
+    """Owns the sessions: lookup by id, creation, closing."""
+
+    def __init__(self, max_sessions: int = 4096):
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+        self.max_sessions = max_sessions
+
+    def new_id(self) -> str:
+        return f"s-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise OverBudget(f"session limit reached ({self.max_sessions})")
+            self._sessions[session.id] = session
+
+    def get(self, sid: str, owner: str | None = None) -> Session:
+        s = self._sessions.get(sid)
+        if s is None or s.closed or (owner is not None and s.spec.owner != owner):
+            raise SessionNotFound(f"no session {sid!r}")
+        return s
+
+    def remove(self, sid: str, owner: str | None = None) -> Session:
+        with self._lock:
+            s = self.get(sid, owner)
+            s.closed = True
+            del self._sessions[sid]
+            return s
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)

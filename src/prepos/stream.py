@@ -1,0 +1,83 @@
+"""A request's output as it is produced: tokens pushed by the model worker, read by the
+caller as an iterator, an async iterator, or all at once."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from dataclasses import dataclass
+
+from prepos.core import Result
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    text: str  # the text this token adds (may be empty while a character is incomplete)
+    logprob: float | None = None
+
+
+_DONE = object()
+
+
+class Stream:
+    def __init__(self) -> None:
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    # -- producer side (worker or fast path) ---------------------------------------------
+    def push(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def finish(self, result: Result) -> None:
+        self._result = result
+        self._finished = True
+        self._events.put(_DONE)
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._finished = True
+        self._events.put(_DONE)
+
+    # -- consumer side -------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._finished
+
+    def __iter__(self):
+        while True:
+            item = self._events.get()
+            if item is _DONE:
+                self._events.put(_DONE)  # later readers see the end too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> Result:
+        if not self._finished:
+            item = self._events.get(timeout=timeout)
+            while item is not _DONE:
+                item = self._events.get(timeout=timeout)
+            self._events.put(_DONE)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    async def aiter(self):
+        """Async iteration; each wait runs in the default executor, never in the loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                item = self._events.get_nowait()
+            except queue.Empty:
+                item = await loop.run_in_executor(None, self._events.get)
+            if item is _DONE:
+                self._events.put(_DONE)
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item

@@ -1,0 +1,162 @@
+"""Tiny models and tokenizers made by our own code, for tests, benchmarks and the demo.
+
+Two chat-template families, written here in the formats the model families use:
+ChatML (Qwen-style, `<|im_start|>role ... <|im_end|>`) and Llama-3-style
+(`<|start_header_id|>role<|end_header_id|> ... <|eot_id|>`). Models are seeded random
+weights of the Llama or Qwen2 architecture. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
+    "{{- 'Tools:\\n' -}}{%- for t in tools -%}{{- t | tojson + '\\n' -}}{%- endfor -%}"
+    "{{- 'Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\\n' -}}"
+    "{%- elif messages and messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' + m.content -}}"
+    "{%- for c in m.tool_calls or [] -%}"
+    "{{- '<tool_call>\\n' + {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson + '\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content"
+    " + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0].role == 'system' or tools -%}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}"
+    "{%- if tools -%}{{- 'Environment: ipython\\n' -}}"
+    "{%- for t in tools -%}{{- t | tojson + '\\n' -}}{%- endfor -%}{%- endif -%}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "{{- messages[0].content | trim -}}{%- endif -%}"
+    "{{- '<|eot_id|>' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{%- for c in m.tool_calls -%}"
+    "{{- {'name': c.function.name, 'parameters': c.function.arguments} | tojson -}}"
+    "{%- endfor -%}{{- '<|eot_id|>' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content | trim"
+    " + '<|eot_id|>' -}}"
+    "{%- else -%}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim"
+    " + '<|eot_id|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+)
+
+FAMILIES = {
+    "chatml": {
+        "template": CHATML_TEMPLATE,
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+    },
+    "llama3": {
+        "template": LLAMA3_TEMPLATE,
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                     "<|end_header_id|>", "<|eot_id|>"],
+        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|end_of_text|>",
+    },
+}
+
+CORPUS = [
+    "You are a market analyst. Answer with one word.",
+    "AAPL 101.2 101.5 101.9 102.4 102.8 103.1", "MSFT 310.0 309.2 308.7 307.9 307.1",
+    "What is the trend? up down flat yes no. Is it rising? Is it falling?",
+    "The weather in Paris is sunny, 21 degrees. Call get_weather with a city.",
+    "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
+    "<tool_call> </tool_call> <tool_response> </tool_response> Tools: Environment: ipython",
+    "The quick brown fox jumps over the lazy dog 0123456789 ,.;:!?()[]{}<>=+-*/'\"",
+]
+
+
+def build_tokenizer(out_dir: str | Path, family: str = "chatml", vocab_size: int = 600):
+    """Train a byte-level BPE on a small built-in corpus; save a standard tokenizer dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    fam = FAMILIES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=fam["specials"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=fam["bos"], eos_token=fam["eos"],
+        pad_token=fam["pad"],
+    )
+    fast.chat_template = fam["template"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def model_config(arch: str = "llama", vocab_size: int = 1024, hidden: int = 64,
+                 layers: int = 2, heads: int = 4, kv_heads: int = 2, max_positions: int = 2048,
+                 intermediate: int | None = None):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return cls(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads,
+               intermediate_size=intermediate or hidden * 4,
+               max_position_embeddings=max_positions, tie_word_embeddings=False)
+
+
+def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama",
+                seed: int = 0, **config) -> Path:
+    """A seeded random-weight model and a tokenizer of the given template family."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, family)
+    config.setdefault("vocab_size", max(1024, len(tok)))
+    cfg = model_config(arch, **config)
+    cfg.bos_token_id = tok.bos_token_id
+    cfg.eos_token_id = tok.eos_token_id
+    cfg.pad_token_id = tok.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    # Random init gives near-uniform logits; widen them so greedy choices are well separated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "prepos-model.json").write_text(json.dumps({"family": family, "arch": arch,
+                                                       "seed": seed, "random_weights": True}))
+    return out
+
+
+def timing_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """DESIGN.md's timing model: a ~125M-parameter Llama (hidden 768, 12 layers, 12 heads,
+    4 KV heads, vocabulary 32,000) with seeded random weights."""
+    return build_model(out_dir, "chatml", "llama", seed, vocab_size=32000, hidden=768,
+                       layers=12, heads=12, kv_heads=4, intermediate=2048, max_positions=4096)

@@ -1,0 +1,264 @@
+"""`prepos train`: the bundled trend-reader model and its weak contrast, trained on the CPU.
+
+A small Llama-architecture causal LM learns the market task (``prepos.task.market``) from
+conversations rendered by our own chat template: a system prompt, a few data messages (role
+user), then either a question and its single-token answer, or the bare assistant header and
+the trend (the question-independent decision point the engine pre-positions). The loss is
+on the answer tokens, plus a lighter language-model loss on the price tokens, which teaches
+the model that prices are ordered and move in runs.
+
+The same recipe, shrunk and stopped early, gives the *weak* model: it has learned the answer
+format but does not read the task decisively, so its top-2 gaps stay small (the reference's
+8B contrast). Both are saved as standard transformers directories (safetensors + tokenizer +
+``gate.json``) and load through the same code path as any user's model.
+
+Seeded and reproducible: the same arguments and thread count give the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prepos.config import GateConfig
+from prepos.task.market import ANSWERS, EVAL_SEED_BASE, TRENDS, Example, sample_example
+from prepos.task.tokenizer import IM_END, build as build_tokenizer
+
+DEFAULT_OUT = "models/trend-reader"
+DEFAULT_WEAK_OUT = "models/trend-reader-weak"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    hidden: int = 160
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 448
+    steps: int = 900
+    batch: int = 48
+    lr: float = 3e-3
+    warmup: int = 40
+    weight_decay: float = 0.05
+    lm_weight: float = 0.25  # LM loss on price tokens, relative to the answer loss
+    eos_weight: float = 0.1  # loss on the <|im_end|> after the answer
+    no_system_rate: float = 0.1  # conversations without a system message
+
+
+WEAK = Recipe(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, steps=40, lr=1e-3,
+              warmup=10)
+
+
+class Batcher:
+    """Seeded stream of tokenized training conversations."""
+
+    def __init__(self, tokenizer, seed: int, no_system_rate: float):
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        self.no_system_rate = no_system_rate
+        self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        self.pad = tokenizer.pad_token_id
+        self.answer_ids = {a: tokenizer.encode(a, add_special_tokens=False)[0] for a in ANSWERS}
+        # Price tokens (" 10" .. " 99") carry the LM loss on data.
+        self.price_ids = torch.zeros(len(tokenizer) + 1, dtype=torch.bool)
+        for p in range(10, 100):
+            self.price_ids[tokenizer.encode(f" {p}", add_special_tokens=False)[0]] = True
+
+    def encode(self, ex: Example, system: bool = True) -> tuple[list[int], int]:
+        chat = ex.chat()
+        if not system:
+            chat = chat[1:]
+        text = self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ids + [self.answer_ids[ex.answer], self.im_end], len(ids)
+
+    def batch(self, n: int):
+        seqs, starts = [], []
+        for _ in range(n):
+            ex = sample_example(self.rng)
+            ids, p = self.encode(ex, system=self.rng.random() >= self.no_system_rate)
+            seqs.append(ids)
+            starts.append(p)
+        width = max(len(s) for s in seqs)
+        x = torch.full((n, width), self.pad, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            x[i, : len(s)] = torch.tensor(s)
+        return x, torch.tensor(starts)
+
+
+def make_model(vocab: int, r: Recipe, tokenizer, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=r.hidden,
+        intermediate_size=r.intermediate,
+        num_hidden_layers=r.layers,
+        num_attention_heads=r.heads,
+        num_key_value_heads=r.kv_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def loss_fn(logits: torch.Tensor, x: torch.Tensor, starts: torch.Tensor, b: Batcher, r: Recipe):
+    """Answer CE (at the assistant's first token) + eos CE + LM CE on price tokens."""
+    n = x.shape[0]
+    rows = torch.arange(n)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    # position starts-1 predicts the answer token at `starts`, starts predicts <|im_end|>
+    ans = -lp[rows, starts - 1, x[rows, starts]].mean()
+    eos = -lp[rows, starts, x[rows, starts + 1]].mean()
+    tgt = x[:, 1:]
+    mask = b.price_ids[tgt]
+    lm = -(lp[:, :-1].gather(-1, tgt.unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
+    return ans + r.eos_weight * eos + r.lm_weight * lm, ans
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, n: int = 256, seed: int = EVAL_SEED_BASE + 7) -> dict:
+    """Held-out accuracy and top-2 gaps, at the bare header and after a question."""
+    model.eval()
+    b = Batcher(tokenizer, seed, 0.0)
+    rng = random.Random(seed)
+    stats = {"header": [], "query": []}
+    for _ in range(n):
+        ex = sample_example(rng, mix={"header": 1.0})
+        for key, ex2 in (("header", ex), ("query", sample_example(rng))):
+            ids, p = b.encode(ex2)
+            logits = model(input_ids=torch.tensor([ids[:p]]), logits_to_keep=1).logits[0, -1]
+            top = torch.topk(logits.float(), 2)
+            pred = int(top.indices[0])
+            stats[key].append((pred == ids[p], float(top.values[0] - top.values[1])))
+    out = {}
+    for key, rows in stats.items():
+        gaps = sorted(g for _, g in rows)
+        out[key] = {
+            "accuracy": sum(c for c, _ in rows) / len(rows),
+            "gap_median": gaps[len(gaps) // 2],
+            "gap_p10": gaps[len(gaps) // 10],
+            "gap_p90": gaps[(9 * len(gaps)) // 10],
+        }
+    model.train()
+    return out
+
+
+def train_one(r: Recipe, tokenizer, seed: int, log_every: int = 50, name: str = "model"):
+    torch.manual_seed(seed)
+    model = make_model(len(tokenizer), r, tokenizer, seed)
+    model.train()
+    b = Batcher(tokenizer, seed, r.no_system_rate)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": r.weight_decay}, {"params": no_decay, "weight_decay": 0}],
+        lr=r.lr,
+        betas=(0.9, 0.98),
+    )
+
+    def lr_at(step: int) -> float:
+        if step < r.warmup:
+            return r.lr * (step + 1) / r.warmup
+        t = (step - r.warmup) / max(1, r.steps - r.warmup)
+        return r.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    t0 = time.perf_counter()
+    run_loss = run_ans = 0.0
+    for step in range(r.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        x, starts = b.batch(r.batch)
+        logits = model(input_ids=x).logits
+        loss, ans = loss_fn(logits, x, starts, b, r)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        run_loss += float(loss.detach())
+        run_ans += float(ans.detach())
+        if (step + 1) % log_every == 0 or step + 1 == r.steps:
+            k = (step % log_every) + 1
+            print(
+                f"[{name}] step {step + 1}/{r.steps} loss {run_loss / k:.3f} "
+                f"answer {run_ans / k:.3f} ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+            run_loss = run_ans = 0.0
+    model.eval()
+    return model, time.perf_counter() - t0
+
+
+def save(model, tokenizer, out: Path, recipe: Recipe, metrics: dict, seconds: float, seed: int):
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    # the tokenizer files were written by build_tokenizer (chat_template inline)
+    gate = out / "gate.json"
+    if not gate.exists():
+        GateConfig(tau=2.0, answers=ANSWERS).save(gate)
+    info = {
+        "recipe": recipe.__dict__,
+        "seed": seed,
+        "train_seconds": round(seconds, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "held_out": metrics,
+        "trends": list(TRENDS),
+    }
+    (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prepos train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=DEFAULT_OUT, help="default model directory")
+    ap.add_argument("--weak-out", default=DEFAULT_WEAK_OUT, help="weak model directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=Recipe.steps)
+    ap.add_argument("--weak-steps", type=int, default=WEAK.steps)
+    ap.add_argument("--batch", type=int, default=Recipe.batch)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--vocab", type=int, default=1024, help="upper bound on the BPE vocabulary")
+    ap.add_argument("--skip-default", action="store_true", help="train only the weak model")
+    ap.add_argument("--skip-weak", action="store_true", help="train only the default model")
+    ap.add_argument("--eval", type=int, default=256, help="held-out conversations to evaluate")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    t_all = time.perf_counter()
+    jobs = []
+    if not args.skip_default:
+        jobs.append(("trend-reader", Recipe(steps=args.steps, batch=args.batch), Path(args.out)))
+    if not args.skip_weak:
+        weak = Recipe(**{**WEAK.__dict__, "steps": args.weak_steps, "batch": args.batch})
+        jobs.append(("trend-reader-weak", weak, Path(args.weak_out)))
+    for name, recipe, out in jobs:
+        if out.exists():
+            for f in ("model.safetensors", "config.json", "generation_config.json"):
+                (out / f).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer = build_tokenizer(out, vocab_size=args.vocab, seed=args.seed)
+        model, secs = train_one(recipe, tokenizer, args.seed, name=name)
+        metrics = evaluate(model, tokenizer, n=args.eval)
+        print(f"[{name}] held-out: {json.dumps(metrics)}", flush=True)
+        save(model, tokenizer, out, recipe, metrics, secs, args.seed)
+        size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+        print(f"[{name}] saved to {out} ({size:.1f} MiB, {secs:.0f}s training)", flush=True)
+    print(f"total {time.perf_counter() - t_all:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
