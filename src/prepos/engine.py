@@ -64,8 +64,11 @@ class Engine:
         a chat template). A `gate.json` beside it is the calibrated gate, used unless the
         config brings its own fast-answer set. Nothing is fetched from a hub."""
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         from prepos.backends.torch_hf import TorchBackend
+
+        hf_logging.disable_progress_bar()
 
         path = FsPath(path)
         if not (path / "config.json").is_file():
@@ -416,6 +419,10 @@ class Engine:
         task.done.wait()
         if err:
             raise err[0]
+
+    def set_gate(self, config: GateConfig) -> None:
+        """Load a (re)calibrated gate; it applies to the next request."""
+        self.gate = Gate(config, self.fmt)
 
     def ready_header(self, sid: str, owner: str | None = None) -> ReadyRecord | None:
         """The question-independent ready record of a streaming session, if recorded."""

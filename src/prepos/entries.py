@@ -61,12 +61,16 @@ class ChatFormat:
               base_text: str, generation_prompt: bool = True) -> Split:
         """The text a new `role` message adds after `messages` (whose rendering is
         `base_text`), split at its content."""
-        text = self.render([*messages, {"role": role, "content": SENTINEL}], tools,
+        mark = SENTINEL
+        while mark in base_text:  # never a string the conversation already holds
+            mark += "x"
+        text = self.render([*messages, {"role": role, "content": mark}], tools,
                            generation_prompt)
-        if not text.startswith(base_text) or text.count(SENTINEL) != 1:
+        added = text[len(base_text):]
+        if not text.startswith(base_text) or added.count(mark) != 1:
             raise InvalidInput(f"the chat template does not render a {role!r} message "
                                "after the conversation as an extension of it")
-        before, after = text[len(base_text):].split(SENTINEL)
+        before, after = added.split(mark)
         return Split(before, after)
 
     def frame(self, split: Split, content: str) -> str:

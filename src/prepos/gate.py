@@ -18,11 +18,12 @@ class Gate:
 
 
 def answer_token_ids(answers: tuple[str, ...], fmt: ChatFormat) -> frozenset[int]:
-    """The single tokens that spell each answer, with or without a leading space."""
-    ids: set[int] = set()
-    for answer in answers:
-        for form in (answer, " " + answer):
-            toks = fmt.encode(form)
-            if len(toks) == 1:
-                ids.add(toks[0])
-    return frozenset(ids)
+    """Every vocabulary token that spells one of the answers, give or take surrounding
+    whitespace (so "up" and " up" both count). One scan of the vocabulary, at load."""
+    wanted = {a.strip() for a in answers if a.strip()}
+    if not wanted:
+        return frozenset()
+    tok = fmt.tokenizer
+    ids = range(len(tok))
+    texts = tok.batch_decode([[i] for i in ids], skip_special_tokens=True)
+    return frozenset(i for i, t in zip(ids, texts) if t.strip() in wanted)

@@ -138,20 +138,21 @@ class Prepositioner:
 
     # -- accounting ----------------------------------------------------------------------
     def consume(self, ready: ReadySet | None) -> None:
-        """A request used this ready set (a record, or its pre-paid KV)."""
+        """A request used this ready set (a record, or its pre-paid KV): a hit."""
         if ready is None:
             return
         with self._lock:
-            if ready.valid and not ready.consumed:
+            if not ready.consumed and not ready.wasted:
                 ready.consumed = True
                 self.counters.consumed += 1
 
     def invalidated(self, dropped: ReadySet | None) -> None:
-        """A mutation cleared this ready set; it is waste if nothing used it."""
+        """A mutation cleared this ready set; it is waste if work started and nothing used it."""
         if dropped is None:
             return
         with self._lock:
-            if dropped.started and not dropped.consumed:
+            if dropped.started and not dropped.consumed and not dropped.wasted:
+                dropped.wasted = True
                 self.counters.invalidated += 1
 
     def _bump(self, name: str) -> None:

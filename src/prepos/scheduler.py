@@ -66,7 +66,7 @@ class KVPool:
 
 
 class Task:
-    __slots__ = ("gen", "idle", "on_error", "submitted", "started", "done")
+    __slots__ = ("gen", "idle", "on_error", "submitted", "started", "done", "idle_mark")
 
     def __init__(self, gen: Generator, idle: bool, on_error: Callable[[BaseException], None]):
         self.gen = gen
@@ -75,6 +75,7 @@ class Task:
         self.submitted = time.perf_counter()
         self.started: float | None = None
         self.done = threading.Event()
+        self.idle_mark = 0  # the worker's idle-step count when this task was submitted
 
 
 class Scheduler:
@@ -86,6 +87,8 @@ class Scheduler:
         self._stopped = False
         self.idle_steps = 0
         self.fg_steps = 0
+        # (seconds, idle chunks run meanwhile) each foreground task waited before it started
+        self.fg_waits: deque[tuple[float, int]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._loop, name="prepos-worker", daemon=True)
         self._thread.start()
 
@@ -96,6 +99,7 @@ class Scheduler:
             if self._stopped:
                 gen.close()
                 raise EngineClosed("the engine is closed")
+            task.idle_mark = self.idle_steps
             (self._idle if idle else self._fg).append(task)
             self._pending += 1
             self._cv.notify_all()
@@ -127,6 +131,9 @@ class Scheduler:
                 task = self._fg.popleft() if self._fg else self._idle.popleft()
             if task.started is None:
                 task.started = time.perf_counter()
+                if not task.idle:
+                    self.fg_waits.append((task.started - task.submitted,
+                                          self.idle_steps - task.idle_mark))
             more = True
             try:
                 next(task.gen)

@@ -66,6 +66,7 @@ class ReadySet:
     records: dict[tuple, ReadyRecord] = field(default_factory=dict)
     valid: bool = True
     consumed: bool = False
+    wasted: bool = False  # invalidated before any request used it
     started: bool = False  # the background job began its first forward
     done: bool = False  # the background job finished (recorded, skipped or discarded)
 
@@ -159,10 +160,12 @@ class Session:
         _check_text(text, "data")
         with self.mutex:
             msgs = [*self.snap.messages, {"role": self.spec.data_role, "content": text}]
-            snap = self._render(msgs)
+            snap = self._render(msgs, check=False)
             if len(snap[1]) + self.reserve > self.max_context:
                 msgs = self._shifted(msgs)
-                snap = self._render(msgs)
+                snap = self._render(msgs, incremental=False)
+            else:
+                self._check_fits(len(snap[1]))
             return self._commit(msgs, *snap)
 
     def shift(self, drop: int | None = None) -> tuple[Snapshot, ReadySet | None]:
@@ -229,14 +232,16 @@ class Session:
                 break
         return [*msgs[:first], *msgs[first + drop:]]
 
-    def _render(self, msgs: list[dict], incremental: bool = True) -> tuple[str, tuple[int, ...]]:
+    def _render(self, msgs: list[dict], incremental: bool = True,
+                check: bool = True) -> tuple[str, tuple[int, ...]]:
         text = self.fmt.render(msgs, self.spec.tools)
         old = self.snap
         if incremental and text.startswith(old.text):
             tokens = old.tokens + tuple(self.fmt.encode(text[len(old.text):]))
         else:  # the template re-rendered history (or a shift): tokenize the whole of it
             tokens = tuple(self.fmt.encode(text))
-        self._check_fits(len(tokens))
+        if check:
+            self._check_fits(len(tokens))
         return text, tokens
 
     def _check_fits(self, n: int) -> None:

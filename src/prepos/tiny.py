@@ -136,10 +136,12 @@ def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama"
                 seed: int = 0, **config) -> Path:
     """A seeded random-weight model and a tokenizer of the given template family."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out = Path(out_dir)
     tok = build_tokenizer(out, family)
-    config.setdefault("vocab_size", max(1024, len(tok)))
+    config.setdefault("vocab_size", len(tok))
     cfg = model_config(arch, **config)
     cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_id = tok.eos_token_id

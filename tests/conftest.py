@@ -1,0 +1,38 @@
+"""Tiny models made by our own code, once per test run."""
+
+from __future__ import annotations
+
+import pytest
+
+from prepos.config import EngineConfig, GateConfig
+from prepos.engine import Engine
+from prepos.tiny import build_model
+
+FAMILIES = [("chatml", "llama"), ("llama3", "qwen2")]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {fam: build_model(root / f"{fam}-{arch}", fam, arch, seed=1)
+            for fam, arch in FAMILIES}
+
+
+@pytest.fixture(params=[f for f, _ in FAMILIES])
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def make_engine(model_dirs):
+    engines = []
+
+    def make(family: str = "chatml", **overrides) -> Engine:
+        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), **overrides})
+        eng = Engine.from_pretrained(model_dirs[family], cfg)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.close()

@@ -1,0 +1,88 @@
+"""The back-end protocol and the transformers cache adapter."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from prepos.backends.base import Dist, KVSequence
+from prepos.backends.hf_cache import CacheAdapter
+from prepos.backends.torch_hf import TorchBackend
+
+
+@pytest.fixture(params=["chatml", "llama3"])
+def backend(request, model_dirs):
+    return TorchBackend.from_pretrained(model_dirs[request.param])
+
+
+def fresh_logits(backend, tokens):
+    with torch.inference_mode():
+        out = backend.model(input_ids=torch.tensor([tokens]))
+    return out.logits[0, -1]
+
+
+def test_adapter_crop_keeps_a_prefix(backend):
+    adapter = CacheAdapter(backend.model)
+    cache = adapter.new()
+    backend.extend(cache, [], list(range(3, 15)))
+    assert adapter.length(cache) == 12
+    adapter.crop(cache, 5)
+    assert adapter.length(cache) == 5
+    adapter.crop(cache, 9)  # growing is not cropping: a no-op
+    assert adapter.length(cache) == 5
+    adapter.crop(cache, 0)
+    assert adapter.length(cache) == 0
+
+
+@pytest.mark.parametrize("cut", [0, 1, 7, 11])
+def test_restore_and_delta_equal_a_fresh_forward(backend, cut):
+    seq_a = list(range(3, 15))
+    seq_b = seq_a[:cut] + [40, 41, 42]
+    kv = KVSequence(backend)
+    kv.advance(seq_a)
+    step = kv.advance(seq_b)
+    assert step.kept == cut and step.prefilled == 3
+    assert kv.tokens == seq_b
+    torch.testing.assert_close(step.logits, fresh_logits(backend, seq_b), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_advance_reaches_the_same_logits(backend):
+    seq = list(range(3, 30))
+    kv = KVSequence(backend)
+    steps = 0
+    while True:
+        step = kv.advance(seq, max_tokens=4)
+        steps += 1
+        if step.done:
+            break
+        assert step.logits is None
+    assert steps == 7  # ceil(27 / 4)
+    torch.testing.assert_close(step.logits, fresh_logits(backend, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_resident_target_reruns_its_last_token(backend):
+    seq = list(range(3, 12))
+    kv = KVSequence(backend)
+    first = kv.advance(seq)
+    again = kv.advance(seq)
+    assert again.kept == len(seq) and again.prefilled == 1
+    torch.testing.assert_close(first.logits, again.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_advance_rejects_an_empty_target(backend):
+    with pytest.raises(ValueError):
+        KVSequence(backend).advance([])
+
+
+def test_dist_gap_is_the_logit_gap():
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.25])
+    d = Dist.from_logits(logits, k=3)
+    assert d.top_ids[:2] == (1, 3)
+    assert d.gap == pytest.approx(0.75, abs=1e-6)
+
+
+def test_adapter_finds_the_forward_keyword(model_dirs):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dirs["chatml"]))
+    adapter = CacheAdapter(model)
+    assert adapter.kwarg in ("cache", "past_key_values")
+    kwargs = adapter.forward_kwargs(adapter.new())
+    assert kwargs["use_cache"] is True and adapter.kwarg in kwargs

@@ -1,0 +1,363 @@
+"""The engine's paths, invalidation, rollback, window shift, agentic turns and budgets."""
+
+import pytest
+
+from prepos.config import BudgetConfig, GateConfig
+from prepos.core import Match, Path, SamplingParams
+from prepos.errors import (
+    InvalidInput,
+    NoToolResultAwaited,
+    OverBudget,
+    SessionNotFound,
+    ToolResultAwaited,
+    VersionNotFound,
+    WrongSessionKind,
+)
+from prepos.session import HEADER, TURN, query_key
+
+from helpers import cold_logits, greedy_agrees, query_entry, state
+
+SYSTEM = "You are a market analyst. Answer with one word."
+Q = "What is the trend?"
+GREEDY1 = SamplingParams(max_tokens=1)
+
+
+def streaming(eng, **kw):
+    sid = eng.create_session("streaming", system=SYSTEM, **kw)
+    eng.append(sid, "AAPL 101.2 101.5 101.9 102.4")
+    eng.append(sid, "AAPL 102.8 103.1 103.0 103.6")
+    eng.wait_idle()
+    return sid
+
+
+def test_cold_path_prefills_the_whole_entry(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng, preposition=False)
+    res = eng.query(sid, Q, GREEDY1)
+    entry = query_entry(eng, sid, Q)
+    assert res.path is Path.COLD and res.match is Match.NONE
+    assert res.timing.cached_tokens == 0 and res.timing.prefill_tokens == len(entry)
+    assert greedy_agrees(eng, eng.session(sid).snap.tokens + entry, res.tokens[0])
+
+
+def test_fall_through_pays_only_the_delta(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng)
+    s = eng.session(sid)
+    prefix = eng.fmt.encode(s.entries().user.prefix)
+    entry = query_entry(eng, sid, Q)
+    res = eng.query(sid, Q, GREEDY1)
+    assert res.path is Path.FALL
+    assert res.timing.cached_tokens == len(prefix)
+    assert res.timing.prefill_tokens == len(entry) - len(prefix)
+    assert greedy_agrees(eng, s.snap.tokens + entry, res.tokens[0])
+    assert eng.prepos.counters.consumed == 1
+
+
+def test_exact_match_serves_the_cached_distribution(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng, standing=[Q])
+    s = eng.session(sid)
+    rec = s.ready.records[query_key(Q)]
+    seq = s.snap.tokens + rec.entry
+    assert rec.p == len(seq) and rec.version == s.version
+    res = eng.query(sid, Q, SamplingParams(max_tokens=4))
+    assert res.path is Path.FAST and res.match is Match.EXACT
+    assert res.tokens[0] == rec.argmax
+    assert greedy_agrees(eng, seq, res.tokens[0])
+    # further tokens decode on from the resident entry KV and match a cold decode
+    cold = list(seq)
+    for tok in res.tokens:
+        assert greedy_agrees(eng, cold, tok)
+        cold.append(tok)
+
+
+def test_exact_record_logits_equal_a_cold_forward(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng, standing=[Q])
+    s = eng.session(sid)
+    rec = s.ready.records[query_key(Q)]
+    ref = cold_logits(eng, s.snap.tokens + rec.entry)
+    assert float((rec.logits - ref).abs().max()) < 1e-3
+
+
+def test_relaxed_gate_fires_with_one_cached_token(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng, fast_path="relaxed")
+    header = eng.ready_header(sid)
+    assert header is not None
+    eng.set_gate(GateConfig(tau=header.gap - 1e-3, answers=(header.top_text,)))
+    if header.argmax not in eng.gate.answer_ids:
+        pytest.skip("the random model's argmax is not a whole-word token")
+    res = eng.query(sid, "Is it rising?", SamplingParams(max_tokens=8))
+    assert res.path is Path.FAST and res.match is Match.RELAXED
+    assert res.tokens == [header.argmax] and res.gap == pytest.approx(header.gap)
+    assert eng.paths["fast_relaxed"] == 1
+
+
+def test_relaxed_gate_miss_falls_through(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng, fast_path="relaxed")
+    header = eng.ready_header(sid)
+    eng.set_gate(GateConfig(tau=header.gap + 1.0, answers=(header.top_text,)))
+    res = eng.query(sid, "Is it rising?", GREEDY1)
+    assert res.path is Path.FALL and res.gap == pytest.approx(header.gap)
+    assert eng.paths["gate_miss"] == 1
+    # a session whose fast path is off never consults the cached distribution
+    res = eng.query(sid, "Is it rising?", GREEDY1, fast_path="off")
+    assert res.path is Path.FALL and eng.paths["gate_miss"] == 1
+
+
+def test_every_mutation_invalidates_and_bumps_the_version(make_engine):
+    eng = make_engine("chatml")
+    sid = streaming(eng, standing=[Q])
+    s = eng.session(sid)
+    old = s.ready
+    v = s.version
+    assert old.records and old.valid
+    eng.append(sid, "AAPL 103.9 104.2", wait=False)
+    assert not old.valid and s.version == v + 1 and s.ready.version == v + 1
+    eng.wait_idle()
+    assert s.ready.records[query_key(Q)].version == s.version
+    res = eng.query(sid, Q, GREEDY1)
+    assert res.version == s.version
+    assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
+    assert eng.prepos.counters.invalidated >= 1
+
+
+def test_rollback_restores_an_earlier_version(make_engine):
+    eng = make_engine("chatml")
+    sid = streaming(eng, standing=[Q])
+    s = eng.session(sid)
+    v1_tokens = s.history[1].tokens
+    new = eng.rollback(sid, 1)
+    assert new == 3 and s.snap.tokens == v1_tokens
+    eng.wait_idle()
+    res = eng.query(sid, Q, GREEDY1)
+    assert res.path is Path.FAST and res.version == 3
+    assert greedy_agrees(eng, v1_tokens + query_entry(eng, sid, Q), res.tokens[0])
+    before = state(eng, sid)
+    with pytest.raises(VersionNotFound):
+        eng.rollback(sid, 99)
+    assert state(eng, sid) == before
+
+
+def test_window_shift_keeps_the_system_region_and_positions(make_engine, family):
+    eng = make_engine(family)
+    sid = streaming(eng)
+    eng.append(sid, "AAPL 104.0 104.4")
+    s = eng.session(sid)
+    eng.shift(sid, drop=2)
+    msgs = s.snap.messages
+    assert msgs[0]["role"] == "system" and len(msgs) == 2
+    assert msgs[1]["content"] == "AAPL 104.0 104.4"
+    assert s.snap.tokens == tuple(eng.fmt.encode(eng.fmt.render(msgs)))
+    eng.wait_idle()
+    res = eng.query(sid, Q, GREEDY1)
+    assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
+    before = state(eng, sid)
+    with pytest.raises(InvalidInput):
+        eng.shift(sid, drop=5)
+    assert state(eng, sid) == before
+
+
+def test_automatic_shift_near_the_context_limit(make_engine):
+    eng = make_engine("chatml", max_context=256, reserve_tokens=32)
+    sid = eng.create_session("streaming", system=SYSTEM)
+    for i in range(40):
+        eng.append(sid, f"AAPL {100 + i}.5 {101 + i}.25", wait=False)
+    s = eng.session(sid)
+    assert len(s.snap.tokens) + 32 <= 256
+    assert s.snap.messages[0]["content"] == SYSTEM
+    assert s.snap.messages[-1]["content"] == "AAPL 139.5 140.25"
+    res = eng.query(sid, Q, GREEDY1)
+    assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
+CALL = {"type": "function", "function": {"name": "get_price", "arguments": {"t": "AAPL"}}}
+
+
+def awaiting_session(eng):
+    sid = eng.create_session("agentic", system="You call tools.", tools=TOOLS)
+    eng.add_message(sid, "user", "Price of AAPL?")
+    eng.add_message(sid, "assistant", "", tool_calls=[CALL])
+    eng.wait_idle()
+    return sid
+
+
+def test_agentic_envelope_is_pre_positioned_and_resumed_delta_only(make_engine, family):
+    eng = make_engine(family)
+    sid = awaiting_session(eng)
+    s = eng.session(sid)
+    env = s.entries().tool
+    prefix = eng.fmt.encode(env.prefix)
+    assert s.awaiting_tool and ("envelope",) in s.ready.records
+    base = s.snap.tokens
+    res = eng.tool_result(sid, "AAPL 187.3", SamplingParams(max_tokens=3))
+    assert res.path is Path.FALL and res.timing.cached_tokens == len(prefix)
+    realized = eng.fmt.encode(eng.fmt.frame(env, "AAPL 187.3"))
+    assert greedy_agrees(eng, base + tuple(realized), res.tokens[0])
+    # the generated answer is committed as the next assistant turn
+    assert s.snap.messages[-1]["role"] == "assistant"
+    assert eng.prepos.counters.consumed >= 1
+
+
+def test_agentic_generation_prompt_is_an_exact_match(make_engine, family):
+    eng = make_engine(family)
+    sid = awaiting_session(eng)
+    eng.add_message(sid, "tool", "AAPL 187.3")
+    eng.wait_idle()
+    s = eng.session(sid)
+    rec = s.ready.records[TURN]
+    seq = s.snap.tokens + rec.entry
+    res = eng.turn(sid, None, SamplingParams(max_tokens=2))
+    assert res.path is Path.FAST and res.match is Match.EXACT
+    assert greedy_agrees(eng, seq, res.tokens[0])
+
+
+def test_agentic_misuse_leaves_the_session_unchanged(make_engine):
+    eng = make_engine("chatml")
+    sid = eng.create_session("agentic", system="You call tools.", tools=TOOLS)
+    before = state(eng, sid)
+    with pytest.raises(NoToolResultAwaited):
+        eng.tool_result(sid, "stray result")
+    with pytest.raises(WrongSessionKind):
+        eng.append(sid, "data")
+    with pytest.raises(WrongSessionKind):
+        eng.query(sid, Q)
+    with pytest.raises(InvalidInput):
+        eng.add_message(sid, "user", "   ")
+    with pytest.raises(InvalidInput):
+        eng.add_message(sid, "assistant", "", tool_calls=[{"function": {"name": ""}}])
+    assert state(eng, sid) == before
+    sid2 = awaiting_session(eng)
+    before = state(eng, sid2)
+    with pytest.raises(ToolResultAwaited):
+        eng.turn(sid2, "another question")
+    with pytest.raises(InvalidInput):
+        eng.turn(sid2, None)
+    assert state(eng, sid2) == before
+
+
+def test_streaming_misuse_leaves_the_session_unchanged(make_engine):
+    eng = make_engine("chatml", max_context=512)
+    sid = streaming(eng)
+    before = state(eng, sid)
+    with pytest.raises(InvalidInput):
+        eng.query(sid, "")
+    with pytest.raises(InvalidInput):
+        eng.query(sid, Q, fast_path="sometimes")
+    with pytest.raises(InvalidInput):
+        eng.append(sid, 42)
+    with pytest.raises(OverBudget):
+        eng.query(sid, Q, SamplingParams(max_tokens=10_000))
+    with pytest.raises(OverBudget):
+        eng.append(sid, "x " * 2000)
+    with pytest.raises(SessionNotFound):
+        eng.query("no-such-session", Q)
+    assert state(eng, sid) == before
+    eng.close_session(sid)
+    with pytest.raises(SessionNotFound):
+        eng.query(sid, Q)
+    with pytest.raises(InvalidInput):
+        eng.create_session("batch")
+
+
+def test_budget_skip_never_evicts(make_engine):
+    eng = make_engine("chatml", preposition=True)
+    sid = eng.create_session("streaming", system=SYSTEM, standing=[Q])
+    eng.append(sid, "AAPL 101.2 101.5")
+    eng.wait_idle()
+    s = eng.session(sid)
+    n = len(s.snap.tokens)
+    tight = eng.create_session("streaming", system=SYSTEM, standing=[Q], budget_cells=n + 3)
+    eng.append(tight, "AAPL 101.2 101.5")
+    eng.wait_idle()
+    t = eng.session(tight)
+    assert t.ready.records == {}
+    assert eng.prepos.counters.skipped >= 2  # header and the standing query
+    assert eng.pool.get(tight).tokens[: len(t.snap.tokens)] == list(t.snap.tokens)
+    assert eng.pool.get(sid).tokens[: n] == list(s.snap.tokens)  # the other session untouched
+
+
+def test_engine_budget_skips_pre_positions_and_protects_live_state(make_engine):
+    probe = make_engine("chatml", preposition=False)
+    psid = probe.create_session("streaming", system=SYSTEM)
+    probe.append(psid, "AAPL 101.2")
+    n = len(probe.session(psid).snap.tokens)
+    eng = make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=n + 2))
+    sid = eng.create_session("streaming", system=SYSTEM, standing=[Q])
+    eng.append(sid, "AAPL 101.2")
+    eng.wait_idle()
+    s = eng.session(sid)
+    assert len(s.snap.tokens) == n
+    assert s.ready.records == {} and eng.prepos.counters.skipped >= 1
+    assert eng.pool.get(sid).tokens == list(s.snap.tokens)
+    # a request that cannot fit even after reclaiming speculative cells is refused
+    with pytest.raises(OverBudget):
+        eng.query(sid, Q, GREEDY1)
+    assert eng.pool.get(sid).tokens == list(s.snap.tokens)
+
+
+def test_streaming_iterator_yields_tokens_as_produced(make_engine):
+    eng = make_engine("chatml")
+    sid = streaming(eng)
+    stream = eng.query_stream(sid, Q, SamplingParams(max_tokens=6))
+    events = list(stream)
+    res = stream.result()
+    assert [e.token for e in events if e.token >= 0] == res.tokens
+    assert "".join(e.text for e in events) == res.text
+    assert res.timing.ttft <= res.timing.total
+
+
+def test_stop_sequence_truncates(make_engine):
+    eng = make_engine("chatml")
+    sid = streaming(eng)
+    full = eng.query(sid, Q, SamplingParams(max_tokens=8))
+    if len(full.text) < 3:
+        pytest.skip("the random model's answer is too short to cut")
+    stop = full.text[1:3]
+    res = eng.query(sid, Q, SamplingParams(max_tokens=8, stop=(stop,)))
+    assert res.finish_reason == "stop" and res.text == full.text[: full.text.find(stop)]
+
+
+def test_seeded_sampling_is_reproducible(make_engine):
+    eng = make_engine("chatml")
+    sid = streaming(eng, standing=[Q])
+    p = SamplingParams(max_tokens=5, temperature=1.5, top_p=0.9, seed=7)
+    a = eng.query(sid, Q, p)
+    b = eng.query(sid, Q, p)
+    assert a.path is Path.FAST and a.tokens == b.tokens
+    greedy = eng.query(sid, Q, SamplingParams(max_tokens=5))
+    top1 = eng.query(sid, Q, SamplingParams(max_tokens=5, temperature=0.7, top_k=1, seed=3))
+    assert top1.tokens == greedy.tokens
+
+
+def test_hit_rate_counts_consumed_and_wasted(make_engine):
+    eng = make_engine("chatml")
+    sid = streaming(eng)  # two appends: the first pre-position may be wasted
+    c0 = eng.prepos.counters.as_dict()
+    eng.query(sid, Q, GREEDY1)  # consumes the current one
+    eng.append(sid, "AAPL 104")
+    eng.wait_idle()
+    eng.append(sid, "AAPL 105")  # the previous was never used: wasted
+    eng.wait_idle()
+    c = eng.prepos.counters.as_dict()
+    assert c["consumed"] == c0["consumed"] + 1
+    assert c["invalidated"] == c0["invalidated"] + 1
+    assert 0 < c["hit_rate"] < 1 and c["wasted"] == pytest.approx(1 - c["hit_rate"])
+
+
+def test_request_waits_at_most_one_idle_chunk(make_engine):
+    eng = make_engine("chatml", chunk_tokens=2)
+    questions = [f"Is {t} rising over the last window?" for t in ("AAPL", "MSFT", "NVDA", "AMZN")]
+    sid = eng.create_session("streaming", system=SYSTEM, standing=questions)
+    other = streaming(eng)
+    for i in range(5):
+        eng.append(sid, f"AAPL {100 + i}.25 {101 + i}.75", wait=False)
+        eng.query(other, Q, GREEDY1)  # arrives while pre-positions run in chunks
+    eng.wait_idle()
+    waits = list(eng.scheduler.fg_waits)
+    assert waits and max(chunks for _, chunks in waits) <= 1
+    assert eng.scheduler.idle_steps > 10
