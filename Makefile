@@ -2,13 +2,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo serve bench clean
 
 $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q -e '.[test]'
 	touch $(BIN)/activate
 
 install: $(BIN)/activate
@@ -18,6 +18,9 @@ test: install
 
 demo: install
 	$(BIN)/prepos demo
+
+serve: install
+	$(BIN)/prepos serve
 
 bench: install
 	$(BIN)/python benchmarks/engine_paths.py

@@ -53,9 +53,14 @@ class Engine:
         self.pool = KVPool(backend, config.budget.engine_cells)
         self.scheduler = Scheduler()
         self.prepos = Prepositioner(fmt, self.pool, config.chunk_tokens,
-                                    config.budget.session_cells)
+                                    config.budget.session_cells,
+                                    on_record=lambda s, key, rec: self._emit("record", s,
+                                                                             (key, rec)))
         self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
         self.observers: list[Callable[[Result], None]] = []  # called with every finished result
+        # called as fn(event, session, payload) for "create", "commit" (payload: the new
+        # Snapshot), "record" (payload: (key, ReadyRecord)) and "close"; keep them quick
+        self.listeners: list[Callable[[str, Session, object], None]] = []
         self._lock = threading.Lock()
 
     @classmethod
@@ -89,13 +94,22 @@ class Engine:
                        owner: str | None = None) -> str:
         spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
                            budget_cells, owner=owner)
+        return self.restore_session(self.sessions.new_id(), spec)
+
+    def restore_session(self, sid: str, spec: SessionSpec,
+                        history: Sequence[tuple[int, Sequence[dict]]] = ()) -> str:
+        """Create a session with a given id, optionally from journalled history ((version,
+        messages) pairs, the last current). Its KV cache is rebuilt lazily at idle priority
+        by the pre-position job; ready records are recomputed, never restored."""
         spec.validate()
-        if system is not None and (not isinstance(system, str) or not system.strip()):
+        if spec.system is not None and (not isinstance(spec.system, str)
+                                        or not spec.system.strip()):
             raise InvalidInput("system must be a non-empty string when given")
         c = self.config
-        s = Session(self.sessions.new_id(), spec, self.fmt, self.max_context, c.max_versions,
-                    c.shift_keep, c.reserve_tokens)
+        s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
+                    c.reserve_tokens, history)
         self.sessions.add(s)
+        self._emit("create", s, s.snap)
         self._committed(s, s.snap, None, wait=False)
         return s.id
 
@@ -103,6 +117,7 @@ class Engine:
         s = self.sessions.remove(sid, owner)
         with s.lock:
             s.ready.valid = False
+        self._emit("close", s, None)
 
         def drop():
             self.pool.drop(s.id)
@@ -171,6 +186,8 @@ class Engine:
                    wait: bool) -> None:
         """After every commit: settle the dropped pre-position, ingest, pre-position."""
         self.prepos.invalidated(dropped)
+        if dropped is not None:
+            self._emit("commit", s, snap)
         if wait and snap.tokens:
             self._call(self._ingest(s, snap))
         c = self.config
@@ -269,6 +286,7 @@ class Engine:
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, check=lambda n: self._check_room(s, n + n_header, sampling))
+            self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self._submit(s, snap.tokens + header, len(base.tokens), snap.version,
                             dropped if dropped is not None else ready, sampling, logprobs, t0,
@@ -403,6 +421,10 @@ class Engine:
             self._observe(res)
 
         return finish
+
+    def _emit(self, event: str, s: Session, payload: object) -> None:
+        for fn in self.listeners:
+            fn(event, s, payload)
 
     def _observe(self, res: Result) -> None:
         for fn in self.observers:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Generator
+from typing import Callable, Generator
 
 from prepos.backends.base import Dist
 from prepos.core import ReadyRecord
@@ -64,8 +64,10 @@ class Counters:
 
 
 class Prepositioner:
-    def __init__(self, fmt: ChatFormat, pool: KVPool, chunk_tokens: int, session_cells: int):
+    def __init__(self, fmt: ChatFormat, pool: KVPool, chunk_tokens: int, session_cells: int,
+                 on_record: Callable[[Session, tuple, ReadyRecord], None] | None = None):
         self.fmt = fmt
+        self.on_record = on_record
         self.pool = pool
         self.chunk = chunk_tokens
         self.session_cells = session_cells
@@ -133,8 +135,11 @@ class Prepositioner:
             top_text=self.fmt.decode([dist.top_ids[0]]),
         )
         with session.lock:  # record only if the version it was computed from is current
-            if ready.valid:
-                ready.records[target.key] = rec
+            if not ready.valid:
+                return
+            ready.records[target.key] = rec
+        if self.on_record is not None:
+            self.on_record(session, target.key, rec)
 
     # -- accounting ----------------------------------------------------------------------
     def consume(self, ready: ReadySet | None) -> None:

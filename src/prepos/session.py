@@ -98,7 +98,10 @@ class SessionSpec:
 
 class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
-                 max_versions: int, shift_keep: float, reserve: int):
+                 max_versions: int, shift_keep: float, reserve: int,
+                 history: Sequence[tuple[int, Sequence[dict]]] = ()):
+        """A new session, or with `history` ((version, messages) pairs, oldest first, the
+        last being current) one restored from a journal."""
         self.id = sid
         self.spec = spec
         self.fmt = fmt
@@ -110,13 +113,21 @@ class Session:
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
         self.ready = ReadySet(0)
-        self.history: OrderedDict[int, Snapshot] = OrderedDict()
+        # committed versions for rollback; restored ones are rendered when rolled back to
+        self.history: OrderedDict[int, Snapshot | tuple[dict, ...]] = OrderedDict()
         self._entries: tuple[int, Entries] | None = None
-        messages = ({"role": "system", "content": spec.system},) if spec.system else ()
-        text = fmt.render(messages, spec.tools) if messages else ""
-        self.snap = Snapshot(0, messages, text, tuple(fmt.encode(text)) if text else ())
+        if not history:
+            history = [(0, [{"role": "system", "content": spec.system}] if spec.system else [])]
+        for version, messages in history[:-1]:
+            self.history[version] = tuple(messages)
+        version, messages = history[-1]
+        self.snap = self._snapshot(version, tuple(messages))
         self._check_fits(len(self.snap.tokens))
-        self.history[0] = self.snap
+        self.history[version] = self.snap
+
+    def _snapshot(self, version: int, messages: tuple[dict, ...]) -> Snapshot:
+        text = self.fmt.render(messages, self.spec.tools) if messages else ""
+        return Snapshot(version, messages, text, tuple(self.fmt.encode(text)) if text else ())
 
     # -- reads ---------------------------------------------------------------------------
     @property
@@ -190,6 +201,8 @@ class Session:
                 raise VersionNotFound(f"session {self.id} has no version {version!r} "
                                       f"(versions kept: {kept})")
             old = self.history[version]
+            if not isinstance(old, Snapshot):  # restored from a journal: render it now
+                old = self.history[version] = self._snapshot(version, old)
             return self._commit(list(old.messages), old.text, old.tokens)
 
     def add_message(self, message: dict, expected_version: int | None = None,

@@ -132,33 +132,35 @@ def loss_fn(logits: torch.Tensor, x: torch.Tensor, starts: torch.Tensor, b: Batc
 
 @torch.no_grad()
 def evaluate(model, tokenizer, n: int = 256, seed: int = EVAL_SEED_BASE + 7) -> dict:
-    """Held-out accuracy and top-2 gaps, at the bare header and after a question."""
+    """Held-out accuracy and top-2 gaps per decision kind: the bare header, and after a
+    trend, polar or wording question."""
+    was_training = model.training
     model.eval()
     b = Batcher(tokenizer, seed, 0.0)
     rng = random.Random(seed)
-    stats = {"header": [], "query": []}
+    kinds = ("header", "trend", "polar", "wording")
+    stats: dict[str, list] = {k: [] for k in kinds}
     for _ in range(n):
-        ex = sample_example(rng, mix={"header": 1.0})
-        for key, ex2 in (("header", ex), ("query", sample_example(rng))):
-            ids, p = b.encode(ex2)
+        for key in kinds:
+            ex = sample_example(rng, mix={key: 1.0})
+            ids, p = b.encode(ex)
             logits = model(input_ids=torch.tensor([ids[:p]]), logits_to_keep=1).logits[0, -1]
             top = torch.topk(logits.float(), 2)
-            pred = int(top.indices[0])
-            stats[key].append((pred == ids[p], float(top.values[0] - top.values[1])))
+            stats[key].append((int(top.indices[0]) == ids[p], float(top.values[0] - top.values[1])))
     out = {}
     for key, rows in stats.items():
         gaps = sorted(g for _, g in rows)
         out[key] = {
-            "accuracy": sum(c for c, _ in rows) / len(rows),
-            "gap_median": gaps[len(gaps) // 2],
-            "gap_p10": gaps[len(gaps) // 10],
-            "gap_p90": gaps[(9 * len(gaps)) // 10],
+            "accuracy": round(sum(c for c, _ in rows) / len(rows), 4),
+            "gap_p10": round(gaps[len(gaps) // 10], 3),
+            "gap_median": round(gaps[len(gaps) // 2], 3),
         }
-    model.train()
+    model.train(was_training)
     return out
 
 
-def train_one(r: Recipe, tokenizer, seed: int, log_every: int = 50, name: str = "model"):
+def train_one(r: Recipe, tokenizer, seed: int, log_every: int = 50, name: str = "model",
+              eval_every: int = 0):
     torch.manual_seed(seed)
     model = make_model(len(tokenizer), r, tokenizer, seed)
     model.train()
@@ -199,6 +201,9 @@ def train_one(r: Recipe, tokenizer, seed: int, log_every: int = 50, name: str = 
                 flush=True,
             )
             run_loss = run_ans = 0.0
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < r.steps:
+            print(f"[{name}] step {step + 1} held-out: {json.dumps(evaluate(model, tokenizer, 64))}",
+                  flush=True)
     model.eval()
     return model, time.perf_counter() - t0
 
@@ -234,13 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-default", action="store_true", help="train only the weak model")
     ap.add_argument("--skip-weak", action="store_true", help="train only the default model")
     ap.add_argument("--eval", type=int, default=256, help="held-out conversations to evaluate")
+    ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a field of the default model's recipe (experiments)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
     jobs = []
     if not args.skip_default:
-        jobs.append(("trend-reader", Recipe(steps=args.steps, batch=args.batch), Path(args.out)))
+        over = {}
+        for kv in args.set:
+            k, v = kv.split("=", 1)
+            over[k] = type(getattr(Recipe, k))(v)
+        recipe = Recipe(**{**Recipe().__dict__, "steps": args.steps, "batch": args.batch, **over})
+        jobs.append(("trend-reader", recipe, Path(args.out)))
     if not args.skip_weak:
         weak = Recipe(**{**WEAK.__dict__, "steps": args.weak_steps, "batch": args.batch})
         jobs.append(("trend-reader-weak", weak, Path(args.weak_out)))
@@ -250,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 (out / f).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         tokenizer = build_tokenizer(out, vocab_size=args.vocab, seed=args.seed)
-        model, secs = train_one(recipe, tokenizer, args.seed, name=name)
+        model, secs = train_one(recipe, tokenizer, args.seed, name=name,
+                                eval_every=args.eval_every)
         metrics = evaluate(model, tokenizer, n=args.eval)
         print(f"[{name}] held-out: {json.dumps(metrics)}", flush=True)
         save(model, tokenizer, out, recipe, metrics, secs, args.seed)

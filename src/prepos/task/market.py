@@ -33,7 +33,7 @@ TRENDS: tuple[str, ...] = ("up", "down", "flat")
 POLAR: tuple[str, ...] = ("yes", "no")
 ANSWERS: tuple[str, ...] = TRENDS + POLAR  # every single-token answer: the fast-answer set A
 TICKERS: tuple[str, ...] = ("ACME", "BOLT", "CRUX", "DYNA", "EMBR", "FLUX", "GRID", "HALO")
-SYSTEM_PROMPT = "You watch a live price feed. Answer each question with one word."
+SYSTEM_PROMPT = "Live price feed. Answer in one word."
 
 PRICES_PER_MESSAGE = 6
 HORIZON = 12  # the trend is read over the last this many prices (two messages)
