@@ -30,9 +30,19 @@ from pathlib import Path
 import torch
 
 from prepos.config import GateConfig
-from prepos.task.market import ANSWERS, EVAL_SEED_BASE, TRENDS, Example, sample_example
+from prepos.task.market import (
+    ANSWERS,
+    EVAL_SEED_BASE,
+    PRICE_MAX,
+    PRICE_MIN,
+    TRENDS,
+    Example,
+    queries,
+    sample_example,
+)
 from prepos.task.tokenizer import IM_END, build as build_tokenizer
 
+QUESTION_MIX = {"trend": 0.4, "polar": 0.4, "wording": 0.2}
 DEFAULT_OUT = "models/trend-reader"
 DEFAULT_WEAK_OUT = "models/trend-reader-weak"
 
@@ -52,6 +62,7 @@ class Recipe:
     lm_weight: float = 0.25  # LM loss on price tokens, relative to the answer loss
     eos_weight: float = 0.1  # loss on the <|im_end|> after the answer
     no_system_rate: float = 0.1  # conversations without a system message
+    questions: int = 3  # question branches per data prefix (besides the bare header)
 
 
 WEAK = Recipe(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, steps=40, lr=1e-3,
@@ -59,40 +70,95 @@ WEAK = Recipe(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, steps=
 
 
 class Batcher:
-    """Seeded stream of tokenized training conversations."""
+    """Seeded stream of training rows.
 
-    def __init__(self, tokenizer, seed: int, no_system_rate: float):
+    A row is one data prefix (system prompt and data messages, as the engine commits them)
+    followed by several *branches*, each an entry plus its answer: the bare assistant header
+    and the trend, then a few questions and their answers. A block attention mask lets every
+    branch see the prefix and itself only, and its positions restart where the prefix ends,
+    so each branch is exactly the conversation the engine would run; the prefix is paid once
+    for all of them.
+    """
+
+    def __init__(self, tokenizer, seed: int, no_system_rate: float = 0.1, questions: int = 3,
+                 mix: dict[str, float] | None = None):
         self.tok = tokenizer
         self.rng = random.Random(seed)
         self.no_system_rate = no_system_rate
+        self.questions = questions
+        self.mix = mix or QUESTION_MIX
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
         self.pad = tokenizer.pad_token_id
         self.answer_ids = {a: tokenizer.encode(a, add_special_tokens=False)[0] for a in ANSWERS}
         # Price tokens (" 10" .. " 99") carry the LM loss on data.
         self.price_ids = torch.zeros(len(tokenizer) + 1, dtype=torch.bool)
-        for p in range(10, 100):
+        for p in range(PRICE_MIN, PRICE_MAX + 1):
             self.price_ids[tokenizer.encode(f" {p}", add_special_tokens=False)[0]] = True
 
+    def render(self, chat: list[dict], generation_prompt: bool = False) -> str:
+        return self.tok.apply_chat_template(chat, add_generation_prompt=generation_prompt,
+                                            tokenize=False)
+
     def encode(self, ex: Example, system: bool = True) -> tuple[list[int], int]:
-        chat = ex.chat()
-        if not system:
-            chat = chat[1:]
-        text = self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        ids = self.tok.encode(text, add_special_tokens=False)
+        """One plain conversation: its ids through the answer and <|im_end|>, and the index
+        of the answer token."""
+        chat = ex.chat() if system else ex.chat()[1:]
+        ids = self.tok.encode(self.render(chat, True), add_special_tokens=False)
         return ids + [self.answer_ids[ex.answer], self.im_end], len(ids)
 
-    def batch(self, n: int):
-        seqs, starts = [], []
-        for _ in range(n):
-            ex = sample_example(self.rng)
-            ids, p = self.encode(ex, system=self.rng.random() >= self.no_system_rate)
-            seqs.append(ids)
-            starts.append(p)
-        width = max(len(s) for s in seqs)
+    def row(self) -> tuple[list[int], list[tuple[list[int], int]]]:
+        rng = self.rng
+        ex = sample_example(rng, mix={"header": 1.0})
+        chat = ex.chat() if rng.random() >= self.no_system_rate else ex.chat()[1:]
+        base = self.render(chat)
+        prefix = self.tok.encode(base, add_special_tokens=False)
+        branches = []
+        header = self.tok.encode(self.render(chat, True)[len(base):], add_special_tokens=False)
+        branches.append((header + [self.answer_ids[ex.trend], self.im_end], len(header)))
+        kinds = list(self.mix)
+        for _ in range(self.questions):
+            kind = rng.choices(kinds, [self.mix[k] for k in kinds])[0]
+            q = rng.choice(queries(ex.ticker, ex.trend, (kind,)))
+            text = self.render([*chat, {"role": "user", "content": q.text}], True)[len(base):]
+            ids = self.tok.encode(text, add_special_tokens=False)
+            branches.append((ids + [self.answer_ids[q.answer], self.im_end], len(ids)))
+        return prefix, branches
+
+    def batch(self, n: int) -> dict:
+        rows = [self.row() for _ in range(n)]
+        width = max(len(p) + sum(len(b) for b, _ in br) for p, br in rows)
         x = torch.full((n, width), self.pad, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            x[i, : len(s)] = torch.tensor(s)
-        return x, torch.tensor(starts)
+        pos = torch.zeros((n, width), dtype=torch.long)
+        seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prefix, k branch k, -1 pad
+        answers, eos, lm = [], [], []
+        for i, (prefix, branches) in enumerate(rows):
+            lp = len(prefix)
+            x[i, :lp] = torch.tensor(prefix)
+            pos[i, :lp] = torch.arange(lp)
+            seg[i, :lp] = 0
+            at = lp
+            for k, (ids, a) in enumerate(branches, start=1):
+                x[i, at : at + len(ids)] = torch.tensor(ids)
+                pos[i, at : at + len(ids)] = torch.arange(lp, lp + len(ids))
+                seg[i, at : at + len(ids)] = k
+                answers.append((i, at + a - 1, at + a))  # (row, predicting position, target)
+                eos.append((i, at + a, at + a + 1))
+                at += len(ids)
+            for t in range(lp - 1):
+                if self.price_ids[prefix[t + 1]]:
+                    lm.append((i, t, t + 1))
+        same = (seg.unsqueeze(2) == seg.unsqueeze(1)) | (seg.unsqueeze(1) == 0)
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = same & causal & (seg.unsqueeze(1) >= 0)
+        mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself
+        return {
+            "input_ids": x,
+            "position_ids": pos,
+            "attention_mask": mask.unsqueeze(1),
+            "answers": torch.tensor(answers),
+            "eos": torch.tensor(eos),
+            "lm": torch.tensor(lm),
+        }
 
 
 def make_model(vocab: int, r: Recipe, tokenizer, seed: int):
@@ -116,18 +182,17 @@ def make_model(vocab: int, r: Recipe, tokenizer, seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def loss_fn(logits: torch.Tensor, x: torch.Tensor, starts: torch.Tensor, b: Batcher, r: Recipe):
-    """Answer CE (at the assistant's first token) + eos CE + LM CE on price tokens."""
-    n = x.shape[0]
-    rows = torch.arange(n)
+def loss_fn(logits: torch.Tensor, batch: dict, r: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Answer CE + eos CE + LM CE on price tokens (each a mean over its positions)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    # position starts-1 predicts the answer token at `starts`, starts predicts <|im_end|>
-    ans = -lp[rows, starts - 1, x[rows, starts]].mean()
-    eos = -lp[rows, starts, x[rows, starts + 1]].mean()
-    tgt = x[:, 1:]
-    mask = b.price_ids[tgt]
-    lm = -(lp[:, :-1].gather(-1, tgt.unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
-    return ans + r.eos_weight * eos + r.lm_weight * lm, ans
+    x = batch["input_ids"]
+
+    def ce(idx: torch.Tensor) -> torch.Tensor:
+        rows, at, tgt = idx[:, 0], idx[:, 1], idx[:, 2]
+        return -lp[rows, at, x[rows, tgt]].mean()
+
+    ans = ce(batch["answers"])
+    return ans + r.eos_weight * ce(batch["eos"]) + r.lm_weight * ce(batch["lm"]), ans
 
 
 @torch.no_grad()
@@ -164,7 +229,7 @@ def train_one(r: Recipe, tokenizer, seed: int, log_every: int = 50, name: str = 
     torch.manual_seed(seed)
     model = make_model(len(tokenizer), r, tokenizer, seed)
     model.train()
-    b = Batcher(tokenizer, seed, r.no_system_rate)
+    b = Batcher(tokenizer, seed, r.no_system_rate, r.questions)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -184,9 +249,10 @@ def train_one(r: Recipe, tokenizer, seed: int, log_every: int = 50, name: str = 
     for step in range(r.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        x, starts = b.batch(r.batch)
-        logits = model(input_ids=x).logits
-        loss, ans = loss_fn(logits, x, starts, b, r)
+        batch = b.batch(r.batch)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       attention_mask=batch["attention_mask"]).logits
+        loss, ans = loss_fn(logits, batch, r)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

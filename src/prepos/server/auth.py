@@ -1,0 +1,62 @@
+"""Optional API keys (Bearer). A key's owner id tags every session it creates; the engine
+shows a session only to its owner, so another key's request gets 404, never a hint that the
+session exists. Keys are kept as SHA-256 digests; the raw key is never stored or logged."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable
+
+from starlette.requests import Request
+
+from prepos.server.errors import ApiError
+
+
+def owner_id(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def load_keys(keys: Iterable[str] = (), keys_file: str | None = None,
+              env: str = "PREPOS_API_KEYS") -> tuple[str, ...]:
+    """Keys from the command line, a file (one a line, # comments) and the environment
+    (comma-separated)."""
+    out = [k.strip() for k in keys if k and k.strip()]
+    if keys_file:
+        for line in Path(keys_file).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                out.append(line)
+    out += [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(out))
+
+
+class Keys:
+    def __init__(self, keys: Iterable[str] = ()):
+        self._owners = {hashlib.sha256(k.encode()).digest(): owner_id(k) for k in keys}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._owners)
+
+    def owner(self, request: Request) -> str | None:
+        """The owner id of the request's key; None when keys are off. 401 otherwise."""
+        if not self._owners:
+            return None
+        header = request.headers.get("authorization")
+        if not header:
+            raise ApiError(401, "missing_api_key",
+                           "this server needs an API key: send 'Authorization: Bearer <key>'",
+                           headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "invalid_api_key",
+                           "the Authorization header must be 'Bearer <key>'",
+                           headers={"WWW-Authenticate": "Bearer"})
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        owner = self._owners.get(digest)  # keyed by digest: timing says nothing of the key
+        if owner is None:
+            raise ApiError(401, "invalid_api_key", "the API key is not valid",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return owner

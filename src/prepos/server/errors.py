@@ -1,0 +1,115 @@
+"""HTTP errors: one JSON shape for every failure, OpenAI-style, naming the problem.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "code": "...", "param": ...}}
+
+Engine errors (`PreposError`) carry their own code and HTTP status; the server adds its own
+(`ApiError`) for what it checks before calling the engine: bodies, auth, limits, loading.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from prepos.errors import PreposError
+
+log = logging.getLogger("prepos.server")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
+         422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "server_error"),
+                      "code": code, "param": param}}
+
+
+def error_response(status: int, code: str, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(error_body(status, code, message, param)), status,
+                    headers=headers, media_type="application/json")
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """Any exception as the ApiError a client should see."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, PreposError):
+        return ApiError(exc.status, exc.code, str(exc))
+    if isinstance(exc, ValidationError):
+        return validation_error(exc)
+    log.exception("internal error", exc_info=exc)
+    return ApiError(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """A pydantic error as a 400 that names the field and the problem."""
+    errors = exc.errors(include_url=False)
+    first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "malformed_json", f"the body is not valid JSON: {first['msg']}")
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return ApiError(400, "invalid_request", "; ".join(parts), param)
+
+
+def install(app: FastAPI, on_error=None) -> None:
+    """Exception handlers that turn every failure into the JSON error shape."""
+
+    def respond(err: ApiError) -> Response:
+        if on_error is not None:
+            on_error(err)
+        return error_response(err.status, err.code, err.message, err.param, err.headers)
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        return respond(exc)
+
+    @app.exception_handler(PreposError)
+    async def _engine(request: Request, exc: PreposError):
+        return respond(as_api_error(exc))
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(request: Request, exc: ValidationError):
+        return respond(validation_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        msg = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
+                        for e in errs[:5])
+        return respond(ApiError(400, "invalid_request", msg or "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return respond(ApiError(exc.status_code, code, message,
+                                headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return respond(as_api_error(exc))

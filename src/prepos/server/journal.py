@@ -1,0 +1,227 @@
+"""The SQLite journal: every committed version of every session, so a restarted server
+restores them all. Ready records and KV caches are never persisted: a restored session's
+KV is rebuilt lazily by its pre-position job at idle priority.
+
+A row is written in the engine's commit listener, before the request that committed it
+returns, in WAL mode: an answered request survives a crash of the server process. Rows are
+deltas against the session's previous version (slices of its messages plus new ones), with
+a full checkpoint every `checkpoint_every` versions; rows older than the newest checkpoint
+that still covers the `max_versions` the engine keeps for rollback are pruned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+from prepos.session import Session, SessionSpec, Snapshot
+
+log = logging.getLogger("prepos.server.journal")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, spec TEXT NOT NULL, extras TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS versions (
+    sid TEXT NOT NULL, version INTEGER NOT NULL, full INTEGER NOT NULL, ops TEXT NOT NULL,
+    PRIMARY KEY (sid, version)) WITHOUT ROWID;
+"""
+
+EPHEMERAL = "eph-"  # sessions the server makes for one stateless request: never journalled
+
+
+def diff(base: Sequence[dict], new: Sequence[dict]) -> list:
+    """`new` as slices of `base` ([i, j]) and literal messages ({"m": message})."""
+    nb, nn = len(base), len(new)
+    p = 0
+    while p < nb and p < nn and base[p] == new[p]:
+        p += 1
+    s = 0
+    while s < nb - p and s < nn - p and base[nb - 1 - s] == new[nn - 1 - s]:
+        s += 1
+    ops: list = [[0, p]] if p else []
+    ops += [{"m": m} for m in new[p:nn - s]]
+    if s:
+        ops.append([nb - s, nb])
+    return ops
+
+
+def apply(base: Sequence[dict], ops: list) -> list[dict]:
+    out: list[dict] = []
+    for op in ops:
+        if isinstance(op, list):
+            out.extend(base[op[0]:op[1]])
+        else:
+            out.append(op["m"])
+    return out
+
+
+def spec_to_json(spec: SessionSpec) -> str:
+    d = asdict(spec)
+    d["tools"] = list(spec.tools)
+    d["standing"] = list(spec.standing)
+    return json.dumps(d)
+
+
+def spec_from_json(raw: str) -> SessionSpec:
+    d = json.loads(raw)
+    d["tools"] = tuple(d.get("tools", ()))
+    d["standing"] = tuple(d.get("standing", ()))
+    return SessionSpec(**d)
+
+
+class Journal:
+    def __init__(self, path: str | Path, max_versions: int = 1024, checkpoint_every: int = 64,
+                 metrics=None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_versions = max_versions
+        self.checkpoint_every = checkpoint_every
+        self.metrics = metrics
+        self.extras: dict[str, dict] = {}  # server-side per-session settings, set on create
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[int, tuple[dict, ...]]] = {}  # sid -> last row written
+        self._since_full: dict[str, int] = {}
+        self.errors = 0
+
+    # -- meta ------------------------------------------------------------------------------
+    def check_model(self, model: str) -> str | None:
+        """Record the model; a different one from last time is allowed (sessions are kept as
+        messages and re-rendered) and returned so the caller can say so."""
+        with self._lock, self._db:
+            row = self._db.execute("SELECT value FROM meta WHERE key='model'").fetchone()
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('model', ?)", (model,))
+        return row[0] if row and row[0] != model else None
+
+    # -- restore ---------------------------------------------------------------------------
+    def load(self) -> list[tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]]:
+        """Every journalled session: id, spec, server extras, and the history the engine
+        keeps ((version, messages), oldest first, the last current)."""
+        out = []
+        with self._lock:
+            rows = self._db.execute("SELECT id, spec, extras FROM sessions ORDER BY created")
+            for sid, spec_raw, extras_raw in rows.fetchall():
+                try:
+                    spec = spec_from_json(spec_raw)
+                    history = self._replay(sid)
+                except Exception as exc:  # a damaged row loses its session, not the server
+                    log.error("journal: cannot restore session %s: %s", sid, exc)
+                    continue
+                if not history:
+                    continue
+                extras = json.loads(extras_raw)
+                self._last[sid] = (history[-1][0], tuple(history[-1][1]))
+                self._since_full[sid] = 0
+                self.extras[sid] = extras
+                out.append((sid, spec, extras, history))
+        return out
+
+    def _replay(self, sid: str) -> list[tuple[int, list[dict]]]:
+        rows = self._db.execute("SELECT version, full, ops FROM versions WHERE sid=? "
+                                "ORDER BY version", (sid,)).fetchall()
+        history: list[tuple[int, list[dict]]] = []
+        messages: list[dict] | None = None
+        for version, full, ops in rows:
+            ops = json.loads(ops)
+            if full:
+                messages = [op["m"] for op in ops]
+            elif messages is None:
+                raise ValueError(f"version {version} is a delta with no base")
+            else:
+                messages = apply(messages, ops)
+            history.append((version, messages))
+        return history[-self.max_versions:]
+
+    def forget(self, sid: str) -> None:
+        """A journalled session that could not be restored: leave its rows, stop tracking."""
+        with self._lock:
+            self._last.pop(sid, None)
+
+    # -- the engine listener -----------------------------------------------------------------
+    def on_event(self, event: str, s: Session, payload: object) -> None:
+        if s.id.startswith(EPHEMERAL):
+            return
+        try:
+            with self._lock, self._db:
+                if event == "commit":
+                    self._commit(s, payload)
+                elif event == "create":
+                    self._create(s, payload)
+                elif event == "close":
+                    self._close(s.id)
+        except Exception as exc:  # never fail the engine's commit for a journal error
+            self.errors += 1
+            if self.metrics is not None:
+                self.metrics.journal_errors.inc()
+            log.error("journal: %s of session %s not written: %s", event, s.id, exc)
+
+    def _create(self, s: Session, snap: Snapshot) -> None:
+        if s.id in self._last:  # restored from this journal
+            return
+        extras = self.extras.get(s.id, {})
+        self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?)",
+                         (s.id, spec_to_json(s.spec), json.dumps(extras), time.time()))
+        self._db.execute("DELETE FROM versions WHERE sid=?", (s.id,))
+        self._write(s.id, snap.version, snap.messages, full=True)
+
+    def _commit(self, s: Session, snap: Snapshot) -> None:
+        last = self._last.get(s.id)
+        if last is None or snap.version <= last[0]:
+            return  # unknown (not journalled) or already written (listeners out of order)
+        with s.lock:  # versions committed in between whose events have not come yet
+            between = [h for v, h in s.history.items()
+                       if last[0] < v < snap.version and isinstance(h, Snapshot)]
+        for h in [*between, snap]:
+            base = self._last[s.id][1]
+            n = self._since_full.get(s.id, 0) + 1
+            if n >= self.checkpoint_every:
+                self._write(s.id, h.version, h.messages, full=True)
+                self._prune(s.id, h.version)
+            else:
+                self._since_full[s.id] = n
+                self._db.execute("INSERT OR REPLACE INTO versions VALUES (?, ?, 0, ?)",
+                                 (s.id, h.version, json.dumps(diff(base, h.messages))))
+                self._last[s.id] = (h.version, h.messages)
+                self._count()
+
+    def _write(self, sid: str, version: int, messages: Sequence[dict], full: bool) -> None:
+        self._db.execute("INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?)",
+                         (sid, version, json.dumps([{"m": m} for m in messages])))
+        self._last[sid] = (version, tuple(messages))
+        self._since_full[sid] = 0
+        self._count()
+
+    def _prune(self, sid: str, version: int) -> None:
+        oldest_kept = version - self.max_versions + 1
+        row = self._db.execute("SELECT MAX(version) FROM versions WHERE sid=? AND full=1 "
+                               "AND version<=?", (sid, oldest_kept)).fetchone()
+        if row and row[0] is not None:
+            self._db.execute("DELETE FROM versions WHERE sid=? AND version<?", (sid, row[0]))
+
+    def _close(self, sid: str) -> None:
+        self._db.execute("DELETE FROM versions WHERE sid=?", (sid,))
+        self._db.execute("DELETE FROM sessions WHERE id=?", (sid,))
+        self._last.pop(sid, None)
+        self._since_full.pop(sid, None)
+        self.extras.pop(sid, None)
+
+    def _count(self) -> None:
+        if self.metrics is not None:
+            self.metrics.journal_writes.inc()
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                self._db.close()

@@ -1,0 +1,152 @@
+"""Prometheus metrics, named `prepos:` the way vLLM names its own `vllm:`.
+
+Request histograms are fed by an engine observer (every finished request, any path);
+engine counters and gauges (pre-positions, paths, KV cells, queues, sessions) are read from
+`Engine.metrics()` at scrape time by a collector, so the hot path pays nothing for them."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from prepos.core import Path, Result
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
+                0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+PATHS = [p.value for p in Path]
+
+
+class Metrics:
+    def __init__(self, model_name: str = "model"):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.engine = None
+        self.model_name = model_name
+        self.ttft = Histogram("prepos:time_to_first_token_seconds",
+                              "Time to first token, from arrival at the engine, by path",
+                              ["path"], buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("prepos:e2e_request_latency_seconds",
+                             "Request latency, arrival to last token, by path", ["path"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("prepos:prompt_tokens", "Prompt tokens of finished "
+                                     "requests (session state plus entry)", registry=r)
+        self.cached_tokens = Counter("prepos:cached_prompt_tokens", "Prompt tokens found in "
+                                     "the KV cache (fast path: all of them)", registry=r)
+        self.generation_tokens = Counter("prepos:generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.requests = Counter("prepos:requests", "Finished requests by path",
+                                ["path", "match"], registry=r)
+        self.errors = Counter("prepos:http_errors", "Error responses by status and code",
+                              ["status", "code"], registry=r)
+        self.rejected = Counter("prepos:rejected_requests", "Requests refused for a limit",
+                                ["reason"], registry=r)
+        self.pushes = Counter("prepos:standing_query_pushes", "Standing-query answers pushed "
+                              "over SSE before anyone asked", registry=r)
+        self.subscribers = Gauge("prepos:sse_subscribers", "Open SSE event subscriptions",
+                                 registry=r)
+        self.journal_writes = Counter("prepos:journal_writes", "Rows written to the journal",
+                                      registry=r)
+        self.journal_errors = Counter("prepos:journal_errors", "Journal writes that failed",
+                                      registry=r)
+        for p in PATHS:  # export every path from the start, at zero
+            self.ttft.labels(p)
+            self.e2e.labels(p)
+        self._step_ewma = 0.05  # seconds per foreground request, for Retry-After
+        r.register(_EngineCollector(self))
+
+    def observe(self, res: Result) -> None:
+        """Engine observer: runs on the worker (or the caller, for the fast path)."""
+        path = res.path.value
+        self.ttft.labels(path).observe(res.timing.ttft)
+        self.e2e.labels(path).observe(res.timing.total)
+        self.requests.labels(path, res.match.value).inc()
+        self.prompt_tokens.inc(res.prompt_tokens)
+        self.cached_tokens.inc(cached_prompt_tokens(res))
+        self.generation_tokens.inc(len(res.tokens))
+        if res.path is not Path.FAST:
+            self._step_ewma = 0.9 * self._step_ewma + 0.1 * res.timing.total
+
+    @property
+    def step_seconds(self) -> float:
+        return self._step_ewma
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def cached_prompt_tokens(res: Result) -> int:
+    """The fast path computed its whole prompt ahead of the request."""
+    return res.prompt_tokens if res.path is Path.FAST else res.cached_prompt_tokens
+
+
+class _EngineCollector:
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        eng = self.m.engine
+        info = GaugeMetricFamily("prepos:model_info", "The served model", labels=["model"])
+        info.add_metric([self.m.model_name], 1.0 if eng is not None else 0.0)
+        yield info
+        if eng is None:
+            return
+        m = _engine_metrics(eng)
+        pre = m["prepositions"]
+        for name, help_ in (
+            ("started", "Pre-positions started (one per committed version)"),
+            ("recorded", "Pre-positions that recorded their ready distributions"),
+            ("consumed", "Pre-positions a request used before invalidation (hits)"),
+            ("invalidated", "Pre-positions cleared by a mutation before any use (waste)"),
+            ("discarded", "Pre-positions still running when their session moved on"),
+            ("skipped", "Pre-position entries skipped for the KV cell budget"),
+        ):
+            yield CounterMetricFamily(f"prepos:prepositions_{name}", help_, pre.get(name, 0))
+        hit = pre.get("hit_rate")
+        yield GaugeMetricFamily("prepos:preposition_hit_rate",
+                                "consumed / (consumed + invalidated); NaN before any",
+                                math.nan if hit is None else hit)
+        paths = m["paths"]
+        fam = CounterMetricFamily("prepos:requests_by_path", "Requests by engine path: "
+                                  "fast_exact, fast_relaxed (gate fired), gate_miss, fall, "
+                                  "cold", labels=["path"])
+        for p in ("fast_exact", "fast_relaxed", "gate_miss", "fall", "cold"):
+            fam.add_metric([p], paths.get(p, 0))
+        yield fam
+        yield CounterMetricFamily("prepos:gate_fires", "Relaxed-match gate fires (Eq. 12)",
+                                  paths.get("fast_relaxed", 0))
+        yield CounterMetricFamily("prepos:gate_misses", "Relaxed-match gate misses",
+                                  paths.get("gate_miss", 0))
+        yield CounterMetricFamily("prepos:fall_throughs", "Requests that resumed from a "
+                                  "pre-paid entry (fall-through)", paths.get("fall", 0))
+        yield CounterMetricFamily("prepos:cold_requests", "Requests that paid their whole "
+                                  "entry (cold)", paths.get("cold", 0))
+        yield GaugeMetricFamily("prepos:kv_cells_used", "KV cells (tokens) held",
+                                m["kv_cells_used"])
+        yield GaugeMetricFamily("prepos:kv_cells_budget", "The engine's KV cell budget",
+                                m["kv_cells_budget"])
+        q = GaugeMetricFamily("prepos:queue_length", "Tasks queued on the model worker",
+                              labels=["queue"])
+        q.add_metric(["foreground"], m["queue_foreground"])
+        q.add_metric(["idle"], m["queue_idle"])
+        yield q
+        yield GaugeMetricFamily("prepos:num_requests_waiting", "Foreground requests queued "
+                                "on the model worker", m["queue_foreground"])
+        yield GaugeMetricFamily("prepos:sessions", "Live sessions", m["sessions"])
+
+
+def _engine_metrics(eng) -> dict:
+    """`Engine.metrics()` sums KV lengths while the worker may add a session; retry."""
+    for _ in range(5):
+        try:
+            return eng.metrics()
+        except RuntimeError:  # dictionary changed size during iteration
+            time.sleep(0.001)
+    return eng.metrics()

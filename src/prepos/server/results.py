@@ -1,0 +1,68 @@
+"""A finished request (`Result`) as JSON and as response headers: the path that served it
+and its timing go in both, for the session API and the OpenAI-compatible endpoints."""
+
+from __future__ import annotations
+
+from prepos.core import Path, Result
+from prepos.server.metrics import cached_prompt_tokens
+
+
+def timing(res: Result) -> dict:
+    t = res.timing
+    return {"queue_ms": t.queue * 1e3, "restore_ms": t.restore * 1e3,
+            "prefill_ms": t.prefill * 1e3, "ttft_ms": t.ttft * 1e3, "total_ms": t.total * 1e3,
+            "prefill_tokens": t.prefill_tokens, "cached_tokens": t.cached_tokens}
+
+
+def extension(res: Result, session_id: str | None = None) -> dict:
+    """The `prepos` field of a response body: path, match, gate gap, version, timing."""
+    return {"path": res.path.value, "match": res.match.value, "gap": res.gap,
+            "version": res.version, "session_id": session_id, "timing": timing(res)}
+
+
+def usage(res: Result) -> dict:
+    prompt = res.prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": len(res.tokens),
+            "total_tokens": prompt + len(res.tokens),
+            "prompt_tokens_details": {"cached_tokens": cached_prompt_tokens(res)}}
+
+
+def headers(res: Result, session_id: str | None = None) -> dict[str, str]:
+    t = res.timing
+    h = {"X-Prepos-Path": res.path.value, "X-Prepos-Match": res.match.value,
+         "X-Prepos-Version": str(res.version),
+         "Server-Timing": (f"queue;dur={t.queue * 1e3:.3f}, restore;dur={t.restore * 1e3:.3f}, "
+                           f"prefill;dur={t.prefill * 1e3:.3f}, ttft;dur={t.ttft * 1e3:.3f}, "
+                           f"total;dur={t.total * 1e3:.3f}")}
+    if session_id is not None:
+        h["X-Prepos-Session"] = session_id
+    return h
+
+
+def pending_headers(session_id: str | None = None) -> dict[str, str]:
+    """Headers of a streamed response whose path is decided on the model worker after they
+    are sent: the path comes in the stream's last event instead."""
+    h = {"X-Prepos-Path": "pending"}
+    if session_id is not None:
+        h["X-Prepos-Session"] = session_id
+    return h
+
+
+def session_result(res: Result, session_id: str, logprobs: bool = False,
+                   agentic: bool = False, content: str | None = None) -> dict:
+    out = {"session_id": session_id, "text": res.text, "tokens": res.tokens,
+           "finish_reason": res.finish_reason, "path": res.path.value,
+           "match": res.match.value, "gap": res.gap, "version": res.version,
+           "timing": timing(res),
+           "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
+                     "cached_prompt_tokens": cached_prompt_tokens(res)}}
+    if logprobs:
+        out["logprobs"] = res.logprobs
+    if agentic:
+        out["content"] = res.text if content is None else content
+        out["tool_calls"] = res.tool_calls
+    return out
+
+
+def is_fast(res: Result) -> bool:
+    return res.path is Path.FAST

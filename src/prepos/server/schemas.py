@@ -1,0 +1,130 @@
+"""Request bodies. The session API forbids unknown fields (a typo is an error that names
+it); the OpenAI-compatible bodies allow them, the way OpenAI clients expect, and the routes
+refuse the few options prepos cannot honour instead of ignoring them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+FastMode = Literal["exact", "relaxed", "off"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingFields(Strict):
+    max_tokens: StrictInt | None = None
+    temperature: float = 0.0
+    top_k: StrictInt = 0
+    top_p: float = 1.0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    logprobs: StrictBool = False
+    fast_path: FastMode | None = None
+    stream: StrictBool = False
+
+
+# -- session API ------------------------------------------------------------------------
+class CreateSession(Strict):
+    kind: Literal["streaming", "agentic"]
+    system: StrictStr | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    standing_queries: list[StrictStr] = Field(default_factory=list)
+    fast_path: FastMode = "exact"
+    preposition: StrictBool = True
+    budget_cells: StrictInt | None = None
+    push_max_tokens: StrictInt = 1  # tokens per standing-query answer pushed over SSE
+
+
+class Append(Strict):
+    data: StrictStr
+    wait: StrictBool = True
+
+
+class Rollback(Strict):
+    version: StrictInt
+    wait: StrictBool = True
+
+
+class Shift(Strict):
+    drop: StrictInt | None = None
+    wait: StrictBool = True
+
+
+class Query(SamplingFields):
+    question: StrictStr
+
+
+class Turn(SamplingFields):
+    user: StrictStr | None = None
+
+
+class ToolResult(SamplingFields):
+    content: StrictStr
+
+
+class AddMessage(Strict):
+    role: Literal["user", "assistant", "tool"]
+    content: StrictStr
+    tool_calls: list[dict[str, Any]] | None = None
+    wait: StrictBool = True
+
+
+# -- OpenAI-compatible ------------------------------------------------------------------
+class Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessage(Open):
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
+
+
+class StreamOptions(Open):
+    include_usage: StrictBool = False
+
+
+class OpenAISampling(Open):
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None  # an extension, as in vLLM
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: StrictStr | None = None
+    # prepos extensions
+    session_id: StrictStr | None = None
+    fast_path: FastMode | None = None
+
+
+class ChatCompletion(OpenAISampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    on_divergence: Literal["error", "rollback"] = "error"  # prepos extension
+
+
+class Completion(OpenAISampling):
+    prompt: StrictStr | list[StrictStr]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None

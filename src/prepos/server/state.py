@@ -1,0 +1,210 @@
+"""The server's state: its configuration, the engine (None while loading), the journal,
+the SSE hub, metrics, keys and limits, and the helpers every route uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from prepos.config import EngineConfig
+from prepos.core import Result
+from prepos.engine import Engine
+from prepos.errors import PreposError
+from prepos.server.auth import Keys
+from prepos.server.errors import ApiError, validation_error
+from prepos.server.journal import EPHEMERAL, Journal
+from prepos.server.limits import Limits
+from prepos.server.metrics import Metrics
+from prepos.server.sse import Hub
+from prepos.session import SessionSpec
+
+log = logging.getLogger("prepos.server")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerConfig:
+    model: Path
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    journal: Path | None = None  # None: no persistence
+    api_keys: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    threads: int = 64  # threads that wait on engine work for the event loop
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig,
+                 engine_factory: Callable[[ServerConfig], Engine] | None = None):
+        self.config = config
+        self.limits = config.limits
+        self.keys = Keys(config.api_keys)
+        self.model_name = config.served_model_name or Path(config.model).name
+        self.metrics = Metrics(self.model_name)
+        self.hub = Hub(self.metrics)
+        self.journal: Journal | None = None
+        self.engine: Engine | None = None
+        self.status = "loading"
+        self.error: str | None = None
+        self.restored = 0
+        self.ephemeral = 0  # live sessions made for one stateless request
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.executor = ThreadPoolExecutor(max_workers=config.threads,
+                                           thread_name_prefix="prepos-wait")
+        self._factory = engine_factory or _load_engine
+        self._loader: threading.Thread | None = None
+        self.on_failure: Callable[[], None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Load the engine and restore the journal off the event loop: /health says 503
+        until it is done."""
+        self.loop = loop
+        loop.set_default_executor(self.executor)  # Stream.aiter waits in it
+        self._loader = threading.Thread(target=self._load, name="prepos-loader", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = self._factory(self.config)
+            engine.sessions.max_sessions = self.limits.max_sessions + self.limits.max_queue
+            engine.observers.append(self.metrics.observe)
+            if self.config.journal is not None:
+                self.journal = Journal(self.config.journal, engine.config.max_versions,
+                                       metrics=self.metrics)
+                previous = self.journal.check_model(self.model_name)
+                if previous:
+                    log.warning("journal %s was written with model %s; restoring its sessions "
+                                "with %s", self.config.journal, previous, self.model_name)
+                engine.listeners.append(self.journal.on_event)
+            self.hub.attach(engine, self.loop)
+            self.metrics.engine = engine
+            if self.journal is not None:
+                self._restore(engine, self.journal)
+            self.engine = engine
+            self.status = "ready"
+            log.info("prepos ready: model %s, %d sessions restored, %.1f s", self.model_name,
+                     self.restored, time.perf_counter() - t0)
+        except BaseException as exc:
+            self.status = "failed"
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("prepos failed to load: %s", self.error)
+            if self.on_failure is not None:
+                self.on_failure()
+
+    def _restore(self, engine: Engine, journal: Journal) -> None:
+        for sid, spec, extras, history in journal.load():
+            self.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
+            try:
+                engine.restore_session(sid, spec, history)
+                self.restored += 1
+            except PreposError as exc:
+                journal.forget(sid)
+                log.error("session %s not restored: %s", sid, exc)
+
+    def stop(self) -> None:
+        self.status = "stopping"
+        self.hub.shutdown()
+        if self._loader is not None:
+            self._loader.join(timeout=60)
+        if self.engine is not None:
+            self.engine.close()
+        if self.journal is not None:
+            self.journal.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- per request -----------------------------------------------------------------------
+    @property
+    def ready(self) -> Engine:
+        eng = self.engine
+        if eng is None:
+            if self.status == "failed":
+                raise ApiError(503, "load_failed", f"the model failed to load: {self.error}")
+            raise ApiError(503, "loading", "the model is loading; retry shortly",
+                           headers={"Retry-After": "1"})
+        return eng
+
+    def owner(self, request: Request) -> str | None:
+        return self.keys.owner(request)
+
+    async def body(self, request: Request, model: type[M]) -> M:
+        raw = await request.body()
+        if not raw:
+            raise ApiError(400, "missing_body", f"this endpoint needs a JSON body "
+                           f"({model.__name__})")
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            err = validation_error(exc)
+            if err.code == "invalid_request" and raw.lstrip()[:1] != b"{":
+                err = ApiError(400, "invalid_request", "the body must be a JSON object")
+            raise err from None
+
+    async def run(self, fn, *args):
+        """Run blocking engine work (rendering, waiting for the worker) off the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def result(self, stream) -> Result:
+        if stream.done:
+            return stream.result()
+        return await self.run(stream.result)
+
+    def backpressure(self, engine: Engine) -> None:
+        try:
+            self.limits.backpressure(engine, self.metrics.step_seconds)
+        except ApiError:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise
+
+    def persistent_sessions(self, engine: Engine) -> int:
+        return len(engine.sessions) - self.ephemeral
+
+    def check_new_session(self, engine: Engine, owner: str | None) -> None:
+        lim = self.limits
+        if self.persistent_sessions(engine) >= lim.max_sessions:
+            self.metrics.rejected.labels("sessions").inc()
+            raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
+                           f"{lim.max_sessions} sessions; close one first",
+                           headers={"Retry-After": "60"})
+        if lim.max_sessions_per_key is not None and owner is not None:
+            mine = sum(1 for s in engine.sessions.all() if s.spec.owner == owner)
+            if mine >= lim.max_sessions_per_key:
+                self.metrics.rejected.labels("sessions_per_key").inc()
+                raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
+                               f"{lim.max_sessions_per_key} sessions; close one first",
+                               headers={"Retry-After": "60"})
+
+    def new_ephemeral(self, engine: Engine, spec: SessionSpec,
+                      history=()) -> str:
+        """A session for one stateless request: never journalled, never listed."""
+        sid = f"{EPHEMERAL}{engine.sessions.new_id()}"
+        engine.restore_session(sid, spec, history)
+        self.ephemeral += 1
+        return sid
+
+    def close_ephemeral(self, sid: str) -> None:
+        eng = self.engine
+        if eng is None:
+            return
+        try:
+            eng.close_session(sid)
+        except PreposError:
+            return
+        self.ephemeral -= 1
+
+
+def _load_engine(config: ServerConfig) -> Engine:
+    path = Path(config.model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no model at {path} (no config.json)")
+    return Engine.from_pretrained(path, config.engine)

@@ -1,0 +1,109 @@
+"""The bundled models: shipped, loadable through the engine, and (the default) decisive."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prepos.config import EngineConfig, GateConfig
+from prepos.core import Path as ServePath
+from prepos.core import SamplingParams
+from prepos.task.market import ANSWERS, SYSTEM_PROMPT, TRENDS, format_data
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "models" / "trend-reader"
+WEAK = ROOT / "models" / "trend-reader-weak"
+MODELS = [DEFAULT, WEAK]
+
+RISING = [[31, 32, 34, 35, 37, 38], [40, 41, 43, 44, 46, 48], [49, 51, 52, 54, 55, 57],
+          [58, 60, 61, 63, 65, 66]]
+FALLING = [[p_ for p_ in reversed(m)] for m in reversed(RISING)]
+FLAT = [[50, 51, 50, 49, 50, 50], [51, 50, 49, 50, 51, 50], [50, 49, 50, 51, 50, 50],
+        [49, 50, 51, 50, 50, 49]]
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
+def test_model_directory_is_complete_and_small(path):
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "gate.json"):
+        assert (path / f).is_file(), f
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    assert size < 20 * 2**20
+    gate = GateConfig.load(path / "gate.json")
+    assert set(gate.answers) == set(ANSWERS) and gate.tau > 0
+    assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
+def test_tokenizer_meets_the_engine_requirements(path):
+    from transformers import AutoTokenizer
+
+    from prepos.task.tokenizer import check
+
+    check(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from prepos.engine import Engine
+
+    eng = Engine.from_pretrained(DEFAULT, EngineConfig())  # gate from the bundled gate.json
+    yield eng
+    eng.close()
+
+
+def _session(eng, ticker: str, series: list[list[int]]) -> str:
+    sid = eng.create_session("streaming", system=SYSTEM_PROMPT, fast_path="relaxed")
+    for prices in series:
+        eng.append(sid, format_data(ticker, prices))
+    eng.wait_idle()
+    return sid
+
+
+@pytest.mark.parametrize("series, trend", [(RISING, "up"), (FALLING, "down"), (FLAT, "flat")])
+def test_default_model_answers_the_trend_on_the_fast_path(engine, series, trend):
+    sid = _session(engine, "ACME", series)
+    try:
+        rec = engine.ready_header(sid)
+        assert rec is not None and rec.top_text.strip() == trend
+        assert rec.gap > engine.gate.tau
+        res = engine.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1))
+        assert res.path == ServePath.FAST
+        assert res.text.strip() == trend
+        # the full path agrees, and reads the wording of a polar question
+        full = engine.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1),
+                            fast_path="off")
+        assert full.text.strip() == trend
+        polar = engine.query(sid, "Is ACME rising?", SamplingParams(max_tokens=1),
+                             fast_path="off")
+        assert polar.text.strip() == ("yes" if trend == "up" else "no")
+    finally:
+        engine.close_session(sid)
+
+
+def test_default_model_full_path_ends_its_answer(engine):
+    sid = _session(engine, "BOLT", RISING)
+    try:
+        res = engine.query(sid, "What is the trend of BOLT?", SamplingParams(max_tokens=4),
+                           fast_path="off")
+        assert res.text.strip() == "up" and res.finish_reason in ("eos", "stop")
+    finally:
+        engine.close_session(sid)
+
+
+def test_weak_model_gate_does_not_fire():
+    from prepos.engine import Engine
+
+    tau = GateConfig.load(DEFAULT / "gate.json").tau
+    cfg = EngineConfig(gate=GateConfig(tau=tau, answers=ANSWERS))
+    with Engine.from_pretrained(WEAK, cfg) as eng:
+        for series in (RISING, FALLING):
+            sid = _session(eng, "ACME", series)
+            rec = eng.ready_header(sid)
+            assert rec is not None and rec.gap < tau
+            res = eng.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1))
+            assert res.path != ServePath.FAST
+            assert res.text.strip() in TRENDS + ("yes", "no") or res.text
+            eng.close_session(sid)

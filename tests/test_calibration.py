@@ -1,0 +1,212 @@
+"""Calibration: Wilson intervals, the tau sweep, choosing tau, the false-accept split."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prepos import calibration as cal
+from prepos.core import Match, Path, ReadyRecord, Result
+from prepos.task.market import decision_points
+
+# -- Wilson intervals ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "k, n, lo, hi",
+    [
+        (5, 10, 0.2366, 0.7634),  # textbook value for p = 0.5, n = 10
+        (0, 10, 0.0, 0.2775),
+        (10, 10, 0.7225, 1.0),
+        (121, 128, 0.891, 0.973),  # the reference's coverage at tau = 2.0: [0.89, 0.97]
+        (16, 121, 0.083, 0.204),  # the reference's false-accept rate: [0.083, 0.204]
+    ],
+)
+def test_wilson_known_values(k, n, lo, hi):
+    got = cal.wilson(k, n)
+    assert got[0] == pytest.approx(lo, abs=6e-4)
+    assert got[1] == pytest.approx(hi, abs=6e-4)
+
+
+def test_wilson_edge_cases():
+    assert cal.wilson(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        cal.wilson(3, 2)
+    with pytest.raises(ValueError):
+        cal.wilson(-1, 2)
+
+
+@given(st.integers(0, 500).flatmap(lambda n: st.tuples(st.integers(0, n), st.just(n))))
+def test_wilson_contains_the_estimate_and_is_symmetric(kn):
+    k, n = kn
+    lo, hi = cal.wilson(k, n)
+    assert 0.0 <= lo <= hi <= 1.0
+    if n:
+        assert lo - 1e-12 <= k / n <= hi + 1e-12
+        lo2, hi2 = cal.wilson(n - k, n)
+        assert lo == pytest.approx(1 - hi2, abs=1e-12)
+        assert hi == pytest.approx(1 - lo2, abs=1e-12)
+
+
+# -- sweep --------------------------------------------------------------------------------
+
+
+def pair(gap: float, token: str = "up", full: str = "up", truth: str | None = None,
+         in_answers: bool = True, prob: float = 0.9, kind: str = "trend") -> cal.Pair:
+    truth = full if truth is None else truth
+    return cal.Pair(0, 0, "ACME", truth, kind, kind, "q?", truth, gap, token, in_answers, full,
+                    prob)
+
+
+pairs_st = st.lists(
+    st.builds(
+        pair,
+        gap=st.floats(0, 20, allow_nan=False),
+        token=st.sampled_from(["up", "down", "flat", "the"]),
+        full=st.sampled_from(["up", "down", "flat"]),
+        in_answers=st.booleans(),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@given(pairs_st, st.lists(st.floats(0, 25, allow_nan=False), min_size=2, max_size=20))
+def test_sweep_coverage_is_monotone_non_increasing(pairs, taus):
+    curve = cal.sweep(pairs, sorted(taus))
+    for a, b in zip(curve, curve[1:]):
+        assert b.coverage <= a.coverage
+        assert b.accepted <= a.accepted
+    for pt in curve:
+        assert 0 <= pt.false_accepts <= pt.accepted <= pt.n == len(pairs)
+        assert pt.coverage_ci[0] <= pt.coverage <= pt.coverage_ci[1]
+        if pt.accepted:
+            assert pt.false_accept == pt.false_accepts / pt.accepted
+        else:
+            assert pt.false_accept is None
+
+
+def test_sweep_on_a_hand_made_set():
+    pairs = [
+        pair(0.5, "up", "down"),  # small gap, disagrees
+        pair(1.5, "up", "up"),
+        pair(3.0, "down", "up"),  # large gap, disagrees (a divergence)
+        pair(5.0, "flat", "flat"),
+        pair(9.0, "the", "up", in_answers=False),  # argmax outside A: never served
+    ]
+    c = {pt.tau: pt for pt in cal.sweep(pairs, [0.0, 1.0, 2.0, 4.0, 6.0])}
+    assert [c[t].accepted for t in (0.0, 1.0, 2.0, 4.0, 6.0)] == [4, 3, 2, 1, 0]
+    assert c[0.0].coverage == 0.8 and c[0.0].false_accept == 0.5
+    assert c[1.0].false_accept == pytest.approx(1 / 3)
+    assert c[2.0].false_accept == 0.5
+    assert c[4.0].false_accept == 0.0
+    # the gate is strict: gap > tau
+    assert cal.at(pairs, 1.5).accepted == 2
+
+
+def test_choose_tau_is_the_smallest_within_budget():
+    pairs = [pair(0.5, "up", "down"), pair(1.5), pair(3.0, "down", "up"), pair(5.0), pair(6.0)]
+    curve = cal.sweep(pairs, cal.tau_grid(pairs, step=0.5))
+    # r(tau): 0.4 at 0, 0.25 on (0.5, 1.5), 1/3 on [1.5, 3), 0 from 3
+    assert cal.choose_tau(curve, r_max=0.2).tau == 3.0
+    assert cal.choose_tau(curve, r_max=0.25).tau == 0.5
+    assert cal.choose_tau(curve, r_max=0.25, tau_min=1.0).tau == 1.0
+    assert cal.choose_tau(curve, r_max=0.25, tau_min=2.0).tau == 3.0
+    assert cal.choose_tau(curve, r_max=0.4).tau == 0.0
+    none = [pair(1.0, "up", "down")]
+    assert cal.choose_tau(cal.sweep(none, [0.0, 0.5, 2.0]), r_max=0.1) is None
+
+
+def test_tau_grid_covers_every_gap():
+    pairs = [pair(0.3), pair(7.26)]
+    grid = cal.tau_grid(pairs, step=0.25)
+    assert grid[0] == 0.0 and grid[-1] > 7.26
+    assert cal.at(pairs, grid[-1]).accepted == 0
+
+
+def test_decompose_false_accepts():
+    pairs = [
+        pair(5.0, "up", "down", truth="up"),  # full path wrong: unsure
+        pair(5.0, "up", "down", truth="down", prob=0.4),  # right but below 0.5: unsure
+        pair(5.0, "up", "down", truth="down", prob=0.99, kind="wording"),  # divergence
+        pair(5.0, "up", "up"),  # agrees: not a false accept
+        pair(0.2, "up", "down"),  # not accepted
+    ]
+    d = cal.decompose(pairs, tau=1.0)
+    assert d == {
+        "false_accepts": 3,
+        "full_path_unsure": 2,
+        "pre_commitment_divergence": 1,
+        "by_query_kind": {"trend": 2, "wording": 1},
+    }
+
+
+def test_accuracy_against_ground_truth():
+    pairs = [pair(5.0, "up", "up", truth="up"), pair(0.1, "down", "flat", truth="flat"),
+             pair(5.0, "down", "up", truth="up")]
+    acc = cal.accuracy(pairs, tau=1.0)
+    assert acc["full_path"]["k"] == 3
+    assert acc["served"]["k"] == 2  # the fast path served "down" on the third
+    assert acc["fast_path_when_fired"] == {"k": 1, "n": 2, "rate": 0.5, "ci": cal.wilson(1, 2)}
+
+
+# -- measuring through an engine ----------------------------------------------------------
+
+
+class FakeEngine:
+    """The part of the Engine API `measure` uses; answers from a lookup of the window."""
+
+    def __init__(self, header: dict[str, tuple[str, float]], full: dict[str, str]):
+        self.header, self.full = header, full
+        self.ids = {"up": 1, "down": 2, "flat": 3, "yes": 4, "no": 5, "the": 9}
+        self.gate = type("G", (), {"answer_ids": frozenset({1, 2, 3, 4, 5})})()
+        self.sessions: dict[str, list[str]] = {}
+        self.closed: list[str] = []
+
+    def create_session(self, kind, system=None, fast_path="exact", **kw):
+        assert kind == "streaming" and fast_path == "relaxed"
+        sid = f"s{len(self.sessions)}"
+        self.sessions[sid] = []
+        return sid
+
+    def append(self, sid, text):
+        self.sessions[sid].append(text)
+
+    def wait_idle(self, timeout=None):
+        return True
+
+    def ready_header(self, sid):
+        tok, gap = self.header[self.sessions[sid][-1]]
+        logits = torch.zeros(10)
+        return ReadyRecord(p=1, entry=(), logits=logits, top_ids=(self.ids[tok], 0),
+                           top_logprobs=(0.0, -gap), gap=gap, version=1, top_text=tok)
+
+    def query(self, sid, question, sampling, fast_path=None, logprobs=False):
+        assert fast_path == "off" and sampling.max_tokens == 1
+        ans = self.full[self.sessions[sid][-1]]
+        return Result(Path.COLD, Match.NONE, tokens=[self.ids[ans]], text=ans,
+                      logprobs=[math.log(0.8)])
+
+    def close_session(self, sid):
+        self.closed.append(sid)
+
+
+def test_measure_records_header_and_full_path_per_window():
+    dps = decision_points(6, seed=77, wording_rate=0.0)
+    header = {dp.messages[-1]: (dp.trend, 3.0 + i) for i, dp in enumerate(dps)}
+    header[dps[0].messages[-1]] = ("the", 9.0)
+    full = {dp.messages[-1]: dp.trend for dp in dps}
+    eng = FakeEngine(header, full)
+    pairs = cal.measure(eng, dps)
+    assert len(pairs) == 6 and len(eng.closed) == 6
+    assert [len(v) for v in eng.sessions.values()] == [len(dps[0].messages)] * 6
+    assert not pairs[0].in_answers and all(p.in_answers for p in pairs[1:])
+    assert all(p.agrees for p in pairs[1:])
+    assert pairs[2].gap == 5.0 and pairs[2].full_prob == pytest.approx(0.8)
+    summary = cal.summarize(pairs, r_max=0.15, tau_min=1.0, reference_tau=None)
+    assert summary["tau"] == 1.0 and summary["operating_point"]["coverage"] == pytest.approx(5 / 6)
+    assert summary["budget_met"]
