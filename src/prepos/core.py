@@ -94,7 +94,7 @@ class Result:
     text: str = ""
     finish_reason: str = "length"  # length | stop | eos | fast_path
     gap: float | None = None
-    version: int = 0
+    version: int = 0  # the committed version the answer was computed from
     timing: Timing = field(default_factory=Timing)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens found in the KV cache

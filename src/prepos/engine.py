@@ -301,7 +301,6 @@ class Engine:
             if calls:
                 msg["tool_calls"] = calls
             snap, dropped = s.add_message(msg, expected_version=version)
-            res.version = snap.version
             self._committed(s, snap, dropped, wait=False)
 
         return commit

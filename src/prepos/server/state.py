@@ -192,6 +192,22 @@ class ServerState:
         self.ephemeral += 1
         return sid
 
+    def close_after(self, stream, sid: str) -> None:
+        """Close an ephemeral session once its stream has finished (a client that went
+        away does not stop the model worker mid-request)."""
+        if stream.done:
+            self.close_ephemeral(sid)
+            return
+
+        async def wait_then_close():
+            try:
+                await self.run(stream.result)
+            except BaseException:
+                pass
+            self.close_ephemeral(sid)
+
+        asyncio.ensure_future(wait_then_close())
+
     def close_ephemeral(self, sid: str) -> None:
         eng = self.engine
         if eng is None:

@@ -1,0 +1,332 @@
+"""The session API: create, inspect, append, roll back, shift, query, agentic turn, tool
+result, add a message, close, and the SSE event stream (standing-query pushes).
+
+Every route looks the session up with the caller's key first (another key's session is
+404), validates the whole body and the limits, and only then calls the engine, whose errors
+are raised before any state changes: a refused request leaves the session as it was.
+The query route calls the engine inline: on the fast path its stream is already finished,
+so the answer is written without a thread hop; other paths wait off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from prepos.entries import parse_tool_calls
+from prepos.errors import SessionNotFound
+from prepos.server import results
+from prepos.server.errors import ApiError, as_api_error, error_body
+from prepos.server.journal import EPHEMERAL
+from prepos.server.schemas import (
+    AddMessage,
+    Append,
+    CreateSession,
+    Query,
+    Rollback,
+    SamplingFields,
+    Shift,
+    ToolResult,
+    Turn,
+)
+from prepos.server.sse import HEADERS as SSE_HEADERS
+from prepos.server.sse import event
+from prepos.server.state import ServerState
+from prepos.session import AGENTIC, STREAMING, TURN, Snapshot, query_key
+
+router = APIRouter()
+JSON = "application/json"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.prepos
+
+
+def _json(data, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(data), status, headers=headers, media_type=JSON)
+
+
+def _session(state: ServerState, request: Request, sid: str):
+    eng = state.ready
+    owner = state.owner(request)
+    if sid.startswith(EPHEMERAL):
+        raise SessionNotFound(f"no session {sid!r}")
+    return eng, owner, eng.session(sid, owner)
+
+
+def _sampling(state: ServerState, body: SamplingFields):
+    return state.limits.sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
+                                 body.seed, body.stop)
+
+
+def _fast_ready(s, key: tuple, mode: str | None, sampling) -> bool:
+    """Whether the request will be answered from a ready record with no model work (a
+    one-token exact match): such requests are never refused for backpressure."""
+    if sampling.max_tokens != 1 or (mode or s.spec.fast_path) == "off":
+        return False
+    with s.lock:
+        ready = s.ready
+        return ready.valid and key in ready.records
+
+
+def _committed(s, version: int) -> dict:
+    with s.lock:
+        snap = s.history.get(version)
+        if not isinstance(snap, Snapshot):
+            snap = s.snap
+    return {"session_id": s.id, "version": version, "tokens": len(snap.tokens),
+            "messages": len(snap.messages)}
+
+
+# -- lifecycle ----------------------------------------------------------------------------
+@router.post("/sessions", status_code=201)
+async def create_session(request: Request):
+    state = _state(request)
+    eng = state.ready
+    owner = state.owner(request)
+    body = await state.body(request, CreateSession)
+    lim = state.limits
+    if not 1 <= body.push_max_tokens <= lim.max_tokens:
+        raise ApiError(400, "invalid_request", f"push_max_tokens must be in [1, "
+                       f"{lim.max_tokens}], got {body.push_max_tokens}", "push_max_tokens")
+    if body.system is not None:
+        lim.check_input(eng, body.system, "system")
+    for q in body.standing_queries:
+        lim.check_input(eng, q, "standing_queries")
+    lim.check_input(eng, json.dumps(body.tools), "tools")
+    state.check_new_session(eng, owner)
+    from prepos.session import SessionSpec
+
+    spec = SessionSpec(body.kind, body.system, tuple(body.tools),
+                       tuple(body.standing_queries), body.fast_path, body.preposition,
+                       body.budget_cells, owner=owner)
+    spec.validate()
+    sid = eng.sessions.new_id()
+    state.hub.push_tokens[sid] = body.push_max_tokens
+    if state.journal is not None:
+        state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
+    try:
+        await state.run(eng.restore_session, sid, spec)
+    except BaseException:
+        state.hub.push_tokens.pop(sid, None)
+        if state.journal is not None:
+            state.journal.extras.pop(sid, None)
+        raise
+    return _json(_info(state, eng, sid, owner), 201, {"Location": f"/sessions/{sid}"})
+
+
+def _info(state: ServerState, eng, sid: str, owner) -> dict:
+    info = eng.info(sid, owner)
+    s = eng.session(sid, owner)
+    with s.lock:
+        kept = list(s.history)
+    info["versions_kept"] = [kept[0], kept[-1]] if kept else []
+    info["push_max_tokens"] = state.hub.push_tokens.get(sid, 1)
+    info["preposition"] = s.spec.preposition and eng.config.preposition
+    info["system"] = s.spec.system
+    info["tools"] = list(s.spec.tools)
+    return info
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request):
+    state = _state(request)
+    eng = state.ready
+    owner = state.owner(request)
+    out = []
+    for s in eng.sessions.all():
+        if s.id.startswith(EPHEMERAL) or (owner is not None and s.spec.owner != owner):
+            continue
+        snap = s.snap
+        out.append({"id": s.id, "kind": s.kind, "version": snap.version,
+                    "tokens": len(snap.tokens), "messages": len(snap.messages)})
+    return _json({"object": "list", "data": out})
+
+
+@router.get("/sessions/{sid}")
+async def inspect_session(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    raw = request.query_params.get("wait_ready")
+    wait = 0.0
+    if raw is not None:
+        try:
+            wait = float(raw)
+        except ValueError:
+            wait = -1.0
+        if not 0.0 <= wait <= 60.0 or math.isnan(wait):
+            raise ApiError(400, "invalid_request", f"wait_ready must be a number of seconds in "
+                           f"[0, 60], got {raw!r}", "wait_ready")
+    info = _info(state, eng, sid, owner)
+    if wait and info["preposition"]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while not (info["ready"]["done"] and info["ready"]["version"] == info["version"]):
+            if loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.002)
+            info = _info(state, eng, sid, owner)
+    return _json(info)
+
+
+@router.delete("/sessions/{sid}")
+async def close_session(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    eng.close_session(sid, owner)
+    return _json({"session_id": sid, "closed": True})
+
+
+# -- mutations ----------------------------------------------------------------------------
+@router.post("/sessions/{sid}/append")
+async def append(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, Append)
+    s.require(STREAMING)
+    state.limits.check_input(eng, body.data, "data")
+    if body.wait:
+        state.backpressure(eng)
+    version = await state.run(eng.append, sid, body.data, body.wait, owner)
+    return _json(_committed(s, version))
+
+
+@router.post("/sessions/{sid}/rollback")
+async def rollback(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, Rollback)
+    if body.wait:
+        state.backpressure(eng)
+    version = await state.run(eng.rollback, sid, body.version, body.wait, owner)
+    return _json(_committed(s, version))
+
+
+@router.post("/sessions/{sid}/shift")
+async def shift(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, Shift)
+    s.require(STREAMING)
+    if body.wait:
+        state.backpressure(eng)
+    version = await state.run(eng.shift, sid, body.drop, body.wait, owner)
+    return _json(_committed(s, version))
+
+
+@router.post("/sessions/{sid}/messages")
+async def add_message(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, AddMessage)
+    s.require(AGENTIC)
+    state.limits.check_input(eng, body.content, "content")
+    if body.wait:
+        state.backpressure(eng)
+    version = await state.run(lambda: eng.add_message(sid, body.role, body.content,
+                                                      body.tool_calls, body.wait, owner))
+    return _json(_committed(s, version))
+
+
+# -- requests -----------------------------------------------------------------------------
+@router.post("/sessions/{sid}/query")
+async def query(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, Query)
+    s.require(STREAMING)
+    sampling = _sampling(state, body)
+    state.limits.check_input(eng, body.question, "question")
+    if not _fast_ready(s, query_key(body.question), body.fast_path, sampling):
+        state.backpressure(eng)
+    stream = eng.query_stream(sid, body.question, sampling, body.fast_path, body.logprobs,
+                              owner)
+    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=False)
+
+
+@router.post("/sessions/{sid}/turn")
+async def turn(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, Turn)
+    s.require(AGENTIC)
+    sampling = _sampling(state, body)
+    if body.user is None:
+        if not _fast_ready(s, TURN, body.fast_path, sampling):
+            state.backpressure(eng)
+        stream = eng.turn_stream(sid, None, sampling, body.fast_path, body.logprobs, owner)
+    else:
+        state.limits.check_input(eng, body.user, "user")
+        state.backpressure(eng)
+        stream = await state.run(lambda: eng.turn_stream(sid, body.user, sampling,
+                                                         body.fast_path, body.logprobs, owner))
+    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=True)
+
+
+@router.post("/sessions/{sid}/tool_result")
+async def tool_result(sid: str, request: Request):
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    body = await state.body(request, ToolResult)
+    s.require(AGENTIC)
+    sampling = _sampling(state, body)
+    state.limits.check_input(eng, body.content, "content")
+    state.backpressure(eng)
+    stream = await state.run(lambda: eng.tool_result_stream(sid, body.content, sampling,
+                                                            body.fast_path, body.logprobs,
+                                                            owner))
+    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=True)
+
+
+async def respond(state: ServerState, stream, sid: str, streaming: bool, logprobs: bool,
+                  agentic: bool) -> Response:
+    def final(res) -> dict:
+        content = parse_tool_calls(res.text)[0] if agentic else None
+        return results.session_result(res, sid, logprobs, agentic, content)
+
+    if not streaming:
+        res = await state.result(stream)
+        return _json(final(res), headers=results.headers(res, sid))
+    if stream.done:  # the fast path: everything is here, write it in one response
+        res = stream.result()
+        chunks = [event({"text": ev.text, "token": ev.token, "logprob": ev.logprob}, "token")
+                  for ev in stream]
+        chunks.append(event(final(res), "result"))
+        return Response(b"".join(chunks), headers={**results.headers(res, sid), **SSE_HEADERS},
+                        media_type="text/event-stream")
+
+    async def events():
+        try:
+            async for ev in stream.aiter():
+                yield event({"text": ev.text, "token": ev.token, "logprob": ev.logprob},
+                            "token")
+            yield event(final(stream.result()), "result")
+        except Exception as exc:
+            err = as_api_error(exc)
+            yield event(error_body(err.status, err.code, err.message, err.param), "error")
+
+    return StreamingResponse(events(), headers={**results.pending_headers(sid), **SSE_HEADERS},
+                             media_type="text/event-stream")
+
+
+# -- events -------------------------------------------------------------------------------
+@router.get("/sessions/{sid}/events")
+async def events(sid: str, request: Request):
+    """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
+    recorded ready distribution), `answer` (each standing query, answered from its record
+    before anyone asks) and `close`."""
+    state = _state(request)
+    eng, owner, s = _session(state, request, sid)
+    sub = state.hub.subscribe(s)
+
+    async def stream():
+        try:
+            async for item in sub.items():
+                yield item
+        finally:
+            state.hub.unsubscribe(sub)
+
+    return StreamingResponse(stream(), headers=SSE_HEADERS, media_type="text/event-stream")
