@@ -125,6 +125,17 @@ class Engine:
 
         self.scheduler.submit(drop())
 
+    def trim(self, sid: str, owner: str | None = None) -> None:
+        """Drop the session's speculative KV cells (pre-paid entries, past answers), keeping
+        its committed state; its ready records stay valid. Waits until done."""
+        s = self.sessions.get(sid, owner)
+
+        def crop():
+            self.pool.get(s.id).crop(len(s.snap.tokens))
+            yield
+
+        self._call(crop())
+
     def session(self, sid: str, owner: str | None = None) -> Session:
         return self.sessions.get(sid, owner)
 

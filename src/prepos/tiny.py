@@ -96,8 +96,20 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: str | Path, family: str = "chatml", vocab_size: int = 600):
-    """Train a byte-level BPE on a small built-in corpus; save a standard tokenizer dir."""
+def filler_corpus(words: int, seed: int = 0) -> list[str]:
+    """Seeded random words, so BPE training can reach a large vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return [" ".join("".join(rng.choices(alphabet, k=rng.randint(3, 9)))
+                     for _ in range(100)) for _ in range(words // 100)]
+
+
+def build_tokenizer(out_dir: str | Path, family: str = "chatml", vocab_size: int = 600,
+                    extra_corpus: list[str] | None = None):
+    """Train a byte-level BPE on a small built-in corpus (plus `extra_corpus`); save a
+    standard tokenizer directory with the family's chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,7 +120,7 @@ def build_tokenizer(out_dir: str | Path, family: str = "chatml", vocab_size: int
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=fam["specials"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.train_from_iterator(CORPUS * 4 + (extra_corpus or []), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=fam["bos"], eos_token=fam["eos"],
         pad_token=fam["pad"],
@@ -140,8 +152,12 @@ def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama"
 
     hf_logging.disable_progress_bar()
     out = Path(out_dir)
-    tok = build_tokenizer(out, family)
-    config.setdefault("vocab_size", len(tok))
+    vocab = config.pop("vocab_size", None)
+    if vocab is None:
+        tok = build_tokenizer(out, family)
+    else:  # a vocabulary this large needs more text than the built-in corpus
+        tok = build_tokenizer(out, family, vocab, filler_corpus(words=vocab * 8, seed=seed))
+    config["vocab_size"] = max(len(tok), vocab or 0)
     cfg = model_config(arch, **config)
     cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_id = tok.eos_token_id

@@ -16,9 +16,9 @@ import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
 
 from prepos.session import Session, SessionSpec, Snapshot
 

@@ -43,7 +43,7 @@ from prepos.server.schemas import ChatCompletion, ChatMessage, Completion, OpenA
 from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import event
 from prepos.server.state import ServerState
-from prepos.session import AGENTIC, STREAMING, TURN, Snapshot, SessionSpec, query_key
+from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, Snapshot, query_key
 
 router = APIRouter(prefix="/v1")
 JSON = "application/json"
@@ -566,19 +566,21 @@ async def completions(request: Request):
         shown = sid
     else:
         state.backpressure(eng)
-        spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
+        # a session with no messages has no chat rendering to extend: ask the prompt as the
+        # one user message of a conversation, which is what a streaming query frames
+        spec = SessionSpec(AGENTIC, None, (), (), "off", False, None, owner=owner)
 
         def start():
-            sid = state.new_ephemeral(eng, spec)
+            sid = state.new_ephemeral(eng, spec, [(0, [{"role": "user", "content": prompt}])])
             try:
-                return sid, eng.query_stream(sid, prompt, sampling, "off", want_lp, owner)
+                return sid, eng.turn_stream(sid, None, sampling, "off", want_lp, owner)
             except BaseException:
                 state.close_ephemeral(sid)
                 raise
 
         sid, stream = await state.run(start)
         shown = None
-        cleanup = lambda: state.close_after(stream, sid)  # noqa: E731
+        cleanup = lambda: state.close_after(stream, sid)
     return await _complete(state, body, stream, shown, want_lp, cleanup)
 
 

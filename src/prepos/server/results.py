@@ -61,6 +61,9 @@ def session_result(res: Result, session_id: str, logprobs: bool = False,
     if agentic:
         out["content"] = res.text if content is None else content
         out["tool_calls"] = res.tool_calls
+        # the answer commits on top of the version it was computed from (or the turn fails
+        # with a conflict), so it is the next version
+        out["committed_version"] = res.version + 1
     return out
 
 

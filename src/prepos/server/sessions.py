@@ -160,6 +160,11 @@ async def inspect_session(sid: str, request: Request):
         if not 0.0 <= wait <= 60.0 or math.isnan(wait):
             raise ApiError(400, "invalid_request", f"wait_ready must be a number of seconds in "
                            f"[0, 60], got {raw!r}", "wait_ready")
+    include = {x.strip() for x in request.query_params.get("include", "").split(",") if x}
+    unknown = include - {"tokens", "messages"}
+    if unknown:
+        raise ApiError(400, "invalid_request", f"include takes tokens and messages, got "
+                       f"{sorted(unknown)}", "include")
     info = _info(state, eng, sid, owner)
     if wait and info["preposition"]:
         loop = asyncio.get_running_loop()
@@ -169,13 +174,21 @@ async def inspect_session(sid: str, request: Request):
                 break
             await asyncio.sleep(0.002)
             info = _info(state, eng, sid, owner)
+    if include:
+        with s.lock:
+            snap = s.snap
+        info["version"], info["tokens"] = snap.version, len(snap.tokens)  # one snapshot
+        if "tokens" in include:
+            info["token_ids"] = list(snap.tokens)
+        if "messages" in include:
+            info["message_list"] = list(snap.messages)
     return _json(info)
 
 
 @router.delete("/sessions/{sid}")
 async def close_session(sid: str, request: Request):
     state = _state(request)
-    eng, owner, s = _session(state, request, sid)
+    eng, owner, _ = _session(state, request, sid)
     eng.close_session(sid, owner)
     return _json({"session_id": sid, "closed": True})
 
@@ -319,7 +332,7 @@ async def events(sid: str, request: Request):
     recorded ready distribution), `answer` (each standing query, answered from its record
     before anyone asks) and `close`."""
     state = _state(request)
-    eng, owner, s = _session(state, request, sid)
+    _, _, s = _session(state, request, sid)
     sub = state.hub.subscribe(s)
 
     async def stream():

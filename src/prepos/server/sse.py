@@ -49,7 +49,7 @@ class Subscriber:
         while True:
             try:
                 item = await asyncio.wait_for(self.queue.get(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield b": keep-alive\n\n"
                 continue
             if item is None:

@@ -4,13 +4,15 @@ the SSE hub, metrics, keys and limits, and the helpers every route uses."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -91,6 +93,8 @@ class ServerState:
             self.metrics.engine = engine
             if self.journal is not None:
                 self._restore(engine, self.journal)
+            gc.collect()
+            gc.freeze()  # the model and libraries: out of the collector's way for good
             self.engine = engine
             self.status = "ready"
             log.info("prepos ready: model %s, %d sessions restored, %.1f s", self.model_name,
@@ -202,8 +206,8 @@ class ServerState:
         async def wait_then_close():
             try:
                 await self.run(stream.result)
-            except BaseException:
-                pass
+            except Exception as exc:  # the request's own error, already reported to it
+                log.debug("ephemeral session %s ended with %s", sid, exc)
             self.close_ephemeral(sid)
 
         asyncio.ensure_future(wait_then_close())

@@ -357,16 +357,22 @@ def sample_example(
     min_messages: int = 2,
     max_messages: int = WINDOW_MESSAGES + 1,
     mix: dict[str, float] | None = None,
+    max_burn: int = 160,
 ) -> Example:
-    """One training conversation from a fresh seeded stream segment."""
+    """One training conversation: a window of a seeded stream, and a question (or none)."""
     mix = mix or DEFAULT_MIX
     n_msgs = rng.randint(min_messages, max_messages)
-    stream = generate_stream(rng, n_msgs * PRICES_PER_MESSAGE)
-    trend = trend_of(stream.prices)
+    # A window cut from a running stream, like the calibration windows: a burn-in lets the
+    # level wander over the whole price range and start the window mid-regime.
+    burn = rng.randint(0, max_burn)
+    stream = generate_stream(rng, burn + n_msgs * PRICES_PER_MESSAGE)
+    prices = stream.prices[burn:]
+    trend = trend_of(prices)
     kinds = list(mix)
     kind = rng.choices(kinds, [mix[k] for k in kinds])[0]
     query = None if kind == "header" else rng.choice(queries(stream.ticker, trend, (kind,)))
-    return Example(stream.ticker, tuple(stream.messages()), trend, query)
+    msgs = Stream(stream.ticker, prices, stream.regimes[burn:]).messages()
+    return Example(stream.ticker, tuple(msgs), trend, query)
 
 
 def examples(seed: int, n: int, **kw) -> Iterator[Example]:

@@ -1,0 +1,202 @@
+"""The HTTP app and `prepos serve`.
+
+    prepos serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--journal PATH] ...
+
+The server listens at once and loads the model (and restores the journal's sessions) in
+the background: `GET /health` answers 503 until it is ready, then 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from prepos.config import BudgetConfig, EngineConfig
+from prepos.paths import DEFAULT_MODEL
+from prepos.server import errors
+from prepos.server.limits import BodyLimit, Limits
+from prepos.server.metrics import CONTENT_TYPE
+from prepos.server.openai import router as openai_router
+from prepos.server.sessions import router as sessions_router
+from prepos.server.state import ServerConfig, ServerState
+
+log = logging.getLogger("prepos.server")
+
+
+def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
+    state = ServerState(config, engine_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="prepos", version="0.1.0", lifespan=lifespan,
+                  description="A stateful-session LLM server that answers before it is asked.")
+    app.state.prepos = state
+    errors.install(app, on_error=lambda err: state.metrics.errors.labels(
+        str(err.status), err.code).inc())
+
+    @app.get("/health")
+    async def health():
+        eng = state.engine
+        if eng is None or state.status != "ready":
+            body = {"status": state.status, "model": state.model_name}
+            if state.error:
+                body["error"] = state.error
+            return Response(json.dumps(body), 503, media_type="application/json",
+                            headers={"Retry-After": "1"})
+        return {"status": "ok", "model": state.model_name,
+                "sessions": state.persistent_sessions(eng), "restored": state.restored,
+                "journal": str(config.journal) if config.journal else None}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(sessions_router)
+    app.include_router(openai_router)
+    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes)
+    return app
+
+
+def default_journal(model: Path) -> Path:
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return state / "prepos" / f"{Path(model).name}.sqlite3"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="prepos serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                   help="model directory (default: the bundled %(default)s)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
+    p.add_argument("--served-model-name", help="the model id of /v1 (default: the dir name)")
+    p.add_argument("--journal", help="SQLite journal path (default: "
+                   "$XDG_STATE_HOME/prepos/<model>.sqlite3); 'none' disables persistence")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accept this Bearer key (repeatable; also PREPOS_API_KEYS, comma-"
+                   "separated); with none given the server is open")
+    p.add_argument("--api-keys-file", help="file of keys, one a line")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--no-preposition", action="store_true",
+                   help="never pre-position (every request pays its entry: the baseline)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-sessions", type=int, default=1024)
+    p.add_argument("--max-sessions-per-key", type=int)
+    p.add_argument("--max-tokens", type=int, default=1024,
+                   help="most tokens a request may generate")
+    p.add_argument("--default-max-tokens", type=int, default=64)
+    p.add_argument("--max-input-tokens", type=int, default=8192,
+                   help="most tokens of input text in one request")
+    p.add_argument("--max-session-tokens", type=int,
+                   help="most tokens a session may hold (default: the model's context)")
+    p.add_argument("--max-session-cells", type=int, default=BudgetConfig.session_cells,
+                   help="default per-session KV cell budget")
+    p.add_argument("--max-kv-cells", type=int, default=BudgetConfig.engine_cells,
+                   help="the engine's KV cell budget")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="foreground requests queued on the model worker before 429")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from prepos.server.auth import load_keys
+
+    if args.journal is None:
+        journal: Path | None = default_journal(args.model)
+    elif args.journal.lower() in ("none", ""):
+        journal = None
+    else:
+        journal = Path(args.journal)
+    engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
+                          max_context=args.max_session_tokens,
+                          preposition=not args.no_preposition,
+                          budget=BudgetConfig(args.max_session_cells, args.max_kv_cells))
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
+                    max_sessions_per_key=args.max_sessions_per_key, max_tokens=args.max_tokens,
+                    default_max_tokens=min(args.default_max_tokens, args.max_tokens),
+                    max_input_tokens=args.max_input_tokens, max_queue=args.max_queue)
+    return ServerConfig(model=args.model, engine=engine, journal=journal,
+                        api_keys=load_keys(args.api_key, args.api_keys_file),
+                        served_model_name=args.served_model_name, limits=limits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
+                        "%(message)s")
+    if not (args.model / "config.json").is_file():
+        print(f"prepos serve: no model at {args.model} (no config.json). Train the bundled "
+              "model first (`prepos train`) or pass --model DIR.", file=sys.stderr)
+        return 2
+    config = config_from_args(args)
+    app = create_app(config)
+    state: ServerState = app.state.prepos
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                        access_log=args.access_log, timeout_graceful_shutdown=5,
+                        timeout_keep_alive=60)
+    server = _Server(uv, state, args.port_file)
+    state.on_failure = server.fail
+    print(f"prepos: serving {config.model} on http://{args.host}:{args.port} (journal: "
+          f"{config.journal or 'off'}; API keys: {len(config.api_keys) or 'off'})",
+          file=sys.stderr, flush=True)
+    server.run()
+    return 1 if state.status == "failed" or server.failed else 0
+
+
+class _Server:
+    """uvicorn's Server, plus: end SSE subscriptions as soon as shutdown begins (they would
+    hold the graceful shutdown open), publish the bound port, and stop when loading fails."""
+
+    def __init__(self, config, state: ServerState, port_file: Path | None):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                loop = state.loop
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(state.hub.shutdown)
+                super().handle_exit(sig, frame)
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if port_file is not None and self.servers:
+                    port = self.servers[0].sockets[0].getsockname()[1]
+                    tmp = port_file.with_name(port_file.name + ".tmp")
+                    tmp.write_text(str(port))
+                    tmp.replace(port_file)
+                    print(f"prepos: listening on port {port}", file=sys.stderr, flush=True)
+
+        self.server = Server(config)
+        self.failed = False
+
+    def fail(self) -> None:
+        self.failed = True
+        self.server.should_exit = True
+
+    def run(self) -> None:
+        self.server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The OpenAI-compatible endpoints end to end, with the real `openai` client against a real
+`prepos serve` process: models, chat and completions (streaming and not), logprobs, usage
+with cached tokens, the `session_id` extension (delta-only turns, divergence refused or
+rolled back, the exact-turn fast path), and the path reported in headers and body."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server_harness import ServerProc, state_of
+
+SYSTEM = "You are a market analyst. Answer with one word."
+Q = "What is the trend?"
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    with ServerProc(model_dirs["chatml"], tmp_path_factory.mktemp("srv-openai")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def model_name(model_dirs):
+    return model_dirs["chatml"].name
+
+
+@pytest.fixture
+def oai(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def test_models(oai, model_name):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [model_name]
+
+
+def test_stateless_chat_streaming_and_not(oai, model_name):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}]
+    raw = oai.chat.completions.with_raw_response.create(
+        model=model_name, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=1)
+    r = raw.parse()
+    assert raw.headers["x-prepos-path"] == "cold"
+    assert r.model_extra["prepos"]["path"] == "cold"
+    assert r.usage.completion_tokens == len(r.choices[0].logprobs.content) <= 4
+    assert r.usage.prompt_tokens > 0
+    assert all(e.top_logprobs[0].token == e.token for e in r.choices[0].logprobs.content)
+    chunks = list(oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=4,
+                                              stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content  # greedy: the same answer
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert last.model_extra["prepos"]["path"] == "cold"
+
+
+def test_session_turns_are_delta_only(oai, http, model_name):
+    sid = http.post("/sessions", json={"kind": "agentic", "system": SYSTEM}).json()["id"]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "AAPL?"}]
+    r = oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=3,
+                                    extra_body={"session_id": sid})
+    assert r.model_extra["prepos"]["session_id"] == sid
+    msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    # the session holds the conversation so far: system, user, the committed answer
+    assert http.get(f"/sessions/{sid}").json()["messages"] == 3
+    http.get(f"/sessions/{sid}", params={"wait_ready": 30})
+    msgs.append({"role": "user", "content": "And MSFT?"})
+    raw = oai.chat.completions.with_raw_response.create(
+        model=model_name, messages=msgs, max_tokens=3, extra_body={"session_id": sid})
+    r2 = raw.parse()
+    # the next user message's prefix was pre-paid: only the delta was prefilled
+    assert raw.headers["x-prepos-path"] == "fall-through"
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    v = state_of(http, sid)[0]
+    # the same conversation sent without the system message: it is implied
+    msgs.append({"role": "assistant", "content": r2.choices[0].message.content + "  "})
+    msgs.append({"role": "user", "content": "Thanks."})
+    r3 = oai.chat.completions.create(model=model_name, messages=msgs[1:], max_tokens=2,
+                                     extra_body={"session_id": sid})
+    assert r3.model_extra["prepos"]["version"] == v + 1
+
+
+def test_committed_user_message_gets_the_exact_fast_path(oai, http, model_name):
+    sid = http.post("/sessions", json={"kind": "agentic", "system": SYSTEM}).json()["id"]
+    http.post(f"/sessions/{sid}/messages", json={"role": "user", "content": "Trend?"})
+    http.get(f"/sessions/{sid}", params={"wait_ready": 30})
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Trend?"}]
+    raw = oai.chat.completions.with_raw_response.create(
+        model=model_name, messages=msgs, max_tokens=1, extra_body={"session_id": sid})
+    r = raw.parse()
+    assert raw.headers["x-prepos-path"] == "fast"
+    assert r.model_extra["prepos"]["match"] == "exact"
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens
+
+
+def test_divergence_is_refused_or_rolled_back(oai, http, model_name):
+    sid = http.post("/sessions", json={"kind": "agentic", "system": SYSTEM}).json()["id"]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "One?"}]
+    r = oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=2,
+                                    extra_body={"session_id": sid})
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+             {"role": "user", "content": "Two?"}]
+    oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=2,
+                                extra_body={"session_id": sid})
+    before = state_of(http, sid)
+    edited = [msgs[0], msgs[1], {"role": "assistant", "content": "something else"},
+              {"role": "user", "content": "Three?"}]
+    with pytest.raises(openai.ConflictError) as err:
+        oai.chat.completions.create(model=model_name, messages=edited, max_tokens=2,
+                                    extra_body={"session_id": sid})
+    assert err.value.body["code"] == "conversation_diverged"
+    assert "message 2" in err.value.body["message"]
+    assert state_of(http, sid) == before
+    r = oai.chat.completions.create(model=model_name, messages=edited, max_tokens=2,
+                                    extra_body={"session_id": sid,
+                                                "on_divergence": "rollback"})
+    held = http.get(f"/sessions/{sid}", params={"include": "messages"}).json()["message_list"]
+    assert [m["content"] for m in held[:4]] == [m["content"] for m in edited]
+    assert held[4]["role"] == "assistant" and r.model_extra["prepos"]["version"] > before[0]
+
+
+def test_streaming_session_via_completions_and_chat(oai, http, model_name):
+    sid = http.post("/sessions", json={"kind": "streaming", "system": SYSTEM,
+                                       "standing_queries": [Q]}).json()["id"]
+    http.post(f"/sessions/{sid}/append", json={"data": "AAPL 101.2 101.5 101.9"})
+    http.get(f"/sessions/{sid}", params={"wait_ready": 30})
+    raw = oai.completions.with_raw_response.create(model=model_name, prompt=Q, max_tokens=1,
+                                                   logprobs=1, extra_body={"session_id": sid})
+    c = raw.parse()
+    assert raw.headers["x-prepos-path"] == "fast"
+    assert c.choices[0].logprobs.token_logprobs[0] <= 0
+    chat = oai.chat.completions.create(model=model_name, max_tokens=1,
+                                       messages=[{"role": "user", "content": Q}],
+                                       extra_body={"session_id": sid})
+    assert chat.choices[0].message.content == c.choices[0].text
+    assert chat.model_extra["prepos"]["path"] == "fast"
+    chunks = list(oai.completions.create(model=model_name, prompt="Is it up?", max_tokens=3,
+                                         stream=True, extra_body={"session_id": sid}))
+    assert chunks[-1].model_extra["prepos"]["path"] == "fall-through"
+    stateless = oai.completions.create(model=model_name, prompt=Q, max_tokens=2)
+    assert stateless.model_extra["prepos"]["path"] == "cold"
+    assert stateless.model_extra["prepos"]["session_id"] is None
+
+
+def test_unsupported_options_are_refused_by_name(oai, model_name):
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
+             ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+             ({"top_logprobs": 3}, "top_logprobs")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=model_name, messages=msgs, **extra)
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4o", messages=msgs)
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model=model_name, messages=msgs,
+                                    extra_body={"session_id": "s-404"})
