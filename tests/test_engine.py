@@ -2,6 +2,7 @@
 
 import pytest
 
+from helpers import cold_logits, greedy_agrees, query_entry, state
 from prepos.config import BudgetConfig, GateConfig
 from prepos.core import Match, Path, SamplingParams
 from prepos.errors import (
@@ -13,9 +14,7 @@ from prepos.errors import (
     VersionNotFound,
     WrongSessionKind,
 )
-from prepos.session import HEADER, TURN, query_key
-
-from helpers import cold_logits, greedy_agrees, query_entry, state
+from prepos.session import TURN, query_key
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

@@ -21,7 +21,8 @@ def rendered_tokens(eng, sid, extra=(), generation_prompt=False):
     return tuple(eng.fmt.encode(text))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.lists(TEXT, min_size=1, max_size=6), question=TEXT)
 def test_streaming_sequence_and_query_entry_match_the_template(make_engine, family, data,
                                                               question):

@@ -11,11 +11,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import cold_logits, greedy_agrees
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import Match, Path, SamplingParams
 from prepos.engine import Engine
-
-from helpers import cold_logits, greedy_agrees
 
 Q = "What is the trend?"
 WORDS = st.sampled_from(["AAPL 101.5", "MSFT 99", "up 3", "down 1.25", "flat", "NVDA 7 8 9"])

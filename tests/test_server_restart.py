@@ -69,9 +69,9 @@ def test_sessions_survive_a_crash_and_restarts(model_dirs, tmp_path):
             call = {"function": {"name": "price", "arguments": {"t": "AAPL"}}}
             c.post(f"/sessions/{a}/messages", json={"role": "assistant", "content": "",
                                                     "tool_calls": [call]})
-            b = c.post("/sessions", json={"kind": "agentic"}).json()["id"]
+            b = c.post("/sessions", json={"kind": "agentic", "system": SYSTEM}).json()["id"]
             oai = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
-            msgs = [{"role": "user", "content": "One?"}]
+            msgs = [{"role": "user", "content": "One?"}]  # the system prompt is implied
             r = oai.chat.completions.create(model=model.name, messages=msgs, max_tokens=2,
                                             extra_body={"session_id": b})
             msgs.append({"role": "assistant", "content": r.choices[0].message.content})

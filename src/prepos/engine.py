@@ -374,7 +374,8 @@ class Engine:
             tm.queue = time.perf_counter() - t0
             self.pool.make_room(s.id, seq, self._committed_len)
             step = self.pool.get(s.id).advance(seq)
-            tm.restore, tm.prefill, tm.prefill_tokens = step.restore_s, step.forward_s, step.prefilled
+            tm.restore, tm.prefill = step.restore_s, step.forward_s
+            tm.prefill_tokens = step.prefilled
             tm.cached_tokens = max(0, step.kept - base_len)
             res.cached_prompt_tokens = min(step.kept, len(seq))
             used = tm.cached_tokens > 0

@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -40,7 +39,8 @@ from prepos.task.market import (
     queries,
     sample_example,
 )
-from prepos.task.tokenizer import IM_END, build as build_tokenizer
+from prepos.task.tokenizer import IM_END
+from prepos.task.tokenizer import build as build_tokenizer
 
 QUESTION_MIX = {"trend": 0.4, "polar": 0.4, "wording": 0.2}
 DEFAULT_OUT = "models/trend-reader"
@@ -63,6 +63,7 @@ class Recipe:
     eos_weight: float = 0.1  # loss on the <|im_end|> after the answer
     no_system_rate: float = 0.1  # conversations without a system message
     questions: int = 3  # question branches per data prefix (besides the bare header)
+    ordinal_init: float = 0.05  # std of the ordered component of price embeddings (0: off)
 
 
 WEAK = Recipe(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, steps=40, lr=1e-3,
@@ -179,7 +180,32 @@ def make_model(vocab: int, r: Recipe, tokenizer, seed: int):
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.pad_token_id,
     )
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if r.ordinal_init:
+        ordinal_price_init(model, tokenizer, r.ordinal_init, seed)
+    return model
+
+
+@torch.no_grad()
+def ordinal_price_init(model, tokenizer, scale: float, seed: int, freqs: int = 8) -> None:
+    """Give the price tokens an ordered start: add to each price's embedding a fixed random
+    projection of smooth features of its value (the value itself and low-frequency
+    sinusoids), so neighbouring prices start close and the level is linearly readable.
+    Training is free to move them; it just does not have to discover the order of 90
+    numbers from scratch."""
+    emb = model.get_input_embeddings().weight
+    g = torch.Generator().manual_seed(seed + 1)
+    values = torch.arange(PRICE_MIN, PRICE_MAX + 1, dtype=torch.float32)
+    v = (values - PRICE_MIN) / (PRICE_MAX - PRICE_MIN)
+    feats = [v - 0.5]
+    for f in range(1, freqs + 1):
+        feats += [torch.cos(math.pi * f * v), torch.sin(math.pi * f * v)]
+    phi = torch.stack(feats, dim=1)  # (90, 2 * freqs + 1)
+    proj = torch.randn(phi.shape[1], emb.shape[1], generator=g) / math.sqrt(phi.shape[1])
+    add = phi @ proj
+    add *= scale / add.std()
+    ids = [tokenizer.encode(f" {int(p)}", add_special_tokens=False)[0] for p in values]
+    emb[ids] += add.to(emb.dtype)
 
 
 def loss_fn(logits: torch.Tensor, batch: dict, r: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
