@@ -49,3 +49,6 @@ class EngineConfig:
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     threads: int | None = None  # torch intra-op threads (None: leave torch's default)
+    # back ends that return top-k logprobs only (remote engines): allow temperature sampling
+    # renormalized within the top-k; off by default, so such back ends serve greedy only
+    topk_sampling: bool = False

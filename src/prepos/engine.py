@@ -12,11 +12,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from prepos.backends.base import Backend
+from prepos.backends.base import Backend, Dist
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
 from prepos.entries import ChatFormat, parse_tool_calls
-from prepos.errors import InvalidInput, OverBudget
+from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
 from prepos.generation import Generation
 from prepos.prepositioner import Prepositioner
@@ -227,6 +227,7 @@ class Engine:
         """Streaming: answer an ad-hoc or standing query. Never blocks on model work."""
         t0 = time.perf_counter()
         sampling = sampling or DEFAULT_SAMPLING
+        self._check_sampling(sampling)
         s = self.sessions.get(sid, owner)
         s.require(STREAMING)
         if not isinstance(question, str) or not question.strip():
@@ -280,6 +281,7 @@ class Engine:
                  fast_path: str | None, logprobs: bool, owner: str | None) -> Stream:
         t0 = time.perf_counter()
         sampling = sampling or DEFAULT_SAMPLING
+        self._check_sampling(sampling)
         s = self.sessions.get(sid, owner)
         s.require(AGENTIC)
         mode = self._mode(s, fast_path)
@@ -345,11 +347,9 @@ class Engine:
         out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
                          self._finisher(on_finish))
         rng = generator_for(sampling)
-        if rec.logits is not None:
-            first = sample(rec.logits, sampling, rng)
-        else:  # a top-k back end: the cached argmax is all there is
-            first = rec.argmax
-        if out.add(first, rec.logits):
+        cached = rec.logits if rec.logits is not None else Dist(None, rec.top_ids,
+                                                                rec.top_logprobs)
+        if out.add(sample(cached, sampling, rng), cached):
             return stream
         seq = snap.tokens + rec.entry
         self._check_room(s, len(seq), sampling)
@@ -410,6 +410,13 @@ class Engine:
         if fast_path not in FAST_MODES:
             raise InvalidInput(f"fast_path must be one of {FAST_MODES}, got {fast_path!r}")
         return fast_path
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        if (not sampling.greedy and not self.backend.full_distribution
+                and not self.config.topk_sampling):
+            raise InvalidSampling(f"the {self.backend.name} back end returns top-k logprobs "
+                                  "only: it serves greedy decoding (temperature 0) unless "
+                                  "topk_sampling is enabled")
 
     def _check_room(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
         need = prompt_len + sampling.max_tokens

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from prepos.backends.base import Dist
 from prepos.core import Result, SamplingParams
 from prepos.entries import ChatFormat
 from prepos.sampling import token_logprob
@@ -30,7 +31,7 @@ class Generation:
         self._emitted = 0
         self._hold = max((len(s) for s in sampling.stop), default=1) - 1
 
-    def add(self, token: int, logits: torch.Tensor | None = None,
+    def add(self, token: int, logits: torch.Tensor | Dist | None = None,
             logprob: float | None = None) -> bool:
         """Take the next token; returns True when the generation is finished."""
         if not self.tokens and self.result.timing.ttft == 0.0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from prepos.backends.base import Dist
 from prepos.core import SamplingParams
 
 
@@ -18,7 +19,17 @@ def generator_for(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+def sample(logits: torch.Tensor | Dist, params: SamplingParams,
+           gen: torch.Generator | None) -> int:
+    """A token from full logits, or from a top-k Dist (a remote back end's logprobs: the
+    distribution renormalized over its top-k, which `Engine` allows only by option)."""
+    if isinstance(logits, Dist):
+        if params.greedy or logits.logits is None and len(logits.top_ids) == 1:
+            return logits.top_ids[0]
+        if logits.logits is not None:
+            return sample(logits.logits, params, gen)
+        top = torch.tensor(logits.top_logprobs)
+        return logits.top_ids[sample(top, params, gen)]
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
@@ -36,5 +47,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def token_logprob(logits: torch.Tensor, token: int) -> float:
+def token_logprob(logits: torch.Tensor | Dist, token: int) -> float | None:
+    if isinstance(logits, Dist):
+        if logits.logits is not None:
+            return token_logprob(logits.logits, token)
+        lp = dict(zip(logits.top_ids, logits.top_logprobs))
+        return lp.get(token)
     return float(torch.log_softmax(logits.float(), dim=-1)[token])

@@ -124,6 +124,7 @@ class Session:
         self.snap = self._snapshot(version, tuple(messages))
         self._check_fits(len(self.snap.tokens))
         self.history[version] = self.snap
+        self.ready = ReadySet(version)  # a restored session pre-positions its current version
 
     def _snapshot(self, version: int, messages: tuple[dict, ...]) -> Snapshot:
         text = self.fmt.render(messages, self.spec.tools) if messages else ""
