@@ -86,3 +86,38 @@ def test_adapter_finds_the_forward_keyword(model_dirs):
     assert adapter.kwarg in ("cache", "past_key_values")
     kwargs = adapter.forward_kwargs(adapter.new())
     assert kwargs["use_cache"] is True and adapter.kwarg in kwargs
+
+
+def test_adapter_handles_both_cache_api_generations(model_dirs, monkeypatch):
+    """Older releases: `past_key_values=` and `crop(max_length)`; newer: `cache=` and
+    `crop(tokens_to_remove)` with a negative count."""
+    import prepos.backends.hf_cache as hf_cache
+
+    calls = []
+
+    class OldCache:
+        def __init__(self, config=None):
+            self.n = 10
+
+        def get_seq_length(self):
+            return self.n
+
+        def crop(self, max_length):
+            calls.append(max_length)
+            self.n = max_length
+
+    class OldModel(torch.nn.Module):
+        config = None
+
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    monkeypatch.setattr(hf_cache, "DynamicCache", OldCache)
+    old = CacheAdapter(OldModel())
+    assert old.kwarg == "past_key_values" and not old.crop_removes
+    cache = old.new()
+    old.crop(cache, 4)
+    assert calls == [4] and old.length(cache) == 4
+    monkeypatch.undo()
+    new = CacheAdapter(TorchBackend.from_pretrained(model_dirs["chatml"]).model)
+    assert new.crop_removes and new.kwarg == "cache"

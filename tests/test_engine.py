@@ -360,3 +360,35 @@ def test_request_waits_at_most_one_idle_chunk(make_engine):
     waits = list(eng.scheduler.fg_waits)
     assert waits and max(chunks for _, chunks in waits) <= 1
     assert eng.scheduler.idle_steps > 10
+
+
+def test_async_iteration_streams_tokens(make_engine):
+    import asyncio
+
+    eng = make_engine("chatml")
+    sid = streaming(eng)
+
+    async def collect():
+        stream = eng.query_stream(sid, Q, SamplingParams(max_tokens=5))
+        return [ev async for ev in stream.aiter()], stream.result()
+
+    events, res = asyncio.run(collect())
+    assert [e.token for e in events if e.token >= 0] == res.tokens
+    assert "".join(e.text for e in events) == res.text
+
+
+def test_commit_over_the_engine_budget_is_refused_unchanged(make_engine):
+    probe = make_engine("chatml", preposition=False)
+    psid = probe.create_session("streaming", system=SYSTEM)
+    n = len(probe.session(psid).snap.tokens)
+    eng = make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=2 * n + 4))
+    a = eng.create_session("streaming", system=SYSTEM)
+    b = eng.create_session("streaming", system=SYSTEM)
+    before = state(eng, a)
+    with pytest.raises(OverBudget):
+        eng.append(a, "AAPL 101.2 101.5 101.9 102.4")
+    assert state(eng, a) == before
+    with pytest.raises(OverBudget):
+        eng.create_session("streaming", system=SYSTEM)
+    eng.close_session(b)
+    eng.append(a, "AAPL 101.2")  # room again once the other session is gone

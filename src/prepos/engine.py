@@ -107,7 +107,7 @@ class Engine:
             raise InvalidInput("system must be a non-empty string when given")
         c = self.config
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
-                    c.reserve_tokens, history)
+                    c.reserve_tokens, history, admit=self._admit)
         self.sessions.add(s)
         self._emit("create", s, s.snap)
         self._committed(s, s.snap, None, wait=False)
@@ -427,6 +427,14 @@ class Engine:
         if need > budget:
             raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens "
                              f"{sampling.max_tokens} exceeds the session budget of {budget} cells")
+
+    def _admit(self, s: Session, n: int) -> None:
+        """Committed state across all sessions must fit the engine's cell budget: only
+        speculative cells are reclaimable, live state never is."""
+        others = sum(len(o.snap.tokens) for o in self.sessions.all() if o is not s)
+        if others + n > self.pool.engine_cells:
+            raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells cannot "
+                             f"hold {n} more committed tokens ({others} committed elsewhere)")
 
     def _committed_len(self, sid: str) -> int:
         s = self.sessions._sessions.get(sid)

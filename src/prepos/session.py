@@ -99,9 +99,12 @@ class SessionSpec:
 class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
                  max_versions: int, shift_keep: float, reserve: int,
-                 history: Sequence[tuple[int, Sequence[dict]]] = ()):
+                 history: Sequence[tuple[int, Sequence[dict]]] = (),
+                 admit: Callable[[Session, int], None] | None = None):
         """A new session, or with `history` ((version, messages) pairs, oldest first, the
-        last being current) one restored from a journal."""
+        last being current) one restored from a journal. `admit(session, n)` may refuse, by
+        raising, a committed state of n tokens (the engine's cell budget)."""
+        self.admit = admit
         self.id = sid
         self.spec = spec
         self.fmt = fmt
@@ -266,6 +269,8 @@ class Session:
         if limit is not None and n > limit:
             raise OverBudget(f"session {self.id} would hold {n} tokens, over its budget of "
                              f"{limit} KV cells")
+        if self.admit is not None:
+            self.admit(self, n)
 
     def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
         """Swap the snapshot, bump the version, clear the ready records: one critical
