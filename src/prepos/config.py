@@ -49,6 +49,8 @@ class EngineConfig:
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     threads: int | None = None  # torch intra-op threads (None: leave torch's default)
+    workers: int = 1  # model-worker threads: 1 in process; more for remote back ends
+    idle_workers: int | None = None  # at most this many idle steps at once (default: workers)
     # back ends that return top-k logprobs only (remote engines): allow temperature sampling
     # renormalized within the top-k; off by default, so such back ends serve greedy only
     topk_sampling: bool = False

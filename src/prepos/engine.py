@@ -51,7 +51,7 @@ class Engine:
         self.gate = Gate(config.gate, fmt)
         self.sessions = SessionStore()
         self.pool = KVPool(backend, config.budget.engine_cells)
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(config.workers, config.idle_workers)
         self.prepos = Prepositioner(fmt, self.pool, config.chunk_tokens,
                                     config.budget.session_cells,
                                     on_record=lambda s, key, rec: self._emit("record", s,
@@ -123,7 +123,7 @@ class Engine:
             self.pool.drop(s.id)
             yield
 
-        self.scheduler.submit(drop())
+        self.scheduler.submit(drop(), key=s.id)
 
     def trim(self, sid: str, owner: str | None = None) -> None:
         """Drop the session's speculative KV cells (pre-paid entries, past answers), keeping
@@ -134,7 +134,7 @@ class Engine:
             self.pool.get(s.id).crop(len(s.snap.tokens))
             yield
 
-        self._call(crop())
+        self._call(crop(), key=s.id)
 
     def session(self, sid: str, owner: str | None = None) -> Session:
         return self.sessions.get(sid, owner)
@@ -200,18 +200,18 @@ class Engine:
         if dropped is not None:
             self._emit("commit", s, snap)
         if wait and snap.tokens:
-            self._call(self._ingest(s, snap))
+            self._call(self._ingest(s, snap), key=s.id)
         c = self.config
         if c.preposition and s.spec.preposition:
             with s.lock:
                 ready = s.ready
             if ready.version == snap.version and ready.valid:
-                self.scheduler.submit(self.prepos.job(s, snap, ready), idle=True)
+                self.scheduler.submit(self.prepos.job(s, snap, ready), idle=True, key=s.id)
 
     def _ingest(self, s: Session, snap: Snapshot):
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
-            self.pool.make_room(s.id, snap.tokens, self._committed_len)
+            self._make_room(s, snap.tokens)
             kv.advance(snap.tokens)
         yield
 
@@ -354,7 +354,7 @@ class Engine:
         seq = snap.tokens + rec.entry
         self._check_room(s, len(seq), sampling)
         task = self._decode(s, seq, out, sampling, rng, snap.version)
-        self.scheduler.submit(task, on_error=stream.fail)
+        self.scheduler.submit(task, key=s.id, on_error=stream.fail)
         return stream
 
     def _submit(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,
@@ -372,7 +372,7 @@ class Engine:
         def run():
             tm = res.timing
             tm.queue = time.perf_counter() - t0
-            self.pool.make_room(s.id, seq, self._committed_len)
+            self._make_room(s, seq)
             step = self.pool.get(s.id).advance(seq)
             tm.restore, tm.prefill = step.restore_s, step.forward_s
             tm.prefill_tokens = step.prefilled
@@ -390,7 +390,7 @@ class Engine:
                 yield
                 yield from self._decode(s, seq, out, sampling, rng, version)
 
-        self.scheduler.submit(run(), on_error=stream.fail)
+        self.scheduler.submit(run(), key=s.id, on_error=stream.fail)
         return stream
 
     def _decode(self, s: Session, seq: tuple[int, ...], out: Generation,
@@ -436,6 +436,10 @@ class Engine:
             raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells cannot "
                              f"hold {n} more committed tokens ({others} committed elsewhere)")
 
+    def _make_room(self, s: Session, target: Sequence[int]) -> None:
+        self.pool.make_room(s.id, target, self._committed_len, self.scheduler.reserve,
+                            self.scheduler.release)
+
     def _committed_len(self, sid: str) -> int:
         s = self.sessions._sessions.get(sid)
         return len(s.snap.tokens) if s is not None else 0
@@ -460,10 +464,10 @@ class Engine:
         with self._lock:
             self.paths[name] += 1
 
-    def _call(self, gen) -> None:
+    def _call(self, gen, key: str | None = None) -> None:
         """Run a task at foreground priority and wait for it."""
         err: list[BaseException] = []
-        task = self.scheduler.submit(gen, on_error=err.append)
+        task = self.scheduler.submit(gen, key=key, on_error=err.append)
         task.done.wait()
         if err:
             raise err[0]

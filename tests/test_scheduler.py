@@ -1,0 +1,117 @@
+"""The model worker's ordering rules, on plain generator tasks (no model)."""
+
+import threading
+import time
+
+from prepos.scheduler import Scheduler
+
+
+def steps(log, name, n, pause=0.0):
+    for i in range(n):
+        log.append((name, i, threading.get_ident(), time.perf_counter()))
+        if pause:
+            time.sleep(pause)
+        yield
+
+
+def test_foreground_goes_before_idle_work_after_at_most_one_chunk():
+    sched = Scheduler()
+    log = []
+    gate = threading.Event()
+
+    def blocker():
+        gate.wait(5)
+        yield
+
+    sched.submit(blocker(), idle=True)
+    sched.submit(steps(log, "idle", 5), idle=True)
+    sched.submit(steps(log, "fg", 2))
+    gate.set()
+    assert sched.wait_idle(5)
+    names = [n for n, *_ in log]
+    assert names[:2] == ["fg", "fg"]  # the blocker was the one chunk it waited behind
+    assert max(chunks for _, chunks in sched.fg_waits) <= 1
+    sched.close()
+
+
+def test_foreground_tasks_interleave_round_robin():
+    sched = Scheduler()
+    log = []
+    gate = threading.Event()
+
+    def blocker():
+        gate.wait(5)
+        yield
+
+    sched.submit(blocker())
+    sched.submit(steps(log, "a", 3))
+    sched.submit(steps(log, "b", 3))
+    gate.set()
+    sched.wait_idle(5)
+    assert [n for n, *_ in log] == ["a", "b", "a", "b", "a", "b"]
+    sched.close()
+
+
+def test_a_session_never_runs_two_tasks_at_once_across_workers():
+    sched = Scheduler(workers=3)
+    log = []
+    for i in range(6):
+        sched.submit(steps(log, f"s{i % 2}", 4, pause=0.005), key=f"s{i % 2}")
+    assert sched.wait_idle(10)
+    spans: dict[str, list[float]] = {}
+    for name, _, _, t in log:
+        spans.setdefault(name, []).append(t)
+    # steps of one key are strictly sequential: at least one pause apart
+    for ts in spans.values():
+        ts.sort()
+        assert all(b - a >= 0.004 for a, b in zip(ts, ts[1:]))
+    assert len({tid for *_, tid, _ in log}) >= 2  # different keys did use other workers
+    sched.close()
+
+
+def test_idle_concurrency_is_capped():
+    sched = Scheduler(workers=3, idle_workers=1)
+    running, peak = [0], [0]
+    lock = threading.Lock()
+
+    def job():
+        for _ in range(3):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            time.sleep(0.003)
+            with lock:
+                running[0] -= 1
+            yield
+
+    for i in range(4):
+        sched.submit(job(), idle=True, key=f"k{i}")
+    assert sched.wait_idle(10)
+    assert peak[0] == 1
+    sched.close()
+
+
+def test_reserve_excludes_running_tasks():
+    sched = Scheduler()
+    assert sched.reserve("s")
+    assert not sched.reserve("s")
+    sched.release("s")
+    assert sched.reserve("s")
+    sched.release("s")
+    sched.close()
+
+
+def test_a_failing_task_reports_and_the_worker_lives_on():
+    sched = Scheduler()
+    errors = []
+
+    def bad():
+        yield
+        raise RuntimeError("boom")
+
+    sched.submit(bad(), on_error=errors.append)
+    log = []
+    sched.submit(steps(log, "ok", 1))
+    assert sched.wait_idle(5)
+    assert [str(e) for e in errors] == ["boom"] and log
+    sched.close()
