@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test demo serve bench clean
+.PHONY: install test demo serve bench simulate clean
 
 $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: install
 
 serve: install
 	$(BIN)/prepos serve
+
+simulate: install
+	$(BIN)/prepos simulate --check
 
 bench: install
 	$(BIN)/python benchmarks/engine_paths.py
