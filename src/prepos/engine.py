@@ -206,6 +206,7 @@ class Engine:
             with s.lock:
                 ready = s.ready
             if ready.version == snap.version and ready.valid:
+                ready.scheduled = True
                 self.scheduler.submit(self.prepos.job(s, snap, ready), idle=True, key=s.id)
 
     def _ingest(self, s: Session, snap: Snapshot):

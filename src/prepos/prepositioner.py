@@ -47,6 +47,7 @@ class Counters:
     consumed: int = 0  # used by a request before invalidation: a hit
     invalidated: int = 0  # cleared by a mutation before any request used it: wasted
     discarded: int = 0  # of those, still in flight when the mutation came
+    superseded: int = 0  # scheduled, but the next mutation came before they started
     skipped: int = 0  # entries skipped for the cell budget (never evicting)
 
     @property
@@ -156,9 +157,13 @@ class Prepositioner:
         if dropped is None:
             return
         with self._lock:
-            if dropped.started and not dropped.consumed and not dropped.wasted:
-                dropped.wasted = True
+            if dropped.consumed or dropped.wasted:
+                return
+            dropped.wasted = True
+            if dropped.started:
                 self.counters.invalidated += 1
+            elif dropped.scheduled:
+                self.counters.superseded += 1
 
     def _bump(self, name: str) -> None:
         with self._lock:

@@ -67,6 +67,7 @@ class ReadySet:
     valid: bool = True
     consumed: bool = False
     wasted: bool = False  # invalidated before any request used it
+    scheduled: bool = False  # a background job was queued for it
     started: bool = False  # the background job began its first forward
     done: bool = False  # the background job finished (recorded, skipped or discarded)
 
