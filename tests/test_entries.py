@@ -75,3 +75,29 @@ def test_parse_tool_calls_both_markups():
     assert content == "" and calls[0]["function"] == {"name": "g", "arguments": {"y": "z"}}
     assert parse_tool_calls("plain answer") == ("plain answer", [])
     assert parse_tool_calls('{"name": 3}') == ('{"name": 3}', [])
+
+
+def test_bundled_model_sequences_match_its_template():
+    from prepos.config import EngineConfig
+    from prepos.engine import Engine
+    from prepos.paths import DEFAULT_MODEL
+
+    eng = Engine.from_pretrained(DEFAULT_MODEL, EngineConfig(preposition=False))
+    try:
+        sid = eng.create_session("streaming", system="Live price feed. Answer in one word.")
+        for msg in ("ACME 41 43 44 47 48 50", "ACME 51 52 52 54 55 57"):
+            eng.append(sid, msg, wait=False)
+        s = eng.session(sid)
+        assert s.snap.tokens == rendered_tokens(eng, sid)
+        q = "Which way is ACME moving?"
+        full = rendered_tokens(eng, sid, [{"role": "user", "content": q}], True)
+        assert s.snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(s.entries().user, q))) == full
+        a = eng.create_session("agentic", system="You call tools.", tools=TOOLS)
+        eng.add_message(a, "user", "Weather in Paris?", wait=False)
+        call = {"type": "function", "function": {"name": "get_weather",
+                                                 "arguments": {"city": "Paris"}}}
+        eng.add_message(a, "assistant", "", tool_calls=[call], wait=False)
+        eng.add_message(a, "tool", "sunny", wait=False)
+        assert eng.session(a).snap.tokens == rendered_tokens(eng, a)
+    finally:
+        eng.close()
