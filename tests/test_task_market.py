@@ -144,7 +144,9 @@ def test_query_answers_follow_the_trend_or_the_wording(trend):
 @pytest.mark.parametrize("trend", m.TRENDS)
 def test_negated_and_inverted_polar_forms_flip_the_positive(trend):
     qs = m.queries("BOLT", trend, ("polar",))
-    pos = {q.text.removeprefix("Is BOLT ").rstrip("?"): q.answer for q in qs if q.form == "positive"}
+    pos = {
+        q.text.removeprefix("Is BOLT ").rstrip("?"): q.answer for q in qs if q.form == "positive"
+    }
     for q in qs:
         if q.form == "negated":
             phrase = q.text.removeprefix("Is BOLT not ").rstrip("?")

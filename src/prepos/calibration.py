@@ -36,6 +36,7 @@ from prepos.config import GateConfig
 from prepos.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
 
 Z95 = 1.959963984540054
+MIN_SERVED = 10  # figures draw r(tau) only where at least this many were served
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,12 +100,14 @@ class Point:
     coverage_ci: tuple[float, float]
     false_accept: float | None  # undefined when nothing is accepted
     false_accept_ci: tuple[float, float]
+    wrong: float | None  # of the accepted, the fraction wrong against the ground truth
 
 
 def at(pairs: Sequence[Pair], tau: float) -> Point:
     n = len(pairs)
     acc = [p for p in pairs if p.accepted(tau)]
     fa = sum(not p.agrees for p in acc)
+    wrong = sum(p.token != p.truth for p in acc)
     return Point(
         tau=tau,
         n=n,
@@ -114,6 +117,7 @@ def at(pairs: Sequence[Pair], tau: float) -> Point:
         coverage_ci=wilson(len(acc), n),
         false_accept=fa / len(acc) if acc else None,
         false_accept_ci=wilson(fa, len(acc)),
+        wrong=wrong / len(acc) if acc else None,
     )
 
 
@@ -233,7 +237,8 @@ def load_engine(model_dir: str | Path, answers: Sequence[str] = ANSWERS):
 
 def summarize(pairs: Sequence[Pair], r_max: float, tau_min: float,
               reference_tau: float | None) -> dict:
-    curve = sweep(pairs, tau_grid(pairs, top=max(tau_min, reference_tau or 0.0) + 1.0))
+    top = max([p.gap for p in pairs] + [tau_min, reference_tau or 0.0]) + 0.1
+    curve = sweep(pairs, tau_grid(pairs, top=top))
     chosen = choose_tau(curve, r_max, tau_min)
     if chosen is None:  # no threshold meets the budget: a gate that never fires
         never = math.ceil(max((p.gap for p in pairs), default=0.0) + 1.0)
@@ -274,28 +279,36 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     paths = []
 
     # (a) risk-coverage
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    fig, ax = plt.subplots(figsize=(7.0, 5.6))
+    top = results["r_max"]
     for (name, res), col in zip(results["models"].items(), colours):
-        pts = [p for p in res["curve"] if p["false_accept"] is not None]
-        ax.plot([p["coverage"] for p in pts], [p["false_accept"] for p in pts], "-", color=col,
-                drawstyle="steps-post", label=f"{name} (sweep over tau)")
+        pts = [p for p in res["curve"] if p["accepted"] >= MIN_SERVED]
+        ax.plot([p["coverage"] for p in pts], [p["false_accept"] for p in pts], "-o", ms=2.5,
+                lw=1.2, color=col, label=f"{name}: r(tau) against its own full path")
+        ax.plot([p["coverage"] for p in pts], [p["wrong"] for p in pts], ":x", ms=3, lw=1.2,
+                color=col, label=f"{name}: served token wrong against ground truth")
+        top = max([top, *(p["wrong"] for p in pts), *(p["false_accept"] for p in pts)])
         op = res["at_reference_tau"] if "at_reference_tau" in res else res["operating_point"]
         if op["false_accept"] is not None:
             c, r = op["coverage"], op["false_accept"]
             xerr = [[c - op["coverage_ci"][0]], [op["coverage_ci"][1] - c]]
             yerr = [[r - op["false_accept_ci"][0]], [op["false_accept_ci"][1] - r]]
-            ax.errorbar([c], [r], xerr=xerr, yerr=yerr, fmt="*", ms=14, color=col, mec="k",
-                        capsize=3, label=f"{name} at tau={op['tau']:g}: c={c:.3f}, r={r:.3f}")
+            ax.errorbar([c], [r], xerr=xerr, yerr=yerr, fmt="*", ms=15, color=col, mec="k",
+                        capsize=3, zorder=5,
+                        label=f"{name} at tau={op['tau']:g}: c={c:.3f}, r={r:.3f} (Wilson 95%)")
         else:
-            ax.plot([op["coverage"]], [0.0], "X", ms=12, color=col, mec="k",
-                    label=f"{name} at tau={op['tau']:g}: nothing served (c=0)")
-    ax.axhline(results["r_max"], color="grey", ls=":", label=f"risk budget r_max={results['r_max']}")
+            ax.plot([op["coverage"]], [0.0], "X", ms=13, color=col, mec="k", zorder=5,
+                    clip_on=False,
+                    label=f"{name} at tau={op['tau']:g}: never fires (c=0 of {op['n']})")
+    ax.axhline(results["r_max"], color="grey", ls="--", lw=0.8,
+               label=f"risk budget r_max = {results['r_max']}")
     ax.set_xlabel("coverage c(tau) (Eq. 13): fraction of decision points served fast")
     ax.set_ylabel("false-accept rate r(tau) (Eq. 14)")
     ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(0, max(0.5, ax.get_ylim()[1]))
-    ax.set_title(f"Risk-coverage of the confidence gate ({results['n']} decision points)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_ylim(0, min(1.0, top + 0.08))
+    ax.set_title(f"Risk-coverage of the confidence gate ({results['n']} decision points; "
+                 f"points with >= {MIN_SERVED} served)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     ax.grid(alpha=0.3)
     p = out_dir / "risk_coverage.png"
     fig.tight_layout()
@@ -311,9 +324,9 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
                 label=f"{name}: coverage c(tau)")
         ax.fill_between(taus, [p["coverage_ci"][0] for p in res["curve"]],
                         [p["coverage_ci"][1] for p in res["curve"]], color=col, alpha=0.15)
-        pts = [p for p in res["curve"] if p["false_accept"] is not None]
+        pts = [p for p in res["curve"] if p["accepted"] >= MIN_SERVED]
         ax.plot([p["tau"] for p in pts], [p["false_accept"] for p in pts], "--", color=col,
-                label=f"{name}: false-accept r(tau)")
+                label=f"{name}: false-accept r(tau) (>= {MIN_SERVED} served)")
         ax.fill_between([p["tau"] for p in pts], [p["false_accept_ci"][0] for p in pts],
                         [p["false_accept_ci"][1] for p in pts], color=col, alpha=0.08)
     ax.axvline(ref_tau, color="k", ls=":", label=f"calibrated tau = {ref_tau:g}")
@@ -365,7 +378,13 @@ def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
     results["reference_tau"] = ref_tau
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(results, indent=1) + "\n")
-    results["figures"] = [str(p) for p in plot(results, out_dir)] if figures else []
+    results["figures"] = []
+    if figures:
+        try:
+            results["figures"] = [str(p) for p in plot(results, out_dir)]
+        except ImportError:  # matplotlib is the optional `plot` extra
+            print("matplotlib is not installed: no figures (pip install 'prepos[plot]')",
+                  file=sys.stderr)
     return results
 
 

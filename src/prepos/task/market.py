@@ -203,7 +203,9 @@ def _templates() -> list[_Template]:
     out = [_Template("trend", "trend", w, lambda tr: tr) for w in TREND_WORDINGS]
     for phrase, asserted in _MOTION.items():
         out.append(
-            _Template("polar", "positive", f"Is {{t}} {phrase}?", lambda tr, a=asserted: _yes(tr == a))
+            _Template(
+                "polar", "positive", f"Is {{t}} {phrase}?", lambda tr, a=asserted: _yes(tr == a)
+            )
         )
         out.append(
             _Template(
@@ -219,7 +221,9 @@ def _templates() -> list[_Template]:
             )
         )
     out += [
-        _Template("wording", "reversed", "If {t} reversed course, which way would it go?", opposite),
+        _Template(
+            "wording", "reversed", "If {t} reversed course, which way would it go?", opposite
+        ),
         _Template("wording", "reversed", "What is the opposite of the trend of {t}?", opposite),
         _Template("wording", "constant", "Ignore the prices: what is the opposite of down?",
                   lambda tr: "up"),

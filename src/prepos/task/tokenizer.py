@@ -54,10 +54,20 @@ CHAT_TEMPLATE = """\
 {%- endif -%}
 {%- if message['role'] == 'assistant' and message['tool_calls'] is defined -%}
 {%- for call in message['tool_calls'] or [] -%}
-{%- if call['function'] is defined -%}{%- set fn = call['function'] -%}{%- else -%}{%- set fn = call -%}{%- endif -%}
-{%- if (message['content'] is string and message['content']) or not loop.first -%}{{- '\\n' -}}{%- endif -%}
+{%- if call['function'] is defined -%}
+{%- set fn = call['function'] -%}
+{%- else -%}
+{%- set fn = call -%}
+{%- endif -%}
+{%- if (message['content'] is string and message['content']) or not loop.first -%}
+{{- '\\n' -}}
+{%- endif -%}
 {{- '<tool_call>\\n{"name": ' + (fn['name'] | tojson) + ', "arguments": ' -}}
-{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}
+{%- if fn['arguments'] is string -%}
+{{- fn['arguments'] -}}
+{%- else -%}
+{{- fn['arguments'] | tojson -}}
+{%- endif -%}
 {{- '}\\n</tool_call>' -}}
 {%- endfor -%}
 {%- endif -%}
