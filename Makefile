@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test demo serve bench simulate clean
+.PHONY: install test demo serve bench simulate llama-server clean
 
 $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: install
 
 serve: install
 	$(BIN)/prepos serve
+
+llama-server: install
+	PYTHON=$(BIN)/python scripts/build_llama_server.sh
 
 simulate: install
 	$(BIN)/prepos simulate --check

@@ -197,6 +197,7 @@ class Engine:
                    wait: bool) -> None:
         """After every commit: settle the dropped pre-position, ingest, pre-position."""
         self.prepos.invalidated(dropped)
+        self._abandon(s, dropped)
         if dropped is not None:
             self._emit("commit", s, snap)
         if wait and snap.tokens:
@@ -405,6 +406,17 @@ class Engine:
             yield
 
     # == helpers ===========================================================================
+    def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
+        """A remote pre-position still in flight for a version just superseded is aborted
+        where the engine allows; its answer is discarded (it was never going to be recorded:
+        the ready set is invalid)."""
+        cancel = getattr(self.backend, "cancel", None)
+        if cancel is None or dropped is None or not dropped.started or dropped.done:
+            return
+        kv = self.pool.find(s.id)
+        if kv is not None:
+            cancel(kv.handle)
+
     def _mode(self, s: Session, fast_path: str | None) -> str:
         if fast_path is None:
             return s.spec.fast_path
@@ -502,6 +514,9 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.close()
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> Engine:
         return self

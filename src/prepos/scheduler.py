@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Callable, Generator, Sequence
 
-from prepos.backends.base import Backend, KVSequence
+from prepos.backends.base import Backend, KVSequence, idle_work
 from prepos.errors import EngineClosed, OverBudget
 
 
@@ -29,8 +29,11 @@ class KVPool:
     def get(self, sid: str) -> KVSequence:
         kv = self._kv.get(sid)
         if kv is None:
-            kv = self._kv[sid] = KVSequence(self.backend)
+            kv = self._kv[sid] = KVSequence(self.backend, key=sid)
         return kv
+
+    def find(self, sid: str) -> KVSequence | None:
+        return self._kv.get(sid)
 
     def drop(self, sid: str) -> None:
         kv = self._kv.pop(sid, None)
@@ -190,7 +193,8 @@ class Scheduler:
                                           self.idle_steps - task.idle_mark))
             more = True
             try:
-                next(task.gen)
+                with idle_work(task.idle):
+                    next(task.gen)
             except StopIteration:
                 more = False
             except BaseException as exc:  # a task's failure is its own; the worker lives on

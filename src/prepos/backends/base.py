@@ -11,6 +11,8 @@ keeps its prefix cache and the handle only mirrors the tokens it was sent.
 from __future__ import annotations
 
 import abc
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -43,6 +45,26 @@ class Dist:
         return self.top_logprobs[0] - self.top_logprobs[1]
 
 
+_work = threading.local()
+
+
+@contextlib.contextmanager
+def idle_work(idle: bool = True):
+    """Mark the back-end calls made in this block, on this thread, as idle (background)
+    work; the scheduler wraps idle steps in it. Remote back ends send such work at the
+    engine's background priority and cap it per replica; in-process back ends ignore it."""
+    old = getattr(_work, "idle", False)
+    _work.idle = idle
+    try:
+        yield
+    finally:
+        _work.idle = old
+
+
+def in_idle_work() -> bool:
+    return getattr(_work, "idle", False)
+
+
 class Backend(abc.ABC):
     """Executes forwards. Every method is called from the one model worker thread only."""
 
@@ -52,8 +74,8 @@ class Backend(abc.ABC):
     max_context: int
 
     @abc.abstractmethod
-    def new_kv(self) -> Any:
-        """A fresh, empty KV handle."""
+    def new_kv(self, key: str | None = None) -> Any:
+        """A fresh, empty KV handle; `key` (the session id) pins it where that matters."""
 
     @abc.abstractmethod
     def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor | Dist:
@@ -86,9 +108,9 @@ class Advance:
 class KVSequence:
     """A KV cache and the exact token sequence it holds. Owned by the model worker."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, key: str | None = None):
         self.backend = backend
-        self.handle = backend.new_kv()
+        self.handle = backend.new_kv(key)
         self.tokens: list[int] = []
 
     def __len__(self) -> int:

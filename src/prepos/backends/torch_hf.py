@@ -37,7 +37,7 @@ class TorchBackend(Backend):
         ).to(device)
         return cls(model, device)
 
-    def new_kv(self) -> Any:
+    def new_kv(self, key: str | None = None) -> Any:
         return self.cache.new()
 
     @torch.inference_mode()
