@@ -392,3 +392,27 @@ def test_commit_over_the_engine_budget_is_refused_unchanged(make_engine):
         eng.create_session("streaming", system=SYSTEM)
     eng.close_session(b)
     eng.append(a, "AAPL 101.2")  # room again once the other session is gone
+
+
+def test_agentic_session_without_a_system_prompt(make_engine, family):
+    eng = make_engine(family)
+    sid = eng.create_session("agentic")
+    eng.wait_idle()
+    res = eng.turn(sid, "Hello there", SamplingParams(max_tokens=2))
+    assert res.path in (Path.FALL, Path.COLD)
+    assert eng.session(sid).snap.messages[0] == {"role": "user", "content": "Hello there"}
+
+
+def test_expected_version_refuses_a_stale_commit(make_engine):
+    from prepos.errors import Conflict
+
+    eng = make_engine("chatml")
+    sid = eng.create_session("agentic", system="You call tools.")
+    v = eng.session(sid).version
+    eng.add_message(sid, "user", "first", expected_version=v)
+    before = state(eng, sid)
+    with pytest.raises(Conflict):
+        eng.add_message(sid, "user", "second", expected_version=v)
+    with pytest.raises(Conflict):
+        eng.turn(sid, "third", expected_version=v)
+    assert state(eng, sid) == before

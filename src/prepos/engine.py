@@ -16,7 +16,7 @@ from prepos.backends.base import Backend, Dist
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
 from prepos.entries import ChatFormat, parse_tool_calls
-from prepos.errors import InvalidInput, InvalidSampling, OverBudget
+from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
 from prepos.generation import Generation
 from prepos.prepositioner import Prepositioner
@@ -180,7 +180,7 @@ class Engine:
 
     def add_message(self, sid: str, role: str, content: str,
                     tool_calls: Sequence[dict] | None = None, wait: bool = True,
-                    owner: str | None = None) -> int:
+                    owner: str | None = None, expected_version: int | None = None) -> int:
         """Agentic: commit a message without generating: a user message, a tool result, or
         an assistant message the client already has (an OpenAI-style history)."""
         s = self.sessions.get(sid, owner)
@@ -189,7 +189,7 @@ class Engine:
             if role != "assistant":
                 raise InvalidInput("only assistant messages carry tool_calls")
             msg["tool_calls"] = [_check_call(c) for c in tool_calls]
-        snap, dropped = s.add_message(msg)
+        snap, dropped = s.add_message(msg, expected_version=expected_version)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
@@ -254,33 +254,38 @@ class Engine:
 
     def turn(self, sid: str, user: str | None = None, sampling: SamplingParams | None = None,
              fast_path: str | None = None, logprobs: bool = False,
-             owner: str | None = None) -> Result:
-        return self.turn_stream(sid, user, sampling, fast_path, logprobs, owner).result()
+             owner: str | None = None, expected_version: int | None = None) -> Result:
+        return self.turn_stream(sid, user, sampling, fast_path, logprobs, owner,
+                                expected_version).result()
 
     def turn_stream(self, sid: str, user: str | None = None,
                     sampling: SamplingParams | None = None, fast_path: str | None = None,
-                    logprobs: bool = False, owner: str | None = None) -> Stream:
+                    logprobs: bool = False, owner: str | None = None,
+                    expected_version: int | None = None) -> Stream:
         """Agentic: commit `user` (if given), generate the assistant turn, commit it. A turn
-        that ends in a tool call leaves the session awaiting a tool result."""
+        that ends in a tool call leaves the session awaiting a tool result. With
+        `expected_version`, refuse (Conflict) if the session is at another version."""
         return self._agentic(sid, {"role": "user", "content": user} if user is not None else None,
-                             sampling, fast_path, logprobs, owner)
+                             sampling, fast_path, logprobs, owner, expected_version)
 
     def tool_result(self, sid: str, content: str, sampling: SamplingParams | None = None,
                     fast_path: str | None = None, logprobs: bool = False,
-                    owner: str | None = None) -> Result:
+                    owner: str | None = None, expected_version: int | None = None) -> Result:
         return self.tool_result_stream(sid, content, sampling, fast_path, logprobs,
-                                       owner).result()
+                                       owner, expected_version).result()
 
     def tool_result_stream(self, sid: str, content: str, sampling: SamplingParams | None = None,
                            fast_path: str | None = None, logprobs: bool = False,
-                           owner: str | None = None) -> Stream:
+                           owner: str | None = None,
+                           expected_version: int | None = None) -> Stream:
         """Agentic: commit a tool result and resume the next turn delta-only from the
         pre-positioned envelope."""
         return self._agentic(sid, {"role": "tool", "content": content}, sampling, fast_path,
-                             logprobs, owner)
+                             logprobs, owner, expected_version)
 
     def _agentic(self, sid: str, message: dict | None, sampling: SamplingParams | None,
-                 fast_path: str | None, logprobs: bool, owner: str | None) -> Stream:
+                 fast_path: str | None, logprobs: bool, owner: str | None,
+                 expected_version: int | None = None) -> Stream:
         t0 = time.perf_counter()
         sampling = sampling or DEFAULT_SAMPLING
         self._check_sampling(sampling)
@@ -289,6 +294,9 @@ class Engine:
         mode = self._mode(s, fast_path)
         with s.lock:
             base, ready = s.snap, s.ready
+        if expected_version is not None and base.version != expected_version:
+            raise Conflict(f"session {s.id} is at version {base.version}, not "
+                           f"{expected_version}")
         if message is None:
             if s.awaiting_tool:
                 raise InvalidInput(f"session {s.id} awaits a tool result, not a new turn")
@@ -300,7 +308,8 @@ class Engine:
         else:
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
-                message, check=lambda n: self._check_room(s, n + n_header, sampling))
+                message, expected_version=expected_version,
+                check=lambda n: self._check_room(s, n + n_header, sampling))
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self._submit(s, snap.tokens + header, len(base.tokens), snap.version,
@@ -351,7 +360,9 @@ class Engine:
         rng = generator_for(sampling)
         cached = rec.logits if rec.logits is not None else Dist(None, rec.top_ids,
                                                                 rec.top_logprobs)
-        if out.add(sample(cached, sampling, rng), cached):
+        # greedy: the argmax found when the record was made; otherwise sample the cached logits
+        first = rec.argmax if sampling.greedy else sample(cached, sampling, rng)
+        if out.add(first, cached, rec.top_logprobs[0] if sampling.greedy else None):
             return stream
         seq = snap.tokens + rec.entry
         self._check_room(s, len(seq), sampling)

@@ -79,6 +79,10 @@ class ChatFormat:
 
     def header(self, messages: Sequence[dict], tools: Sequence[dict] | None,
                base_text: str) -> str:
+        if not messages:  # templates refuse an empty conversation: take it after a probe
+            probe = [{"role": "user", "content": SENTINEL}]
+            base_text = self.render(probe, tools)
+            messages = probe
         text = self.render(messages, tools, generation_prompt=True)
         if not text.startswith(base_text):
             raise InvalidInput("the chat template's generation prompt is not an extension")
