@@ -10,7 +10,6 @@ import threading
 
 import httpx
 import pytest
-
 from server_harness import ServerProc, sse_events, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
-
 from server_harness import ServerProc, state_of
+from transformers import AutoTokenizer
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from server_harness import ServerProc, state_of
 
 Q = "What is the trend?"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from server_harness import ServerProc, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
@@ -144,6 +143,12 @@ def test_streaming_session_via_completions_and_chat(oai, http, model_name):
                                        extra_body={"session_id": sid})
     assert chat.choices[0].message.content == c.choices[0].text
     assert chat.model_extra["prepos"]["path"] == "fast"
+    streamed = list(oai.completions.create(model=model_name, prompt=Q, max_tokens=3,
+                                           stream=True, extra_body={"session_id": sid}))
+    assert streamed[-1].model_extra["prepos"]["path"] == "fast"  # decodes on after the first
+    plain = oai.completions.create(model=model_name, prompt=Q, max_tokens=3,
+                                   extra_body={"session_id": sid})
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
     chunks = list(oai.completions.create(model=model_name, prompt="Is it up?", max_tokens=3,
                                          stream=True, extra_body={"session_id": sid}))
     assert chunks[-1].model_extra["prepos"]["path"] == "fall-through"

@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
 from server_harness import SRC, ServerProc, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."

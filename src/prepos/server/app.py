@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,8 +26,9 @@ from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
-from prepos.server.openai import router as openai_router
-from prepos.server.sessions import router as sessions_router
+from prepos.server.openai import routes as openai_routes
+from prepos.server.routing import Routes
+from prepos.server.sessions import routes as sessions_routes
 from prepos.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("prepos.server")
@@ -64,8 +66,9 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.include_router(sessions_router)
-    app.include_router(openai_router)
+    api = Routes()
+    api.routes = [*sessions_routes.routes, *openai_routes.routes]
+    app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes)
     return app
 
@@ -92,7 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-keys-file", help="file of keys, one a line")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="torch intra-op threads (default: one less than the CPUs, leaving "
+                   "one to the event loop; more oversubscribes and stalls)")
     p.add_argument("--no-preposition", action="store_true",
                    help="never pre-position (every request pays its entry: the baseline)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
@@ -111,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the engine's KV cell budget")
     p.add_argument("--max-queue", type=int, default=256,
                    help="foreground requests queued on the model worker before 429")
+    p.add_argument("--switch-interval-ms", type=float, default=0.5,
+                   help="the interpreter's thread switch interval (default %(default)s ms)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true")
@@ -150,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
               "model first (`prepos train`) or pass --model DIR.", file=sys.stderr)
         return 2
     config = config_from_args(args)
+    # the model worker runs Python between its kernels; a request arriving then waits for the
+    # GIL up to the switch interval (5 ms by default): keep that wait well under the fast
+    # path's budget
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     app = create_app(config)
     state: ServerState = app.state.prepos
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -161,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.journal or 'off'}; API keys: {len(config.api_keys) or 'off'})",
           file=sys.stderr, flush=True)
     server.run()
-    return 1 if state.status == "failed" or server.failed else 0
+    failed = state.status == "failed" or server.failed
+    print(f"prepos: stopped{' (the model failed to load)' if failed else ''}", file=sys.stderr,
+          flush=True)
+    return 1 if failed else 0
 
 
 class _Server:
@@ -173,10 +187,15 @@ class _Server:
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
+                # as uvicorn's, but a signal that asked for a graceful stop is not raised
+                # again afterwards: a clean shutdown exits 0
                 loop = state.loop
                 if loop is not None and not loop.is_closed():
                     loop.call_soon_threadsafe(state.hub.shutdown)
-                super().handle_exit(sig, frame)
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                else:
+                    self.should_exit = True
 
             async def startup(self, sockets=None):
                 await super().startup(sockets)

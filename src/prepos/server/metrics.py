@@ -53,18 +53,23 @@ class Metrics:
                                       registry=r)
         self.journal_errors = Counter("prepos:journal_errors", "Journal writes that failed",
                                       registry=r)
-        for p in PATHS:  # export every path from the start, at zero
-            self.ttft.labels(p)
-            self.e2e.labels(p)
+        # children bound once: a labels() lookup per observation costs the fast path
+        self._ttft = {p: self.ttft.labels(p) for p in PATHS}  # every path exported from 0
+        self._e2e = {p: self.e2e.labels(p) for p in PATHS}
+        self._requests: dict[tuple[str, str], object] = {}
         self._step_ewma = 0.05  # seconds per foreground request, for Retry-After
         r.register(_EngineCollector(self))
 
     def observe(self, res: Result) -> None:
         """Engine observer: runs on the worker (or the caller, for the fast path)."""
         path = res.path.value
-        self.ttft.labels(path).observe(res.timing.ttft)
-        self.e2e.labels(path).observe(res.timing.total)
-        self.requests.labels(path, res.match.value).inc()
+        self._ttft[path].observe(res.timing.ttft)
+        self._e2e[path].observe(res.timing.total)
+        key = (path, res.match.value)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests.setdefault(key, self.requests.labels(*key))
+        counter.inc()
         self.prompt_tokens.inc(res.prompt_tokens)
         self.cached_tokens.inc(cached_prompt_tokens(res))
         self.generation_tokens.inc(len(res.tokens))
@@ -100,15 +105,19 @@ class _EngineCollector:
             return
         m = _engine_metrics(eng)
         pre = m["prepositions"]
-        for name, help_ in (
-            ("started", "Pre-positions started (one per committed version)"),
-            ("recorded", "Pre-positions that recorded their ready distributions"),
-            ("consumed", "Pre-positions a request used before invalidation (hits)"),
-            ("invalidated", "Pre-positions cleared by a mutation before any use (waste)"),
-            ("discarded", "Pre-positions still running when their session moved on"),
-            ("skipped", "Pre-position entries skipped for the KV cell budget"),
-        ):
-            yield CounterMetricFamily(f"prepos:prepositions_{name}", help_, pre.get(name, 0))
+        helps = {
+            "started": "Pre-positions started (one per committed version)",
+            "recorded": "Pre-positions that recorded their ready distributions",
+            "consumed": "Pre-positions a request used before invalidation (hits)",
+            "invalidated": "Pre-positions cleared by a mutation before any use (waste)",
+            "discarded": "Pre-positions still running when their session moved on",
+            "superseded": "Pre-positions whose session moved on before they started",
+            "skipped": "Pre-position entries skipped for the KV cell budget",
+        }
+        for name, value in pre.items():  # every integer counter the engine keeps
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield CounterMetricFamily(f"prepos:prepositions_{name}",
+                                          helps.get(name, f"Pre-positions {name}"), value)
         hit = pre.get("hit_rate")
         yield GaugeMetricFamily("prepos:preposition_hit_rate",
                                 "consumed / (consumed + invalidated); NaN before any",

@@ -30,8 +30,8 @@ import json
 import time
 import uuid
 
-from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
 
 from prepos.core import Result
 from prepos.entries import parse_tool_calls
@@ -39,13 +39,14 @@ from prepos.errors import InvalidInput, PreposError
 from prepos.server import results
 from prepos.server.errors import ApiError, as_api_error, error_body
 from prepos.server.journal import EPHEMERAL
+from prepos.server.routing import Routes
 from prepos.server.schemas import ChatCompletion, ChatMessage, Completion, OpenAISampling
 from prepos.server.sse import HEADERS as SSE_HEADERS
-from prepos.server.sse import event
+from prepos.server.sse import EventStream, event
 from prepos.server.state import ServerState
 from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, Snapshot, query_key
 
-router = APIRouter(prefix="/v1")
+routes = Routes()
 JSON = "application/json"
 TOOL_MARKS = ("<tool_call>",)
 
@@ -58,7 +59,7 @@ def _json(data, headers: dict | None = None) -> Response:
     return Response(json.dumps(data), 200, headers=headers, media_type=JSON)
 
 
-@router.get("/models")
+@routes.add("GET", "/v1/models", 60)
 async def models(request: Request):
     state = _state(request)
     state.owner(request)
@@ -205,7 +206,7 @@ def _fast_ready(s, key: tuple, mode: str | None, sampling) -> bool:
 
 
 # -- chat ---------------------------------------------------------------------------------
-@router.post("/chat/completions")
+@routes.add("POST", "/v1/chat/completions", 5)
 async def chat_completions(request: Request):
     state = _state(request)
     eng = state.ready
@@ -303,10 +304,17 @@ class ChatCall:
                            f"session {s.id}'s", "messages[0]")
         question = asked[0]["content"]
         mode = self.body.fast_path
-        if not _fast_ready(s, query_key(question), mode, self.sampling):
+        key = query_key(question)
+        if not _fast_ready(s, key, mode, self.sampling):
             self.state.backpressure(eng)
-        stream = eng.query_stream(s.id, question, self.sampling, mode, self.logprobs, owner)
-        return await self.respond(stream, s.id, agentic=False, tools=False)
+        hold = self.state.hold_for(eng, s, key, mode, self.body.stream,
+                                   self.sampling.max_tokens)
+        try:
+            stream = eng.query_stream(s.id, question, self.sampling, mode, self.logprobs, owner)
+        except BaseException:
+            _release(hold)
+            raise
+        return await self.respond(stream, s.id, agentic=False, tools=False, hold=hold)
 
     async def agentic(self, eng, owner, s, msgs: list[dict]) -> Response:
         """Delta-only: commit what the session lacks, then answer."""
@@ -342,6 +350,18 @@ class ChatCall:
         if target is None and not delta and _fast_ready(s, TURN, mode, self.sampling):
             stream = eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs, owner)
             return await self.respond(stream, s.id, agentic=True, tools=bool(s.spec.tools))
+        if target is None and not delta:
+            hold = self.state.hold_for(eng, s, TURN, mode, self.body.stream,
+                                       self.sampling.max_tokens)
+            if hold is not None:  # a streamed exact turn that decodes on
+                try:
+                    stream = eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs,
+                                             owner)
+                except BaseException:
+                    _release(hold)
+                    raise
+                return await self.respond(stream, s.id, agentic=True,
+                                          tools=bool(s.spec.tools), hold=hold)
         self.state.backpressure(eng)
         if target is not None or len(delta) > 1:
             self._check_fits(eng, s, held + delta)
@@ -381,11 +401,12 @@ class ChatCall:
 
     # -- responses ------------------------------------------------------------------------
     async def respond(self, stream, sid: str | None, agentic: bool, tools: bool,
-                      cleanup=None) -> Response:
+                      cleanup=None, hold=None) -> Response:
         state, model = self.state, self.state.model_name
         rid = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
         if not self.body.stream:
+            _release(hold)
             try:
                 res = await state.result(stream)
             finally:
@@ -451,7 +472,7 @@ class ChatCall:
                     cleanup()
             yield b"data: [DONE]\n\n"
 
-        return await _stream_response(stream, chunks, sid)
+        return await _stream_response(stream, chunks, sid, hold)
 
     def _ext(self, res: Result, sid: str | None) -> dict:
         ext = results.extension(res, sid)
@@ -499,10 +520,27 @@ def _safe_prefix(text: str) -> int:
     return cut
 
 
-async def _stream_response(stream, chunks, sid: str | None) -> Response:
+def _release(hold) -> None:
+    if hold is not None:
+        hold.set()
+
+
+async def _released(source, hold):
+    """The stream's events; the worker hold is released once the first is written (when
+    the consumer comes back for the second)."""
+    try:
+        async for ev in source:
+            yield ev
+            hold.set()
+    finally:
+        hold.set()
+
+
+async def _stream_response(stream, chunks, sid: str | None, hold=None) -> Response:
     """A finished stream (the fast path) is written as one response with its path in the
     headers; otherwise the chunks are streamed as the model worker produces them."""
     if stream.done:
+        _release(hold)
         async def done_source():
             for ev in stream:
                 yield ev
@@ -515,13 +553,12 @@ async def _stream_response(stream, chunks, sid: str | None) -> Response:
             headers = {}
         return Response(body, headers={**headers, **SSE_HEADERS},
                         media_type="text/event-stream")
-    return StreamingResponse(chunks(stream.aiter()),
-                             headers={**results.pending_headers(sid), **SSE_HEADERS},
-                             media_type="text/event-stream")
+    source = stream.aiter() if hold is None else _released(stream.aiter(), hold)
+    return EventStream(chunks(source), headers={**results.pending_headers(sid), **SSE_HEADERS})
 
 
 # -- completions --------------------------------------------------------------------------
-@router.post("/completions")
+@routes.add("POST", "/v1/completions", 6)
 async def completions(request: Request):
     state = _state(request)
     eng = state.ready
@@ -549,7 +586,7 @@ async def completions(request: Request):
     state.limits.check_input(eng, prompt, "prompt")
     want_lp = body.logprobs is not None
     mode = body.fast_path
-    cleanup = None
+    cleanup = hold = None
     if body.session_id is not None:
         s = eng.session(body.session_id, owner) if not body.session_id.startswith(EPHEMERAL) \
             else None
@@ -559,10 +596,16 @@ async def completions(request: Request):
         if s.kind != STREAMING:
             raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
                            "with /v1/chat/completions", "session_id")
-        if not _fast_ready(s, query_key(prompt), mode, sampling):
+        key = query_key(prompt)
+        if not _fast_ready(s, key, mode, sampling):
             state.backpressure(eng)
         sid = s.id
-        stream = eng.query_stream(sid, prompt, sampling, mode, want_lp, owner)
+        hold = state.hold_for(eng, s, key, mode, body.stream, sampling.max_tokens)
+        try:
+            stream = eng.query_stream(sid, prompt, sampling, mode, want_lp, owner)
+        except BaseException:
+            _release(hold)
+            raise
         shown = sid
     else:
         state.backpressure(eng)
@@ -580,12 +623,15 @@ async def completions(request: Request):
 
         sid, stream = await state.run(start)
         shown = None
-        cleanup = lambda: state.close_after(stream, sid)
-    return await _complete(state, body, stream, shown, want_lp, cleanup)
+
+        def cleanup():
+            state.close_after(stream, sid)
+
+    return await _complete(state, body, stream, shown, want_lp, cleanup, hold)
 
 
 async def _complete(state: ServerState, body: Completion, stream, sid, want_lp: bool,
-                    cleanup) -> Response:
+                    cleanup, hold=None) -> Response:
     rid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
     model = state.model_name
@@ -603,6 +649,7 @@ async def _complete(state: ServerState, body: Completion, stream, sid, want_lp: 
                 "text_offset": offsets}
 
     if not body.stream:
+        _release(hold)
         try:
             res = await state.result(stream)
         finally:
@@ -649,4 +696,4 @@ async def _complete(state: ServerState, body: Completion, stream, sid, want_lp: 
                 cleanup()
         yield b"data: [DONE]\n\n"
 
-    return await _stream_response(stream, chunks, sid)
+    return await _stream_response(stream, chunks, sid, hold)

@@ -13,7 +13,7 @@ import asyncio
 import json
 import math
 
-from fastapi import APIRouter, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.entries import parse_tool_calls
@@ -21,6 +21,7 @@ from prepos.errors import SessionNotFound
 from prepos.server import results
 from prepos.server.errors import ApiError, as_api_error, error_body
 from prepos.server.journal import EPHEMERAL
+from prepos.server.routing import Routes
 from prepos.server.schemas import (
     AddMessage,
     Append,
@@ -33,11 +34,11 @@ from prepos.server.schemas import (
     Turn,
 )
 from prepos.server.sse import HEADERS as SSE_HEADERS
-from prepos.server.sse import event
+from prepos.server.sse import EventStream, event
 from prepos.server.state import ServerState
-from prepos.session import AGENTIC, STREAMING, TURN, Snapshot, query_key
+from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, Snapshot, query_key
 
-router = APIRouter()
+routes = Routes()
 JSON = "application/json"
 
 
@@ -82,7 +83,7 @@ def _committed(s, version: int) -> dict:
 
 
 # -- lifecycle ----------------------------------------------------------------------------
-@router.post("/sessions", status_code=201)
+@routes.add("POST", "/sessions", 50)
 async def create_session(request: Request):
     state = _state(request)
     eng = state.ready
@@ -98,8 +99,6 @@ async def create_session(request: Request):
         lim.check_input(eng, q, "standing_queries")
     lim.check_input(eng, json.dumps(body.tools), "tools")
     state.check_new_session(eng, owner)
-    from prepos.session import SessionSpec
-
     spec = SessionSpec(body.kind, body.system, tuple(body.tools),
                        tuple(body.standing_queries), body.fast_path, body.preposition,
                        body.budget_cells, owner=owner)
@@ -131,7 +130,7 @@ def _info(state: ServerState, eng, sid: str, owner) -> dict:
     return info
 
 
-@router.get("/sessions")
+@routes.add("GET", "/sessions", 50)
 async def list_sessions(request: Request):
     state = _state(request)
     eng = state.ready
@@ -146,7 +145,7 @@ async def list_sessions(request: Request):
     return _json({"object": "list", "data": out})
 
 
-@router.get("/sessions/{sid}")
+@routes.add("GET", "/sessions/{sid}", 50)
 async def inspect_session(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -185,7 +184,7 @@ async def inspect_session(sid: str, request: Request):
     return _json(info)
 
 
-@router.delete("/sessions/{sid}")
+@routes.add("DELETE", "/sessions/{sid}", 50)
 async def close_session(sid: str, request: Request):
     state = _state(request)
     eng, owner, _ = _session(state, request, sid)
@@ -194,7 +193,7 @@ async def close_session(sid: str, request: Request):
 
 
 # -- mutations ----------------------------------------------------------------------------
-@router.post("/sessions/{sid}/append")
+@routes.add("POST", "/sessions/{sid}/append", 14)
 async def append(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -207,7 +206,7 @@ async def append(sid: str, request: Request):
     return _json(_committed(s, version))
 
 
-@router.post("/sessions/{sid}/rollback")
+@routes.add("POST", "/sessions/{sid}/rollback", 50)
 async def rollback(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -218,7 +217,7 @@ async def rollback(sid: str, request: Request):
     return _json(_committed(s, version))
 
 
-@router.post("/sessions/{sid}/shift")
+@routes.add("POST", "/sessions/{sid}/shift", 50)
 async def shift(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -230,7 +229,7 @@ async def shift(sid: str, request: Request):
     return _json(_committed(s, version))
 
 
-@router.post("/sessions/{sid}/messages")
+@routes.add("POST", "/sessions/{sid}/messages", 16)
 async def add_message(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -245,7 +244,7 @@ async def add_message(sid: str, request: Request):
 
 
 # -- requests -----------------------------------------------------------------------------
-@router.post("/sessions/{sid}/query")
+@routes.add("POST", "/sessions/{sid}/query", 0)
 async def query(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -253,33 +252,49 @@ async def query(sid: str, request: Request):
     s.require(STREAMING)
     sampling = _sampling(state, body)
     state.limits.check_input(eng, body.question, "question")
-    if not _fast_ready(s, query_key(body.question), body.fast_path, sampling):
+    key = query_key(body.question)
+    if not _fast_ready(s, key, body.fast_path, sampling):
         state.backpressure(eng)
-    stream = eng.query_stream(sid, body.question, sampling, body.fast_path, body.logprobs,
-                              owner)
-    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=False)
+    hold = state.hold_for(eng, s, key, body.fast_path, body.stream, sampling.max_tokens)
+    try:
+        stream = eng.query_stream(sid, body.question, sampling, body.fast_path, body.logprobs,
+                                  owner)
+    except BaseException:
+        if hold is not None:
+            hold.set()
+        raise
+    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=False,
+                         hold=hold)
 
 
-@router.post("/sessions/{sid}/turn")
+@routes.add("POST", "/sessions/{sid}/turn", 10)
 async def turn(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, Turn)
     s.require(AGENTIC)
     sampling = _sampling(state, body)
+    hold = None
     if body.user is None:
         if not _fast_ready(s, TURN, body.fast_path, sampling):
             state.backpressure(eng)
-        stream = eng.turn_stream(sid, None, sampling, body.fast_path, body.logprobs, owner)
+        hold = state.hold_for(eng, s, TURN, body.fast_path, body.stream, sampling.max_tokens)
+        try:
+            stream = eng.turn_stream(sid, None, sampling, body.fast_path, body.logprobs, owner)
+        except BaseException:
+            if hold is not None:
+                hold.set()
+            raise
     else:
         state.limits.check_input(eng, body.user, "user")
         state.backpressure(eng)
         stream = await state.run(lambda: eng.turn_stream(sid, body.user, sampling,
                                                          body.fast_path, body.logprobs, owner))
-    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=True)
+    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=True,
+                         hold=hold)
 
 
-@router.post("/sessions/{sid}/tool_result")
+@routes.add("POST", "/sessions/{sid}/tool_result", 12)
 async def tool_result(sid: str, request: Request):
     state = _state(request)
     eng, owner, s = _session(state, request, sid)
@@ -295,11 +310,13 @@ async def tool_result(sid: str, request: Request):
 
 
 async def respond(state: ServerState, stream, sid: str, streaming: bool, logprobs: bool,
-                  agentic: bool) -> Response:
+                  agentic: bool, hold=None) -> Response:
     def final(res) -> dict:
         content = parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
 
+    if hold is not None and (not streaming or stream.done):
+        hold.set()
     if not streaming:
         res = await state.result(stream)
         return _json(final(res), headers=results.headers(res, sid))
@@ -316,17 +333,21 @@ async def respond(state: ServerState, stream, sid: str, streaming: bool, logprob
             async for ev in stream.aiter():
                 yield event({"text": ev.text, "token": ev.token, "logprob": ev.logprob},
                             "token")
+                if hold is not None:  # resumed: the first token has been written
+                    hold.set()
             yield event(final(stream.result()), "result")
         except Exception as exc:
             err = as_api_error(exc)
             yield event(error_body(err.status, err.code, err.message, err.param), "error")
+        finally:
+            if hold is not None:
+                hold.set()
 
-    return StreamingResponse(events(), headers={**results.pending_headers(sid), **SSE_HEADERS},
-                             media_type="text/event-stream")
+    return EventStream(events(), headers={**results.pending_headers(sid), **SSE_HEADERS})
 
 
 # -- events -------------------------------------------------------------------------------
-@router.get("/sessions/{sid}/events")
+@routes.add("GET", "/sessions/{sid}/events", 50)
 async def events(sid: str, request: Request):
     """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
     recorded ready distribution), `answer` (each standing query, answered from its record

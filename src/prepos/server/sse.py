@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
+
+from starlette.responses import Response
 
 from prepos.core import SamplingParams
 from prepos.server.journal import EPHEMERAL
@@ -20,6 +23,33 @@ log = logging.getLogger("prepos.server.sse")
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0
+
+
+class EventStream(Response):
+    """A finite SSE response written as its generator yields. Lighter than Starlette's
+    StreamingResponse (no task group listening for a disconnect): a request's stream ends
+    on its own, and a client that left only makes the writes no-ops (or raise, which ends
+    the generator). Infinite streams (session events) keep StreamingResponse."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        self.status_code = 200
+        self.background = None
+        self.chunks = chunks
+        self.init_headers(headers)  # no body attribute: chunked, no Content-Length
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            aclose = getattr(self.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def event(data: Any, name: str | None = None) -> bytes:

@@ -41,7 +41,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     served_model_name: str | None = None
     limits: Limits = field(default_factory=Limits)
-    threads: int = 64  # threads that wait on engine work for the event loop
+    threads: int = 256  # threads that wait on engine work for the event loop
 
 
 class ServerState:
@@ -162,6 +162,36 @@ class ServerState:
         if stream.done:
             return stream.result()
         return await self.run(stream.result)
+
+    def hold_worker(self, engine: Engine, seconds: float = 0.003) -> threading.Event:
+        """Keep the model worker waiting (at most `seconds`) until the returned event is set.
+
+        A streamed fast-path answer has its first token at once, and the decode of the next
+        ones is queued on the worker right behind it; on a host with few cores that decode
+        takes the CPU the event loop needs to write the first token out. Queued ahead of
+        the request, this hold lets the first token leave first."""
+        ev = threading.Event()
+
+        def hold():
+            ev.wait(seconds)
+            yield
+
+        try:
+            engine.scheduler.submit(hold())
+        except PreposError:
+            ev.set()
+        return ev
+
+    def hold_for(self, engine: Engine, s, key: tuple, mode: str | None, streaming: bool,
+                 max_tokens: int) -> threading.Event | None:
+        """A worker hold for a streamed exact match that will decode more than one token;
+        None for any other request."""
+        if not streaming or max_tokens == 1 or (mode or s.spec.fast_path) == "off":
+            return None
+        with s.lock:
+            if not (s.ready.valid and key in s.ready.records):
+                return None
+        return self.hold_worker(engine)
 
     def backpressure(self, engine: Engine) -> None:
         try:

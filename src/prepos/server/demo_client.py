@@ -1,0 +1,274 @@
+"""Replay a streaming market session and an agentic tool-calling session against a running
+prepos server, and print, per request, the path that served it and the first-token latency
+the client saw.
+
+    prepos demo --url http://127.0.0.1:8000 [--api-key KEY]
+
+The market session registers a standing query and appends price data; after each update
+the server pre-positions it, so the standing query is answered from the cache (fast), an
+ad-hoc question resumes from the pre-paid query prefix (fall-through, or fast where the
+calibrated gate fires), and the same query to a baseline session that never pre-positions
+pays its whole entry (cold). The agentic session runs a turn, a tool result if the model
+calls its tool, a turn whose user message was committed ahead (fast), and an
+OpenAI-compatible chat turn with the `session_id` extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import sys
+import time
+from urllib.parse import urlsplit
+
+from prepos.task.market import SYSTEM_PROMPT, generate_stream
+
+TICKER = "ACME"
+STANDING = f"Which way is {TICKER} moving?"
+AD_HOC = (f"Is {TICKER} rising?", f"Is {TICKER} falling?", f"Is it false that {TICKER} is "
+          "rising?")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_price", "description": "The latest price of a ticker",
+    "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}},
+                   "required": ["ticker"]}}}]
+AGENT_SYSTEM = "You are a trading assistant. Call get_price to look up a price."
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+class Http:
+    """One keep-alive connection; JSON calls and SSE requests timed to the first token."""
+
+    def __init__(self, url: str, key: str | None = None):
+        u = urlsplit(url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.headers = {"Content-Type": "application/json"}
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        self.conn.request(method, path, json.dumps(body) if body is not None else None,
+                          self.headers)
+        r = self.conn.getresponse()
+        raw = r.read()
+        if r.status >= 300:
+            raise DemoError(f"{method} {path}: HTTP {r.status}: {raw.decode(errors='replace')}")
+        return json.loads(raw)
+
+    def stream(self, path: str, body: dict) -> tuple[float | None, list[tuple[str, object]]]:
+        """POST a streaming request: seconds to the first token, and the events."""
+        t0 = time.perf_counter()
+        self.conn.request("POST", path, json.dumps(body), self.headers)
+        r = self.conn.getresponse()
+        if r.status >= 300:
+            raise DemoError(f"POST {path}: HTTP {r.status}: {r.read().decode(errors='replace')}")
+        first, name, events = None, "message", []
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.decode().rstrip("\r\n")
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                raw = line[5:].strip()
+                data = raw if raw == "[DONE]" else json.loads(raw)
+                if first is None and _is_token(name, data):
+                    first = time.perf_counter() - t0
+                events.append((name, data))
+                name = "message"
+        return first, events
+
+
+def _is_token(name: str, data) -> bool:
+    if name == "token":
+        return True
+    if name == "message" and isinstance(data, dict) and data.get("choices"):
+        delta = data["choices"][0].get("delta") or {}
+        return bool(delta.get("content") or delta.get("tool_calls") or
+                    data["choices"][0].get("text"))
+    return False
+
+
+class Table:
+    COLS = ("#", "session", "request", "path", "match", "first token ms", "server ttft ms",
+            "answer")
+
+    def __init__(self, out=sys.stdout):
+        self.rows: list[tuple] = []
+        self.out = out
+        print(self._fmt(self.COLS), file=out)
+        print(self._fmt(tuple("-" * w for w in self.widths)), file=out)
+
+    widths = (3, 9, 34, 12, 7, 14, 14, 20)
+
+    def _fmt(self, cells) -> str:
+        return "  ".join(str(c)[:w].ljust(w) if i in (1, 2, 3, 4, 7) else str(c)[:w].rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, self.widths)))
+
+    def add(self, session: str, request: str, first: float | None, result: dict) -> None:
+        timing = result.get("timing", {})
+        row = (len(self.rows) + 1, session, request, result.get("path", "?"),
+               result.get("match", "?"), f"{first * 1e3:.2f}" if first is not None else "-",
+               f"{timing.get('ttft_ms', 0):.2f}", repr(result.get("text", ""))[:20])
+        self.rows.append(row)
+        print(self._fmt(row), file=self.out, flush=True)
+
+    def summary(self) -> str:
+        by: dict[str, list[float]] = {}
+        for row in self.rows:
+            if row[5] != "-":
+                by.setdefault(row[3], []).append(float(row[5]))
+        parts = [f"{p}: {len(xs)} requests, median first token "
+                 f"{sorted(xs)[len(xs) // 2]:.2f} ms" for p, xs in sorted(by.items())]
+        return "; ".join(parts)
+
+
+def _result(events) -> dict:
+    for name, data in reversed(events):
+        if name == "result":
+            return data
+        if name == "error":
+            raise DemoError(json.dumps(data))
+    raise DemoError("the stream ended without a result")
+
+
+def _openai_result(events) -> dict:
+    text, ext = "", {}
+    for name, data in events:
+        if not isinstance(data, dict):
+            continue
+        if "error" in data:
+            raise DemoError(json.dumps(data["error"]))
+        for ch in data.get("choices", []):
+            text += (ch.get("delta") or {}).get("content") or ""
+        ext = data.get("prepos", ext)
+    return {**ext, "text": text}
+
+
+def wait_healthy(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    u = urlsplit(url)
+    while True:
+        try:
+            c = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=5)
+            c.request("GET", "/health")
+            r = c.getresponse()
+            body = r.read()
+            if r.status == 200:
+                return
+            state = json.loads(body).get("status", r.status)
+        except (OSError, ValueError) as exc:
+            state = exc
+        if time.monotonic() > deadline:
+            raise DemoError(f"no ready server at {url} ({state}); start one with `prepos "
+                            "serve`")
+        time.sleep(0.25)
+
+
+def market(h: Http, table: Table, updates: int, seed: int, max_tokens: int) -> None:
+    msgs = generate_stream(random.Random(seed), 6 * (updates + 3), ticker=TICKER).messages()
+    hot = h.call("POST", "/sessions", {"kind": "streaming", "system": SYSTEM_PROMPT,
+                                       "standing_queries": [STANDING],
+                                       "fast_path": "relaxed"})["id"]
+    base = h.call("POST", "/sessions", {"kind": "streaming", "system": SYSTEM_PROMPT,
+                                        "preposition": False})["id"]
+    rng = random.Random(seed)
+    try:
+        for m in msgs[:3]:  # some history first
+            for sid in (hot, base):
+                h.call("POST", f"/sessions/{sid}/append", {"data": m})
+        for m in msgs[3:3 + updates]:
+            for sid in (hot, base):
+                h.call("POST", f"/sessions/{sid}/append", {"data": m})
+            h.call("GET", f"/sessions/{hot}?wait_ready=60")  # the idle time between updates
+            for sid, name, q in ((hot, "market", STANDING), (hot, "market", rng.choice(AD_HOC)),
+                                 (base, "baseline", STANDING)):
+                first, events = h.stream(f"/sessions/{sid}/query",
+                                         {"question": q, "max_tokens": max_tokens,
+                                          "stream": True})
+                table.add(name, q, first, _result(events))
+    finally:
+        for sid in (hot, base):
+            h.call("DELETE", f"/sessions/{sid}")
+
+
+def agentic(h: Http, table: Table, model: str, max_tokens: int) -> None:
+    sid = h.call("POST", "/sessions", {"kind": "agentic", "system": AGENT_SYSTEM,
+                                       "tools": TOOLS})["id"]
+    try:
+        h.call("GET", f"/sessions/{sid}?wait_ready=60")
+        ask = f"What is {TICKER} trading at?"
+        first, events = h.stream(f"/sessions/{sid}/turn", {"user": ask, "stream": True,
+                                                           "max_tokens": max_tokens})
+        res = _result(events)
+        table.add("agent", f"turn: {ask}", first, res)
+        if res.get("tool_calls"):
+            h.call("GET", f"/sessions/{sid}?wait_ready=60")
+            first, events = h.stream(f"/sessions/{sid}/tool_result",
+                                     {"content": json.dumps({"ticker": TICKER, "price": 48}),
+                                      "stream": True, "max_tokens": max_tokens})
+            table.add("agent", "tool result: get_price", first, _result(events))
+        # a user message committed ahead of its turn: the turn is an exact match
+        h.call("POST", f"/sessions/{sid}/messages", {"role": "user", "content": "And BOLT?"})
+        h.call("GET", f"/sessions/{sid}?wait_ready=60")
+        first, events = h.stream(f"/sessions/{sid}/turn", {"stream": True,
+                                                           "max_tokens": max_tokens})
+        table.add("agent", "turn (user committed ahead)", first, _result(events))
+        # the OpenAI-compatible endpoint on the same session: only the new message is sent on
+        held = h.call("GET", f"/sessions/{sid}?include=messages&wait_ready=60")["message_list"]
+        convo = [_as_openai(m, i) for i, m in enumerate(held)]
+        convo.append({"role": "user", "content": "Thanks. Anything else?"})
+        first, events = h.stream("/v1/chat/completions", {
+            "model": model, "messages": convo, "stream": True, "max_tokens": max_tokens,
+            "session_id": sid})
+        table.add("agent", "/v1/chat/completions + session_id", first, _openai_result(events))
+    finally:
+        h.call("DELETE", f"/sessions/{sid}")
+
+
+def _as_openai(m: dict, i: int) -> dict:
+    out = {"role": m["role"], "content": m.get("content", "")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function",
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": json.dumps(c["function"]["arguments"])}}
+                             for j, c in enumerate(m["tool_calls"])]
+    if m["role"] == "tool":
+        out["tool_call_id"] = f"call_{i - 1}_0"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prepos demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="a running prepos server")
+    ap.add_argument("--api-key", help="Bearer key, if the server wants one")
+    ap.add_argument("--updates", type=int, default=6, help="market data updates to replay")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--wait", type=float, default=120.0,
+                    help="seconds to wait for the server to be ready")
+    args = ap.parse_args(argv)
+    try:
+        wait_healthy(args.url, args.wait)
+        h = Http(args.url, args.api_key)
+        model = h.call("GET", "/v1/models")["data"][0]["id"]
+        print(f"prepos demo against {args.url} (model {model})\n")
+        table = Table()
+        market(h, table, args.updates, args.seed, args.max_tokens)
+        agentic(h, table, model, args.max_tokens)
+    except DemoError as exc:
+        print(f"prepos demo: {exc}", file=sys.stderr)
+        return 1
+    print(f"\n{table.summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

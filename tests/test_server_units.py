@@ -1,0 +1,137 @@
+"""Server parts without a server: the journal's delta encoding, checkpoints and pruning
+against a real engine; conversation matching for the `session_id` extension; tool-call
+hold-back in streamed chat; limits."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prepos.errors import InvalidSampling
+from prepos.server.errors import ApiError
+from prepos.server.journal import Journal, apply, diff
+from prepos.server.limits import Limits
+from prepos.server.openai import _extends, _safe_prefix, _same, normalize
+from prepos.server.schemas import ChatMessage
+from prepos.session import Snapshot
+
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                           "content": st.sampled_from(list("abcde"))}),
+                    max_size=8)
+
+
+@given(messages, messages)
+@settings(max_examples=300, deadline=None)
+def test_diff_then_apply_gives_the_new_messages(base, new):
+    ops = diff(base, new)
+    assert apply(base, ops) == new
+    assert sum(1 for op in ops if isinstance(op, dict)) <= len(new)
+
+
+def test_appends_and_shifts_are_stored_as_slices():
+    base = [{"role": "system", "content": "s"}] + [{"role": "user", "content": str(i)}
+                                                  for i in range(5)]
+    new = base + [{"role": "user", "content": "5"}]
+    assert diff(base, new) == [[0, 6], {"m": {"role": "user", "content": "5"}}]
+    shifted = [base[0], *base[3:]]
+    assert diff(base, shifted) == [[0, 1], [3, 6]]
+
+
+def _kept(session):
+    with session.lock:
+        return [(v, list(h.messages if isinstance(h, Snapshot) else h))
+                for v, h in session.history.items()]
+
+
+def test_journal_restores_every_kept_version(make_engine, tmp_path):
+    eng = make_engine("chatml", max_versions=8)
+    path = tmp_path / "j.sqlite3"
+    journal = Journal(path, max_versions=8, checkpoint_every=4)
+    eng.listeners.append(journal.on_event)
+    s = eng.create_session("streaming", system="sys", standing=["Q?"])
+    for i in range(20):
+        eng.append(s, f"AAPL {100 + i}", wait=False)
+    eng.rollback(s, 15, wait=False)
+    eng.shift(s, drop=2, wait=False)
+    a = eng.create_session("agentic", system="sys", owner="key-x")
+    eng.add_message(a, "user", "hi", wait=False)
+    eng.add_message(a, "assistant", "", tool_calls=[{"function": {"name": "f",
+                                                                  "arguments": "{}"}}],
+                    wait=False)
+    gone = eng.create_session("streaming", system="sys")
+    eng.append(gone, "x", wait=False)
+    eng.close_session(gone)
+    eng.wait_idle()
+    journal.close()
+
+    loaded = {sid: (spec, history) for sid, spec, _, history in Journal(path, 8, 4).load()}
+    assert set(loaded) == {s, a}
+    for sid in (s, a):
+        spec, history = loaded[sid]
+        assert spec == eng.session(sid).spec
+        assert history == _kept(eng.session(sid))
+    assert loaded[a][0].owner == "key-x"
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT COUNT(*) FROM versions WHERE sid=?", (s,)).fetchone()[0]
+    assert rows <= 8 + 4  # pruned behind a checkpoint
+    # a restored engine session equals the original, and can roll back to a kept version
+    eng2 = make_engine("chatml", max_versions=8)
+    spec, history = loaded[s]
+    eng2.restore_session(s, spec, history)
+    assert eng2.session(s).snap.tokens == eng.session(s).snap.tokens
+    oldest = history[0][0]
+    eng2.rollback(s, oldest, wait=False)
+    assert eng2.session(s).snap.messages == tuple(history[0][1])
+
+
+def test_conversation_matching():
+    held = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
+    sent = normalize([ChatMessage(role="system", content="s"),
+                      ChatMessage(role="user", content=[{"type": "text", "text": "u"}]),
+                      ChatMessage(role="assistant", content=" a\n", tool_calls=[
+                          {"id": "c1", "type": "function",
+                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
+                      ChatMessage(role="tool", content="42", tool_call_id="c1")])
+    assert _extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
+    assert not _same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
+    assert _extends(held, sent[:2]) == -1
+    with pytest.raises(ApiError) as err:
+        normalize([ChatMessage(role="user", content="u"), ChatMessage(role="system",
+                                                                      content="s")])
+    assert err.value.param == "messages[1].role"
+
+
+def test_tool_call_markup_is_held_back():
+    assert _safe_prefix("Let me check.") == len("Let me check.")
+    assert _safe_prefix("Let me check. <tool_call>{") == len("Let me check. ")
+    assert _safe_prefix("Let me check. <tool") == len("Let me check. ")
+    assert _safe_prefix(' {"name": "f"') == 0
+
+
+def test_limits():
+    lim = Limits(max_tokens=8, default_max_tokens=4, max_input_tokens=10)
+    assert lim.sampling(None).max_tokens == 4
+    with pytest.raises(ApiError) as err:
+        lim.sampling(9)
+    assert err.value.code == "max_tokens_limit"
+    with pytest.raises(InvalidSampling):
+        lim.sampling(2, temperature=-1)
+
+    class Fmt:
+        @staticmethod
+        def encode(text):
+            return text.split()
+
+    class Eng:
+        fmt = Fmt()
+
+    lim.check_input(Eng, "0123456789", "data")  # within the limit in bytes: not tokenized
+    lim.check_input(Eng, "a " * 10, "data")  # 20 bytes, 10 tokens
+    with pytest.raises(ApiError) as err:
+        lim.check_input(Eng, "a " * 11, "data")
+    assert err.value.status == 413 and "11 tokens" in err.value.message
