@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         from prepos.server.demo_client import main as client_main
 
-        return client_main(["--url", args.url])
+        return int(client_main(["--url", args.url]) or 0)
     t0 = time.perf_counter()
     eng = Engine.from_pretrained(args.model, EngineConfig())
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f} s; gate tau="
