@@ -103,9 +103,10 @@ def main() -> int:
         r = ep["ratios"]
         ratios = (f"- In process, one run: cold / fast (exact) = "
                   f"{r['cold_over_fast_exact_p50']:.0f}x; engine cold / bare transformers "
-                  f"forward = {r['engine_cold_over_bare_forward_p50']:.2f}x; P99 cold while "
-                  f"idle work runs / idle = {r['cold_p99_busy_over_idle']:.2f}x; most idle "
-                  f"chunks a request waited behind: {ep['derived']['max_idle_chunks_waited']}.\n")
+                  f"forward = {r['engine_cold_over_bare_forward_p50']:.2f}x; P99 cold with "
+                  f"pre-positioning on / off under the same updates = "
+                  f"{r['cold_p99_preposition_on_over_off']:.2f}x; most idle chunks a request "
+                  f"waited behind: {ep['derived']['max_idle_chunks_waited']}.\n")
     if http:
         j = http["ttft"]["json"]
         ratios += (f"- Over HTTP, one run: cold / fast = {j['cold_over_fast_p50']:.0f}x (P50). "
