@@ -11,12 +11,12 @@ import torch
 from remote_fakes import FakeCluster, hash_logits, torch_logits
 
 from prepos.backends.base import KVSequence
+from prepos.backends.base import idle_work as background_work
 from prepos.backends.remote import (
     Abandoned,
     BackendUnavailable,
     RemoteBackend,
     RemoteError,
-    background_work,
     make_adapter,
 )
 from prepos.config import EngineConfig, GateConfig

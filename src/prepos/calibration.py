@@ -33,33 +33,14 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from prepos.config import GateConfig
+from prepos.sim.model import wilson
 from prepos.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
 
-Z95 = 1.959963984540054
 MIN_SERVED = 10  # figures draw r(tau) only where at least this many were served
 
 
 # ---------------------------------------------------------------------------------------
 # Statistics
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion k/n (default 95%).
-
-    For n == 0 the proportion is undefined and the interval is the whole of [0, 1].
-    """
-    if n < 0 or k < 0 or k > n:
-        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    z2 = z * z
-    denom = 1 + z2 / n
-    centre = (p + z2 / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    lo = 0.0 if k == 0 else max(0.0, centre - half)
-    hi = 1.0 if k == n else min(1.0, centre + half)
-    return (lo, hi)
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 
-from prepos.backends.base import Backend, Dist
+from prepos.backends.base import Backend, Dist, in_idle_work
 from prepos.errors import PreposError
 
 
@@ -65,27 +65,7 @@ class ReplicaFailure(Exception):
     """The replica, not the request, failed: connection refused or reset, timeout, 5xx."""
 
 
-# == background priority ===================================================================
-try:  # the scheduler marks idle steps through base.py where it has the hook
-    from prepos.backends.base import idle_work as background_work  # type: ignore[attr-defined]
-    from prepos.backends.base import in_idle_work as in_background  # type: ignore[attr-defined]
-except ImportError:
-    _local = threading.local()
-
-    @contextlib.contextmanager
-    def background_work(flag: bool = True) -> Iterator[None]:
-        """Mark the requests made in this block (on this thread) as background work: they
-        get the engine's background priority where it has one and count against the
-        per-replica background cap. The scheduler wraps idle steps in it."""
-        old = getattr(_local, "background", False)
-        _local.background = flag
-        try:
-            yield
-        finally:
-            _local.background = old
-
-    def in_background() -> bool:
-        return getattr(_local, "background", False)
+# == background priority: the scheduler marks idle steps (base.idle_work) ==============
 
 
 # == adapters: one per engine, each engine's differences in one place =====================
@@ -596,7 +576,7 @@ class RemoteBackend(Backend):
         if len(prompt) > self.max_context:
             raise RemoteError(f"prompt of {len(prompt)} tokens exceeds the context of "
                               f"{self.max_context}")
-        background = in_background()
+        background = in_idle_work()
         tried: list[Replica] = []
         errors: list[str] = []
         while True:
