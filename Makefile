@@ -29,7 +29,7 @@ simulate: install
 	$(BIN)/prepos simulate --check
 
 bench: install
-	$(BIN)/python benchmarks/engine_paths.py
+	$(BIN)/prepos bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -95,8 +95,16 @@ def main() -> int:
         ttft = "not run"
     row("First-token latency, HTTP, client-observed", "P50/P99", "cold 53.1/66.9; fast "
         "1.01/1.35 ms", ttft, "measured, HW-5 `benchmarks/http_ttft.py`")
-    row("Energy per pre-position", "E_pp", "63.8 J", "not measured: this machine exposes "
-        "no RAPL counters and has no GPU (HW-6 not built yet)", "—")
+    en = load("energy.json")
+    if en:
+        label = "**estimate**: " if en["estimate"] else ""
+        energy = (f"{label}{en['energy_per_preposition_j']:.2f} J per pre-position "
+                  f"(n={en['rounds']}); busy {en['busy_power_w']:.1f} W"
+                  + (f", idle {en['idle_power_w']:.1f} W" if en["idle_power_w"] else "")
+                  + f" ({en['source']})")
+    else:
+        energy = "not run"
+    row("Energy per pre-position", "E_pp", "63.8 J", energy, "HW-6 `benchmarks/energy.py`")
 
     ratios = ""
     if ep:

@@ -10,6 +10,7 @@ COMMANDS = {
     "demo": ("prepos.demo", "replay a streaming and an agentic session, print each path"),
     "train": ("prepos.train", "train the bundled model (and its weak contrast)"),
     "calibrate": ("prepos.calibration", "calibrate the confidence gate (risk-coverage)"),
+    "bench": ("prepos.bench", "every measurement in one command, then docs/RESULTS.md"),
     "simulate": ("prepos.sim.cli", "closed-form model and session simulator; Figures 4-6"),
 }
 

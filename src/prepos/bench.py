@@ -1,0 +1,65 @@
+"""`prepos bench`: every measurement in one command, with a progress bar, then
+docs/RESULTS.md. Each step is a benchmark script whose last stdout line is its JSON summary;
+their output goes to results/bench.log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from tqdm import tqdm
+
+from prepos.paths import MODELS
+
+ROOT = MODELS.parent
+
+
+def steps(quick: bool) -> list[tuple[str, list[str]]]:
+    py = sys.executable
+    n = ["--samples", "32"] if quick else []
+    return [
+        ("HW-1 prefill slope", [py, "benchmarks/prefill.py", *(["--samples", "4"] if quick
+                                                              else [])]),
+        ("HW-2 engine paths", [py, "benchmarks/engine_paths.py", *n]),
+        ("HW-3 gate calibration", [py, "-m", "prepos.calibration", "--threads", "1"]),
+        ("HW-4 live-trace hit rate", [py, "benchmarks/hit_rate.py",
+                                      *(["--prepositions", "32"] if quick else [])]),
+        ("HW-5 HTTP first-token latency", [py, "benchmarks/http_ttft.py", *n,
+                                           *(["--no-load"] if quick else [])]),
+        ("HW-6 energy", [py, "benchmarks/energy.py"]),
+        ("closed form and simulator", [py, "-m", "prepos.sim.cli", "--check",
+                                       "--trace", "results/hit_rate.json", "TAU_P"]),
+        ("docs/RESULTS.md", [py, "benchmarks/report.py"]),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="prepos bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer samples (not for RESULTS.md)")
+    args = ap.parse_args(argv)
+    log = ROOT / "results" / "bench.log"
+    log.parent.mkdir(exist_ok=True)
+    failed = []
+    with open(log, "w") as out, tqdm(steps(args.quick), unit="step") as bar:
+        for name, cmd in bar:
+            bar.set_description(name)
+            if "TAU_P" in cmd:  # the simulator takes HW-1's measured prefill slope
+                cmd.remove("TAU_P")
+                pf = ROOT / "results" / "prefill.json"
+                if pf.is_file():
+                    slope = json.loads(pf.read_text())["prefill"]["slope_ms_per_token"]
+                    cmd += ["--tau-p", f"{slope:.6f}"]
+            t0 = time.perf_counter()
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            rc = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            out.write(f"# {name}: exit {rc} in {time.perf_counter() - t0:.1f} s\n")
+            if rc != 0:
+                failed.append(name)
+    print(f"log: {log}; results: {ROOT / 'results'}; report: {ROOT / 'docs' / 'RESULTS.md'}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
