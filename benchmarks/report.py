@@ -117,10 +117,12 @@ def main() -> int:
                   f"waited behind: {ep['derived']['max_idle_chunks_waited']}.\n")
     if http:
         j = http["ttft"]["json"]
-        ratios += (f"- Over HTTP, one run: cold / fast = {j['cold_over_fast_p50']:.0f}x (P50). "
-                   f"Load run: {http['load']['sessions']} sessions, "
-                   f"{http['load']['operations']} operations, {http['load']['errors']} errors, "
-                   f"{http['load']['stale']} stale answers.\n")
+        ratios += f"- Over HTTP, one run: cold / fast = {j['cold_over_fast_p50']:.0f}x (P50)."
+        run = http.get("load")
+        if run:
+            ratios += (f" Load run: {run['sessions']} sessions, {run['operations']} "
+                       f"operations, {run['errors']} errors, {run['stale']} stale answers.")
+        ratios += "\n"
     figs = []
     (DOCS / "figures").mkdir(parents=True, exist_ok=True)
     for src in sorted((RESULTS / "calibration").glob("*.png")):
