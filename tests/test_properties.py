@@ -133,6 +133,16 @@ def run_machine(engine):
                 ref = cold_logits(self.eng, committed + header)
                 assert float(ref.max() - ref[res.tokens[0]]) <= 1e-3
 
+        @rule()
+        def adhoc_query_gate_off(self):
+            s = self.eng.session(self.stream)
+            version, committed = s.version, s.snap.tokens
+            q = "Is it rising?"
+            entry = tuple(self.eng.fmt.encode(self.eng.fmt.frame(s.entries().user, q)))
+            res = self.eng.query(self.stream, q, SamplingParams(max_tokens=1), fast_path="off")
+            assert res.path in (Path.FALL, Path.COLD) and res.version == version
+            assert greedy_agrees(self.eng, committed + entry, res.tokens[0])
+
         # -- (c) -----------------------------------------------------------------------
         @invariant()
         def committed_state_never_evicted(self):
@@ -146,7 +156,7 @@ def run_machine(engine):
                 assert rec.p <= 40
 
     Interleavings.TestCase.settings = settings(
-        max_examples=20, stateful_step_count=15, deadline=None,
+        max_examples=20, stateful_step_count=15, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     Interleavings.TestCase().runTest()
 
@@ -157,4 +167,6 @@ def test_interleavings_keep_the_invariants(engine):
     paths = engine.paths
     assert paths["fast_exact"] > 0 and paths["fast_relaxed"] > 0 and paths["fall"] > 0
     counters = engine.prepos.counters
-    assert counters.discarded > 0 and counters.skipped > 0 and counters.invalidated > 0
+    # mutations raced pre-positions: caught in flight (discarded) or before they started
+    assert counters.discarded + counters.superseded > 0
+    assert counters.skipped > 0 and counters.invalidated > 0
