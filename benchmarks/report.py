@@ -118,6 +118,17 @@ def main() -> int:
     if http:
         j = http["ttft"]["json"]
         ratios += f"- Over HTTP, one run: cold / fast = {j['cold_over_fast_p50']:.0f}x (P50)."
+        peer_run = load("http_ttft_peer.json")
+        if peer_run:
+            pj = peer_run["ttft"]["json"]
+            pc = pj["client"]
+            ratios += (f" Prefix-cache peer over HTTP (the entry's KV resident, the cached "
+                       f"distribution unused, so one decode; `benchmarks/http_ttft.py --no-load "
+                       f"--out results/http_ttft_peer.json`, a separate run): "
+                       f"{pc['peer']['p50_ms']:.1f}/{pc['peer']['p99_ms']:.1f} ms P50/P99 vs "
+                       f"fast {pc['fast']['p50_ms']:.2f}/{pc['fast']['p99_ms']:.2f} ms in the same "
+                       f"run: {pj['peer_over_fast_p50']:.0f}x (n={pc['peer']['n']} each; the "
+                       f"reference: 39x).")
         run = http.get("load")
         if run:
             ratios += (f" Load run: {run['sessions']} sessions, {run['operations']} "
