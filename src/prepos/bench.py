@@ -29,6 +29,8 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
                                       *(["--prepositions", "32"] if quick else [])]),
         ("HW-5 HTTP first-token latency", [py, "benchmarks/http_ttft.py", *n,
                                            *(["--no-load"] if quick else [])]),
+        ("HW-5 prefix-cache peer over HTTP", [py, "benchmarks/http_ttft.py", "--no-load",
+                                              "--out", "results/http_ttft_peer.json", *n]),
         ("HW-6 energy", [py, "benchmarks/energy.py"]),
         ("closed form and simulator", [py, "-m", "prepos.sim.cli", "--check",
                                        "--trace", "results/hit_rate.json", "TAU_P"]),
