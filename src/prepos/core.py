@@ -100,13 +100,3 @@ class Result:
     cached_prompt_tokens: int = 0  # prompt tokens found in the KV cache
     tool_calls: list[dict] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each emitted token
-
-    def summary(self) -> dict:
-        return {
-            "path": self.path.value,
-            "match": self.match.value,
-            "gap": self.gap,
-            "ttft_ms": self.timing.ttft * 1e3,
-            "cached_tokens": self.timing.cached_tokens,
-            "prefill_tokens": self.timing.prefill_tokens,
-        }

@@ -465,7 +465,7 @@ class Engine:
                             self.scheduler.release)
 
     def _committed_len(self, sid: str) -> int:
-        s = self.sessions._sessions.get(sid)
+        s = self.sessions.find(sid)
         return len(s.snap.tokens) if s is not None else 0
 
     def _finisher(self, then: Callable[[Result], None] | None) -> Callable[[Result], None]:

@@ -107,7 +107,6 @@ class Scheduler:
         self._idle_cap = idle_workers or workers
         self._stopped = False
         self.idle_steps = 0
-        self.fg_steps = 0
         # (seconds, idle chunks run meanwhile) each foreground task waited before it started
         self.fg_waits: deque[tuple[float, int]] = deque(maxlen=4096)
         self._threads = [threading.Thread(target=self._loop, name=f"prepos-worker-{i}",
@@ -204,8 +203,6 @@ class Scheduler:
                 if task.idle:
                     self.idle_steps += 1
                     self._idle_running -= 1
-                else:
-                    self.fg_steps += 1
                 self._busy.discard(task.key)
                 if more:
                     (self._idle if task.idle else self._fg).append(task)

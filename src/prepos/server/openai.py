@@ -433,46 +433,38 @@ class ChatCall:
             first = True
             held = ""  # text withheld while it may be a tool call's markup
             sent = ""
-            try:
-                async for ev in source:
-                    delta: dict = {"role": "assistant"} if first else {}
-                    text = ev.text
-                    if tools:
-                        held += text
-                        safe = _safe_prefix(sent + held) - len(sent)
-                        text, held = held[:max(safe, 0)], held[max(safe, 0):]
-                    lp = None
-                    if self.logprobs and ev.token >= 0 and ev.logprob is not None:
-                        lp = {"content": [self._entry(fmt, ev.token, ev.logprob)]}
-                    if not text and lp is None and not first:
-                        continue
-                    delta["content"] = text
-                    sent += text
-                    first = False
-                    yield chunk(delta, logprobs=lp)
-                res = stream.result()
-                message, finish = _message(res, agentic)
-                final: dict = {"role": "assistant"} if first else {}
-                content = message.get("content") or ""
-                if content.startswith(sent) and len(content) > len(sent):
-                    final["content"] = content[len(sent):]
-                if message.get("tool_calls"):
-                    final["tool_calls"] = [{"index": i, **c}
-                                           for i, c in enumerate(message["tool_calls"])]
-                yield chunk(final, finish, prepos=self._ext(res, sid))
-                if include_usage:
-                    yield event({"id": rid, "object": "chat.completion.chunk",
-                                 "created": created, "model": model, "choices": [],
-                                 "usage": results.usage(res)})
-            except Exception as exc:
-                err = as_api_error(exc)
-                yield event(error_body(err.status, err.code, err.message, err.param))
-            finally:
-                if cleanup is not None:
-                    cleanup()
-            yield b"data: [DONE]\n\n"
+            async for ev in source:
+                delta: dict = {"role": "assistant"} if first else {}
+                text = ev.text
+                if tools:
+                    held += text
+                    safe = _safe_prefix(sent + held) - len(sent)
+                    text, held = held[:max(safe, 0)], held[max(safe, 0):]
+                lp = None
+                if self.logprobs and ev.token >= 0 and ev.logprob is not None:
+                    lp = {"content": [self._entry(fmt, ev.token, ev.logprob)]}
+                if not text and lp is None and not first:
+                    continue
+                delta["content"] = text
+                sent += text
+                first = False
+                yield chunk(delta, logprobs=lp)
+            res = stream.result()
+            message, finish = _message(res, agentic)
+            final: dict = {"role": "assistant"} if first else {}
+            content = message.get("content") or ""
+            if content.startswith(sent) and len(content) > len(sent):
+                final["content"] = content[len(sent):]
+            if message.get("tool_calls"):
+                final["tool_calls"] = [{"index": i, **c}
+                                       for i, c in enumerate(message["tool_calls"])]
+            yield chunk(final, finish, prepos=self._ext(res, sid))
+            if include_usage:
+                yield event({"id": rid, "object": "chat.completion.chunk",
+                             "created": created, "model": model, "choices": [],
+                             "usage": results.usage(res)})
 
-        return await _stream_response(stream, chunks, sid, hold)
+        return await _stream_response(stream, _guarded(chunks, cleanup), sid, hold)
 
     def _ext(self, res: Result, sid: str | None) -> dict:
         ext = results.extension(res, sid)
@@ -534,6 +526,25 @@ async def _released(source, hold):
             hold.set()
     finally:
         hold.set()
+
+
+def _guarded(chunks, cleanup):
+    """OpenAI SSE framing around a chunk generator: an error event if it fails, `cleanup`
+    either way, then `[DONE]`."""
+
+    async def run(source):
+        try:
+            async for c in chunks(source):
+                yield c
+        except Exception as exc:
+            err = as_api_error(exc)
+            yield event(error_body(err.status, err.code, err.message, err.param))
+        finally:
+            if cleanup is not None:
+                cleanup()
+        yield b"data: [DONE]\n\n"
+
+    return run
 
 
 async def _stream_response(stream, chunks, sid: str | None, hold=None) -> Response:
@@ -673,27 +684,19 @@ async def _complete(state: ServerState, body: Completion, stream, sid, want_lp: 
 
     async def chunks(source):
         at = 0
-        try:
-            async for ev in source:
-                lp = None
-                if want_lp and ev.token >= 0 and ev.logprob is not None:
-                    lp = lp_block([ev.token], [ev.logprob], at)
-                if not ev.text and lp is None:
-                    continue
-                at += len(ev.text)
-                yield chunk(ev.text, logprobs=lp)
-            res = stream.result()
-            yield chunk("", "length" if res.finish_reason == "length" else "stop",
-                        prepos=results.extension(res, sid))
-            if include_usage:
-                yield event({"id": rid, "object": "text_completion", "created": created,
-                             "model": model, "choices": [], "usage": results.usage(res)})
-        except Exception as exc:
-            err = as_api_error(exc)
-            yield event(error_body(err.status, err.code, err.message, err.param))
-        finally:
-            if cleanup is not None:
-                cleanup()
-        yield b"data: [DONE]\n\n"
+        async for ev in source:
+            lp = None
+            if want_lp and ev.token >= 0 and ev.logprob is not None:
+                lp = lp_block([ev.token], [ev.logprob], at)
+            if not ev.text and lp is None:
+                continue
+            at += len(ev.text)
+            yield chunk(ev.text, logprobs=lp)
+        res = stream.result()
+        yield chunk("", "length" if res.finish_reason == "length" else "stop",
+                    prepos=results.extension(res, sid))
+        if include_usage:
+            yield event({"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [], "usage": results.usage(res)})
 
-    return await _stream_response(stream, chunks, sid, hold)
+    return await _stream_response(stream, _guarded(chunks, cleanup), sid, hold)
