@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "fast_p50_le_1ms": fast["p50_ms"] is not None and fast["p50_ms"] <= 1.0,
         "fast_p99_le_2ms": fast["p99_ms"] is not None and fast["p99_ms"] <= 2.0,
         "cold_over_fast_ge_50x": (t["cold_over_fast_p50"] or 0) >= 50,
+        "peer_over_fast_ge_40x": (t["peer_over_fast_p50"] or 0) >= 40,
     }
     if "load" in summary:
         ld = summary["load"]

@@ -12,6 +12,7 @@ import time
 
 from tqdm import tqdm
 
+from prepos.backends.llama_server import find_binary
 from prepos.paths import MODELS
 
 ROOT = MODELS.parent
@@ -29,8 +30,8 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
                                       *(["--prepositions", "32"] if quick else [])]),
         ("HW-5 HTTP first-token latency", [py, "benchmarks/http_ttft.py", *n,
                                            *(["--no-load"] if quick else [])]),
-        ("HW-5 prefix-cache peer over HTTP", [py, "benchmarks/http_ttft.py", "--no-load",
-                                              "--out", "results/http_ttft_peer.json", *n]),
+        ("prefix-cache peer: llama-server", [py, "benchmarks/remote_ttft.py", "--model",
+                                             "timing", *n, "NEEDS_LLAMA_SERVER"]),
         ("HW-6 energy", [py, "benchmarks/energy.py"]),
         ("closed form and simulator", [py, "-m", "prepos.sim.cli", "--check",
                                        "--trace", "results/hit_rate.json", "TAU_P"]),
@@ -48,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "w") as out, tqdm(steps(args.quick), unit="step") as bar:
         for name, cmd in bar:
             bar.set_description(name)
+            if "NEEDS_LLAMA_SERVER" in cmd:  # optional: built by `make llama-server`
+                cmd.remove("NEEDS_LLAMA_SERVER")
+                if find_binary() is None:
+                    out.write(f"# {name}: skipped, no llama-server binary "
+                              "(`make llama-server` builds one)\n")
+                    continue
             if "TAU_P" in cmd:  # the simulator takes HW-1's measured prefill slope
                 cmd.remove("TAU_P")
                 pf = ROOT / "results" / "prefill.json"
