@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -26,25 +27,52 @@ def summarize(samples_s: list[float]) -> dict:
             "min_ms": xs[0] * 1e3}
 
 
-def timing_model_dir() -> Path:
-    """DESIGN.md's timing model (seeded random weights), built once and cached."""
+def timing_model_dir(size: str = "125m", device: str = "cpu", dtype: str = "float32") -> Path:
+    """A timing model (seeded random weights), built once and cached in results/: DESIGN.md's
+    ~125M Llama by default, or another of prepos.tiny.TIMING_SIZES (built on `device`)."""
     from prepos.tiny import timing_model
 
-    out = RESULTS / "timing-model"
+    out = RESULTS / ("timing-model" if size == "125m" else f"timing-model-{size}-{dtype}")
     if not (out / "config.json").is_file():
-        timing_model(out)
+        timing_model(out, size=size, device=device, dtype=dtype)
     return out
 
 
+def model_args(ap: argparse.ArgumentParser, name: str) -> None:
+    """The options every in-process benchmark shares: which model, where, in what dtype, and
+    where its JSON goes (the GPU script, benchmarks/gpu.sh, runs them with other values)."""
+    ap.add_argument("--size", default="125m", help="timing-model size (prepos.tiny."
+                    "TIMING_SIZES), built in results/ if missing")
+    ap.add_argument("--model-dir", type=Path, help="a local model instead of a timing model")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    return args.model_dir or timing_model_dir(args.size, args.device, args.dtype)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    if args.model_dir:
+        return str(args.model_dir)
+    return (f"timing model {args.size} (seeded RANDOM weights, Llama), {args.dtype} on "
+            f"{args.device}")
+
+
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    out = {"platform": platform.platform(), "processor": platform.processor(),
+           "cpus": os.cpu_count(), "torch": torch.__version__,
+           "torch_threads": torch.get_num_threads(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
 
 
-def write(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write(name: str | Path, payload: dict) -> Path:
+    """results/<name>.json, or the path given."""
+    path = name if isinstance(name, Path) else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

@@ -145,25 +145,34 @@ def model_config(arch: str = "llama", vocab_size: int = 1024, hidden: int = 64,
 
 
 def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama",
-                seed: int = 0, **config) -> Path:
-    """A seeded random-weight model and a tokenizer of the given template family."""
+                seed: int = 0, tokenizer_vocab: int | None = None, device: str = "cpu",
+                dtype: str = "float32", **config) -> Path:
+    """A seeded random-weight model and a tokenizer of the given template family.
+
+    `tokenizer_vocab` trains a smaller tokenizer than the model's vocabulary (ids past it
+    decode to nothing), so a timing model can have a real-size LM head without training a
+    128k-token BPE. `device`/`dtype` initialize the weights there (a GPU builds 8B in
+    seconds) and save them in that dtype."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = Path(out_dir)
     vocab = config.pop("vocab_size", None)
-    if vocab is None:
+    tok_vocab = tokenizer_vocab or vocab
+    if tok_vocab is None:
         tok = build_tokenizer(out, family)
     else:  # a vocabulary this large needs more text than the built-in corpus
-        tok = build_tokenizer(out, family, vocab, filler_corpus(words=vocab * 8, seed=seed))
+        tok = build_tokenizer(out, family, tok_vocab, filler_corpus(words=tok_vocab * 8,
+                                                                     seed=seed))
     config["vocab_size"] = max(len(tok), vocab or 0)
     cfg = model_config(arch, **config)
     cfg.bos_token_id = tok.bos_token_id
     cfg.eos_token_id = tok.eos_token_id
     cfg.pad_token_id = tok.pad_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     # Random init gives near-uniform logits; widen them so greedy choices are well separated.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -173,8 +182,25 @@ def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama"
     return out
 
 
-def timing_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """DESIGN.md's timing model: a ~125M-parameter Llama (hidden 768, 12 layers, 12 heads,
-    4 KV heads, vocabulary 32,000) with seeded random weights."""
-    return build_model(out_dir, "chatml", "llama", seed, vocab_size=32000, hidden=768,
-                       layers=12, heads=12, kv_heads=4, intermediate=2048, max_positions=4096)
+# DESIGN.md's timing model and the larger classes of the GPU run (Llama-3.2-1B and
+# Llama-3.1-8B shapes); all seeded random weights. "test" is a CPU-sized stand-in that lets
+# the GPU script's pipeline run in the test suite.
+TIMING_SIZES = {
+    "125m": dict(vocab_size=32000, hidden=768, layers=12, heads=12, kv_heads=4,
+                 intermediate=2048),
+    "1b": dict(vocab_size=128256, tokenizer_vocab=32000, hidden=2048, layers=16, heads=32,
+               kv_heads=8, intermediate=8192),
+    "8b": dict(vocab_size=128256, tokenizer_vocab=32000, hidden=4096, layers=32, heads=32,
+               kv_heads=8, intermediate=14336),
+    "test": dict(vocab_size=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
+}
+
+
+def timing_model(out_dir: str | Path, seed: int = 0, size: str = "125m", device: str = "cpu",
+                 dtype: str = "float32") -> Path:
+    """A timing model of one of TIMING_SIZES (default DESIGN.md's: a ~125M-parameter Llama,
+    hidden 768, 12 layers, 12 heads, 4 KV heads, vocabulary 32,000), seeded random weights."""
+    if size not in TIMING_SIZES:
+        raise ValueError(f"size must be one of {sorted(TIMING_SIZES)}, got {size!r}")
+    return build_model(out_dir, "chatml", "llama", seed, device=device, dtype=dtype,
+                       max_positions=4096, **TIMING_SIZES[size])
