@@ -416,3 +416,46 @@ def test_expected_version_refuses_a_stale_commit(make_engine):
     with pytest.raises(Conflict):
         eng.turn(sid, "third", expected_version=v)
     assert state(eng, sid) == before
+
+
+def _hold_worker(eng):
+    """Keep the (single) model worker busy until the returned event is set."""
+    import threading
+
+    gate = threading.Event()
+
+    def blocker():
+        gate.wait(30)
+        yield
+
+    eng.scheduler.submit(blocker())
+    return gate
+
+
+def test_a_cancelled_request_does_no_model_work(make_engine):
+    eng = make_engine()
+    sid = streaming(eng, preposition=False)
+    paths = dict(eng.paths)
+    gate = _hold_worker(eng)
+    stream = eng.query_stream(sid, Q, SamplingParams(max_tokens=8), fast_path="off")
+    stream.cancel()  # the client left while the request waited for the worker
+    gate.set()
+    res = stream.result(timeout=30)
+    assert res.finish_reason == "cancelled" and res.tokens == [] and res.text == ""
+    assert eng.paths == paths  # neither cold nor fall-through: nothing was prefilled
+
+
+def test_a_cancelled_turn_commits_no_assistant_message(make_engine):
+    eng = make_engine()
+    sid = eng.create_session("agentic", system=SYSTEM)
+    gate = _hold_worker(eng)
+    stream = eng.turn_stream(sid, "What is the trend?", SamplingParams(max_tokens=8))
+    user_version = eng.session(sid).snap.version  # the user's message is committed
+    stream.cancel()
+    gate.set()
+    assert stream.result(timeout=30).finish_reason == "cancelled"
+    eng.wait_idle()
+    snap = eng.session(sid).snap
+    assert snap.version == user_version and snap.messages[-1]["role"] == "user"
+    res = eng.turn(sid, None, SamplingParams(max_tokens=2))  # the session goes on
+    assert eng.session(sid).snap.messages[-1]["role"] == "assistant", res

@@ -51,3 +51,4 @@ def test_topk_dist_samples_within_its_top_k():
 def test_invalid_sampling_is_refused(kw):
     with pytest.raises(InvalidSampling):
         SamplingParams(**kw)
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 import threading
 
 import httpx
@@ -222,3 +223,44 @@ def test_metrics_in_prometheus_text(client):
     fast = [ln for ln in text.splitlines()
             if ln.startswith('prepos:time_to_first_token_seconds_count{path="fast"}')]
     assert fast and float(fast[0].split()[-1]) >= 1
+
+
+def _counter(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def _wait_counter(client, name: str, at_least: float) -> float:
+    deadline = time.monotonic() + 30
+    while (value := _counter(client, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_cancels_its_generation(server, client, stream):
+    sid = create(client, kind="streaming", system=SYSTEM, preposition=False)
+    feed(client, sid)
+    long = {"question": Q, "max_tokens": 1024, "fast_path": "off"}
+    # the precondition that makes this test mean something: greedy decoding of this prompt
+    # runs to max_tokens (no end of turn), so only a cancellation ends it early
+    assert ask(client, sid, Q, max_tokens=1024, fast_path="off")["finish_reason"] == "length"
+    cancelled = _counter(client, "prepos:requests_cancelled_total")
+    generated = _counter(client, "prepos:generation_tokens_total")
+    with httpx.Client(base_url=server.url, timeout=60) as leaving:
+        if stream:
+            with leaving.stream("POST", f"/sessions/{sid}/query",
+                                json={**long, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("event: token"):
+                        break  # one token read, then the connection closes
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                leaving.post(f"/sessions/{sid}/query", json=long, timeout=0.3)
+    assert _wait_counter(client, "prepos:requests_cancelled_total", cancelled + 1) \
+        == cancelled + 1
+    assert _counter(client, "prepos:generation_tokens_total") - generated < 1024
+    assert ask(client, sid, Q)["finish_reason"] == "length"  # the session serves on

@@ -92,7 +92,7 @@ class Result:
     match: Match
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = "length"  # length | stop | eos | fast_path
+    finish_reason: str = "length"  # length | stop | eos | fast_path | cancelled
     gap: float | None = None
     version: int = 0  # the committed version the answer was computed from
     timing: Timing = field(default_factory=Timing)

@@ -319,6 +319,8 @@ class Engine:
 
     def _commit_answer(self, s: Session, version: int) -> Callable[[Result], None]:
         def commit(res: Result) -> None:
+            if res.finish_reason == "cancelled":  # the client left: the turn never happened
+                return
             content, calls = parse_tool_calls(res.text)
             res.tool_calls = calls
             msg: dict = {"role": "assistant", "content": content}
@@ -385,6 +387,9 @@ class Engine:
         def run():
             tm = res.timing
             tm.queue = time.perf_counter() - t0
+            if stream.cancelled:  # the client left while this waited: no model work
+                out.finish("cancelled")
+                return
             self._make_room(s, seq)
             step = self.pool.get(s.id).advance(seq)
             tm.restore, tm.prefill = step.restore_s, step.forward_s

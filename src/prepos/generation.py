@@ -34,6 +34,8 @@ class Generation:
     def add(self, token: int, logits: torch.Tensor | Dist | None = None,
             logprob: float | None = None) -> bool:
         """Take the next token; returns True when the generation is finished."""
+        if self.stream.cancelled:  # nobody reads on: drop the token, stop decoding
+            return self.finish("cancelled")
         if not self.tokens and self.result.timing.ttft == 0.0:
             self.result.timing.ttft = time.perf_counter() - self.t0
         if token in self.fmt.end_of_turn:

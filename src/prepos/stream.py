@@ -26,6 +26,7 @@ class Stream:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._finished = False
+        self.cancelled = False
 
     # -- producer side (worker or fast path) ---------------------------------------------
     def push(self, event: TokenEvent) -> None:
@@ -42,6 +43,11 @@ class Stream:
         self._events.put(_DONE)
 
     # -- consumer side -------------------------------------------------------------------
+    def cancel(self) -> None:
+        """The reader has gone: the producer stops before its next forward and finishes with
+        reason "cancelled". A stream already finished is unaffected."""
+        self.cancelled = True
+
     @property
     def done(self) -> bool:
         return self._finished

@@ -41,6 +41,8 @@ class Metrics:
                                          registry=r)
         self.requests = Counter("prepos:requests", "Finished requests by path",
                                 ["path", "match"], registry=r)
+        self.cancelled = Counter("prepos:requests_cancelled", "Requests whose client left "
+                                 "before the end: their generation stopped there", registry=r)
         self.errors = Counter("prepos:http_errors", "Error responses by status and code",
                               ["status", "code"], registry=r)
         self.rejected = Counter("prepos:rejected_requests", "Requests refused for a limit",
@@ -62,6 +64,11 @@ class Metrics:
 
     def observe(self, res: Result) -> None:
         """Engine observer: runs on the worker (or the caller, for the fast path)."""
+        self.prompt_tokens.inc(res.prompt_tokens)
+        self.generation_tokens.inc(len(res.tokens))
+        if res.finish_reason == "cancelled":  # no answer was delivered: not a latency sample
+            self.cancelled.inc()
+            return
         path = res.path.value
         self._ttft[path].observe(res.timing.ttft)
         self._e2e[path].observe(res.timing.total)
@@ -70,9 +77,7 @@ class Metrics:
         if counter is None:
             counter = self._requests.setdefault(key, self.requests.labels(*key))
         counter.inc()
-        self.prompt_tokens.inc(res.prompt_tokens)
         self.cached_tokens.inc(cached_prompt_tokens(res))
-        self.generation_tokens.inc(len(res.tokens))
         if res.path is not Path.FAST:
             self._step_ewma = 0.9 * self._step_ewma + 0.1 * res.timing.total
 

@@ -238,7 +238,7 @@ async def chat_completions(request: Request):
         state.limits.check_input(eng, m["content"], f"messages[{i}].content")
     tools = [_tool_spec(t, i) for i, t in enumerate(body.tools or [])]
     logprobs = bool(body.logprobs)
-    call = ChatCall(state, body, sampling, logprobs, top or 0)
+    call = ChatCall(state, body, sampling, logprobs, top or 0, request.receive)
     if body.session_id is None:
         return await call.stateless(eng, owner, msgs, tools)
     s = eng.session(body.session_id, owner) if not body.session_id.startswith(EPHEMERAL) \
@@ -265,8 +265,9 @@ def _tool_spec(tool, i: int) -> dict:
 
 class ChatCall:
     def __init__(self, state: ServerState, body: ChatCompletion, sampling, logprobs: bool,
-                 top: int):
+                 top: int, receive):
         self.state = state
+        self.receive = receive  # the request's: a client that leaves cancels its stream
         self.body = body
         self.sampling = sampling
         self.logprobs = logprobs
@@ -408,7 +409,7 @@ class ChatCall:
         if not self.body.stream:
             _release(hold)
             try:
-                res = await state.result(stream)
+                res = await state.result(stream, self.receive)
             finally:
                 if cleanup is not None:
                     cleanup()
@@ -565,7 +566,8 @@ async def _stream_response(stream, chunks, sid: str | None, hold=None) -> Respon
         return Response(body, headers={**headers, **SSE_HEADERS},
                         media_type="text/event-stream")
     source = stream.aiter() if hold is None else _released(stream.aiter(), hold)
-    return EventStream(chunks(source), headers={**results.pending_headers(sid), **SSE_HEADERS})
+    return EventStream(chunks(source), headers={**results.pending_headers(sid), **SSE_HEADERS},
+                       on_disconnect=stream.cancel)
 
 
 # -- completions --------------------------------------------------------------------------
@@ -638,10 +640,10 @@ async def completions(request: Request):
         def cleanup():
             state.close_after(stream, sid)
 
-    return await _complete(state, body, stream, shown, want_lp, cleanup, hold)
+    return await _complete(state, request.receive, body, stream, shown, want_lp, cleanup, hold)
 
 
-async def _complete(state: ServerState, body: Completion, stream, sid, want_lp: bool,
+async def _complete(state: ServerState, receive, body: Completion, stream, sid, want_lp: bool,
                     cleanup, hold=None) -> Response:
     rid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
@@ -662,7 +664,7 @@ async def _complete(state: ServerState, body: Completion, stream, sid, want_lp: 
     if not body.stream:
         _release(hold)
         try:
-            res = await state.result(stream)
+            res = await state.result(stream, receive)
         finally:
             if cleanup is not None:
                 cleanup()

@@ -263,8 +263,8 @@ async def query(sid: str, request: Request):
         if hold is not None:
             hold.set()
         raise
-    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=False,
-                         hold=hold)
+    return await respond(state, request, stream, sid, body.stream, body.logprobs,
+                         agentic=False, hold=hold)
 
 
 @routes.add("POST", "/sessions/{sid}/turn", 10)
@@ -290,8 +290,8 @@ async def turn(sid: str, request: Request):
         state.backpressure(eng)
         stream = await state.run(lambda: eng.turn_stream(sid, body.user, sampling,
                                                          body.fast_path, body.logprobs, owner))
-    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=True,
-                         hold=hold)
+    return await respond(state, request, stream, sid, body.stream, body.logprobs,
+                         agentic=True, hold=hold)
 
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12)
@@ -306,11 +306,13 @@ async def tool_result(sid: str, request: Request):
     stream = await state.run(lambda: eng.tool_result_stream(sid, body.content, sampling,
                                                             body.fast_path, body.logprobs,
                                                             owner))
-    return await respond(state, stream, sid, body.stream, body.logprobs, agentic=True)
+    return await respond(state, request, stream, sid, body.stream, body.logprobs,
+                         agentic=True)
 
 
-async def respond(state: ServerState, stream, sid: str, streaming: bool, logprobs: bool,
-                  agentic: bool, hold=None) -> Response:
+async def respond(state: ServerState, request: Request, stream, sid: str, streaming: bool,
+                  logprobs: bool, agentic: bool, hold=None) -> Response:
+    """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
     def final(res) -> dict:
         content = parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
@@ -318,7 +320,7 @@ async def respond(state: ServerState, stream, sid: str, streaming: bool, logprob
     if hold is not None and (not streaming or stream.done):
         hold.set()
     if not streaming:
-        res = await state.result(stream)
+        res = await state.result(stream, request.receive)
         return _json(final(res), headers=results.headers(res, sid))
     if stream.done:  # the fast path: everything is here, write it in one response
         res = stream.result()
@@ -343,7 +345,8 @@ async def respond(state: ServerState, stream, sid: str, streaming: bool, logprob
             if hold is not None:
                 hold.set()
 
-    return EventStream(events(), headers={**results.pending_headers(sid), **SSE_HEADERS})
+    return EventStream(events(), headers={**results.pending_headers(sid), **SSE_HEADERS},
+                       on_disconnect=stream.cancel)
 
 
 # -- events -------------------------------------------------------------------------------

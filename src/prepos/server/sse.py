@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import Response
@@ -25,31 +25,50 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0
 
 
+async def disconnected(receive) -> None:
+    """Returns when the client has gone (call it once the request body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class EventStream(Response):
     """A finite SSE response written as its generator yields. Lighter than Starlette's
-    StreamingResponse (no task group listening for a disconnect): a request's stream ends
-    on its own, and a client that left only makes the writes no-ops (or raise, which ends
-    the generator). Infinite streams (session events) keep StreamingResponse."""
+    StreamingResponse: one watcher task, and a client that leaves calls `on_disconnect`
+    (cancelling its generation); the writes after that are no-ops. Infinite streams (session
+    events) keep StreamingResponse."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+    def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_disconnect: Callable[[], None] | None = None):
         self.status_code = 200
         self.background = None
         self.chunks = chunks
+        self.on_disconnect = on_disconnect
         self.init_headers(headers)  # no body attribute: chunked, no Content-Length
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        gone = None
+        if self.on_disconnect is not None:
+            gone = asyncio.ensure_future(disconnected(receive))
+            gone.add_done_callback(self._gone)
         try:
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
+            if gone is not None:
+                gone.remove_done_callback(self._gone)
+                gone.cancel()
             aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _gone(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.on_disconnect()
 
 
 def event(data: Any, name: str | None = None) -> bytes:

@@ -26,7 +26,7 @@ from prepos.server.errors import ApiError, validation_error
 from prepos.server.journal import EPHEMERAL, Journal
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
-from prepos.server.sse import Hub
+from prepos.server.sse import Hub, disconnected
 from prepos.session import SessionSpec
 
 log = logging.getLogger("prepos.server")
@@ -158,10 +158,22 @@ class ServerState:
         """Run blocking engine work (rendering, waiting for the worker) off the loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def result(self, stream) -> Result:
+    async def result(self, stream, receive=None) -> Result:
+        """The stream's result. `receive`, the request's ASGI receive: a client that leaves
+        before the result is ready cancels the stream (no more model work for it)."""
         if stream.done:
             return stream.result()
-        return await self.run(stream.result)
+        work = asyncio.ensure_future(self.run(stream.result))
+        if receive is None:
+            return await work
+        gone = asyncio.ensure_future(disconnected(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                stream.cancel()
+            return await work
+        finally:
+            gone.cancel()
 
     def hold_worker(self, engine: Engine, seconds: float = 0.003) -> threading.Event:
         """Keep the model worker waiting (at most `seconds`) until the returned event is set.
