@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results"
+RESULTS = Path(os.environ.get("PREPOS_RESULTS", ROOT / "results"))
 
 
 def summarize(samples_s: list[float]) -> dict:

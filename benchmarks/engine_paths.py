@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from common import machine, summarize, timing_model_dir, write
+from common import machine, model_args, model_dir, model_label, summarize, write
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path, SamplingParams
 from prepos.engine import Engine
@@ -89,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=8, help="idle-work chunk, tokens")
     ap.add_argument("--update-ms", type=float, default=500.0,
                     help="update interval of the other session in the wait measurement")
+    model_args(ap, "engine_paths")
     args = ap.parse_args(argv)
     n = args.samples
     rng = random.Random(0)
-    eng = Engine.from_pretrained(timing_model_dir(), EngineConfig(chunk_tokens=args.chunk))
+    eng = Engine.from_pretrained(model_dir(args), EngineConfig(
+        chunk_tokens=args.chunk, device=args.device, dtype=args.dtype))
 
     # -- the session under test: 512 tokens of state, one standing query ----------------
     sid = eng.create_session("streaming", system="You read market data.", fast_path="relaxed",
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = eng.backend
     cache = backend.new_kv()
     backend.extend(cache, [], committed)
-    ids = torch.tensor([list(entry)])
+    ids = torch.tensor([list(entry)], device=backend.device)
     bare, decode = [], []
     with torch.inference_mode():
         for _ in range(n):
@@ -246,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             backend.model(input_ids=chunk_ids, logits_to_keep=1,
                           **backend.cache.forward_kwargs(cache))
+            if backend.device.type == "cuda":
+                torch.cuda.synchronize()
             chunk.append(time.perf_counter() - t0)
     record("idle_chunk", chunk)
 
@@ -255,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     for r in pp.ready.records.values() if r.logits is not None)
     summary = {
         "benchmark": "engine_paths",
-        "model": "timing model: Llama ~125M (hidden 768, 12 layers, 12 heads, 4 KV heads, "
-                 "vocab 32000), seeded RANDOM weights",
+        "model": model_label(args),
         "state_tokens": STATE_TOKENS, "entry_tokens": ENTRY_TOKENS, "chunk_tokens": args.chunk,
         "samples_per_path": n, "machine": machine(),
         "paths": results,
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cold_p99_on<=1.1x_off": (p99["cold_updates_preposition_on"]
                                               / p99["cold_updates_preposition_off"] <= 1.1)},
     }
-    write("engine_paths", {**summary, "samples_ms": {k: [x * 1e3 for x in v]
+    write(args.out, {**summary, "samples_ms": {k: [x * 1e3 for x in v]
                                                      for k, v in detail.items()}})
     eng.close()
     print(json.dumps(summary))

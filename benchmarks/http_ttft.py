@@ -35,7 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import machine, model_args, model_dir, model_label  # noqa: E402
 from prepos.server.loadgen import load_run, percentile, price_messages  # noqa: E402
 from prepos.task.market import SYSTEM_PROMPT  # noqa: E402
 
@@ -209,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, default=ROOT / "results" / "timing-model",
-                    help="the timing model (built here if missing)")
     ap.add_argument("--samples", type=int, default=128, help="samples per path per mode")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--state-tokens", type=int, default=512)
@@ -221,20 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-think-ms", type=float, default=0.0,
                     help="mean think time between a session's operations (0: closed loop)")
     ap.add_argument("--no-load", action="store_true", help="skip the load run")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "http_ttft.json")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra `prepos serve` argument (repeatable)")
+    model_args(ap, "http_ttft")
     args = ap.parse_args(argv)
 
-    if not (args.model_dir / "config.json").is_file():
-        from prepos.tiny import timing_model
-
-        print(f"building the timing model in {args.model_dir} ...", file=sys.stderr)
-        timing_model(args.model_dir)
+    model = model_dir(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    proc, port = start_server(args.model_dir, args.threads, args.out.with_suffix(".server.log"),
-                              args.server_arg)
-    summary: dict = {"benchmark": "http_ttft", "model": str(args.model_dir),
+    proc, port = start_server(model, args.threads, args.out.with_suffix(".server.log"),
+                              ["--device", args.device, "--dtype", args.dtype, *args.server_arg])
+    summary: dict = {"benchmark": "http_ttft", "model": model_label(args), "machine": machine(),
                      "client": "http.client, one keep-alive connection, loopback",
                      "cpus": os.cpu_count(), "server_threads": args.threads}
     try:

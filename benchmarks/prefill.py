@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-from common import machine, summarize, timing_model_dir, write  # noqa: E402
+from common import machine, model_args, model_dir, model_label, summarize, write  # noqa: E402
 from prepos.backends.torch_hf import TorchBackend  # noqa: E402
 
 LENGTHS = (8, 16, 32, 64, 128, 256, 512)
@@ -29,8 +29,9 @@ LENGTHS = (8, 16, 32, 64, 128, 256, 512)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=16)
+    model_args(ap, "prefill")
     args = ap.parse_args(argv)
-    backend = TorchBackend.from_pretrained(timing_model_dir())
+    backend = TorchBackend.from_pretrained(model_dir(args), args.device, args.dtype)
     rng = random.Random(0)
     vocab = backend.vocab_size
 
@@ -62,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     ys = [p[1] for p in points]
     xm, ym = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / sum((x - xm) ** 2 for x in xs)
-    summary = {"benchmark": "prefill", "model": "timing model (seeded RANDOM weights, ~125M "
-               "Llama)", "machine": machine(), "samples_per_length": args.samples,
+    summary = {"benchmark": "prefill", "model": model_label(args), "machine": machine(),
+               "samples_per_length": args.samples,
                "prefill": {"points": points, "slope_ms_per_token": slope,
                            "intercept_ms": ym - slope * xm, "by_length": detail},
                "decode_step_at_512": summarize(decode)}
-    write("prefill", summary)
+    write(args.out, summary)
     print(json.dumps(summary))
     return 0
 

@@ -24,7 +24,69 @@ def ms(x: float | None, digits: int = 3) -> str:
     return "not run" if x is None else f"{x:.{digits}f} ms"
 
 
+def gpu_table(root: Path) -> str | None:
+    """The GPU run's table (benchmarks/gpu.sh), one column per model size, or None."""
+    sizes = sorted(d for d in root.glob("*") if (d / "prefill.json").is_file())
+    if not sizes:
+        return None
+
+    def cell(d: Path, name: str, fmt) -> str:
+        path = d / f"{name}.json"
+        if not path.is_file():
+            return "not run"
+        try:
+            return fmt(json.loads(path.read_text()))
+        except (KeyError, TypeError, ZeroDivisionError) as e:
+            return f"incomplete ({type(e).__name__})"
+
+    def http(m: str):
+        def f(h):
+            c = h["ttft"]["json"]["client"][m]
+            return f"{c['p50_ms']:.2f} / {c['p99_ms']:.2f} ms (n={c['n']})"
+        return f
+
+    rows = [
+        ("Model", lambda d: cell(d, "prefill", lambda j: j["model"])),
+        ("GPU", lambda d: cell(d, "prefill", lambda j: j["machine"].get("gpu", "none"))),
+        ("τ_p prefill slope (HW-1)", lambda d: cell(
+            d, "prefill", lambda j: f"{j['prefill']['slope_ms_per_token']:.4f} ms/tok")),
+        ("T_decode at 512 (HW-1)", lambda d: cell(
+            d, "prefill", lambda j: f"{j['decode_step_at_512']['p50_ms']:.2f} ms P50 "
+                                    f"(n={j['decode_step_at_512']['n']})")),
+        ("Cold / fast exact, in process (HW-2)", lambda d: cell(
+            d, "engine_paths", lambda j: f"{j['paths']['cold']['p50_ms']:.2f} ms / "
+            f"{j['paths']['fast_exact']['p50_ms'] * 1e3:.1f} µs = "
+            f"{j['ratios']['cold_over_fast_exact_p50']:.0f}x (n={j['samples_per_path']})")),
+        ("Restore (KV crop) (HW-2)", lambda d: cell(
+            d, "engine_paths", lambda j: f"{j['derived']['restore_ms_measured_crop_p50']:.3f} "
+                                         "ms P50")),
+        ("HTTP cold P50/P99 (HW-5)", lambda d: cell(d, "http_ttft", http("cold"))),
+        ("HTTP fall-through (HW-5)", lambda d: cell(d, "http_ttft", http("fall-through"))),
+        ("HTTP prefix-cache peer (HW-5)", lambda d: cell(d, "http_ttft", http("peer"))),
+        ("HTTP fast (HW-5)", lambda d: cell(d, "http_ttft", http("fast"))),
+        ("HTTP cold / fast, peer / fast", lambda d: cell(
+            d, "http_ttft", lambda h: f"{h['ttft']['json']['cold_over_fast_p50']:.0f}x, "
+                                      f"{h['ttft']['json']['peer_over_fast_p50']:.0f}x")),
+        ("Energy per pre-position (HW-6)", lambda d: cell(
+            d, "energy", lambda e: f"{'**estimate** ' if e['estimate'] else ''}"
+            f"{e['energy_per_preposition_j']:.2f} J (n={e['rounds']}); busy "
+            f"{e['busy_power_w']:.0f} W, idle "
+            f"{e['idle_power_w'] if e['idle_power_w'] is None else round(e['idle_power_w'])} W "
+            f"({e['source'].split(':')[0]})")),
+    ]
+    head = "| Quantity | " + " | ".join(d.name for d in sizes) + " |"
+    lines = [head, "|---" * (len(sizes) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f(d) for d in sizes) + " |" for name, f in rows]
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--gpu-summary"]:  # benchmarks/gpu.sh: its own table only
+        root = Path(sys.argv[2])
+        table = gpu_table(root) or "no GPU results"
+        (root / "summary.md").write_text(table + "\n")
+        print(table)
+        return 0
     ep, pf, hr = load("engine_paths.json"), load("prefill.json"), load("hit_rate.json")
     http, cal = load("http_ttft.json"), load("calibration/calibration.json")
     rows = []
@@ -147,6 +209,10 @@ def main() -> int:
             f"{t['fast']['p99_ms']:.3f} ms (in process, no HTTP in front): the engine's full "
             f"prompt-cache hit / prepos fast = "
             f"{t['engine_hit']['p50_ms'] / t['fast']['p50_ms']:.0f}x at P50.\n")
+    gpu = gpu_table(RESULTS / "gpu")
+    gpu_md = gpu or ("Not run yet: no accelerator has been lent to this project's sessions. "
+                     "`benchmarks/gpu.sh` runs HW-1, HW-2, HW-5 and HW-6 on CUDA with 1B- and "
+                     "8B-class random-weight Llamas in bf16 when one is.")
     figs = []
     (DOCS / "figures").mkdir(parents=True, exist_ok=True)
     for src in sorted((RESULTS / "calibration").glob("*.png")):
@@ -174,6 +240,9 @@ of `speculative-pre-positioning.txt` (one H100, a 70B-class model at 4-bit, 2026
 {chr(10).join(rows)}
 
 {ratios}
+## GPU run (`benchmarks/gpu.sh`)
+{gpu_md}
+
 ## Figures
 {chr(10).join(figs)}
 """

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU run: HW-1 (prefill slope), HW-2 (the engine's paths), HW-5 (first token over HTTP,
+# >= 128 observations per path) and HW-6 (energy, from NVML) on CUDA, with random-weight
+# Llama timing models of the 1B and 8B class in bf16 (prepos.tiny.TIMING_SIZES: Llama-3.2-1B
+# and Llama-3.1-8B shapes). For when an accelerator is lent; the CPU suite does not need it.
+# Writes $GPU_OUT/<size>/*.json and $GPU_OUT/summary.md; `python benchmarks/report.py` then
+# puts the GPU table into docs/RESULTS.md. Sized to finish within 8 minutes on one H100/H200
+# class GPU (an estimate from the step counts: it has not run on one yet).
+#
+#   benchmarks/gpu.sh                                              # 1b and 8b on cuda
+#   SIZES=test DEVICE=cpu DTYPE=float32 SAMPLES=4 GPU_OUT=/tmp/g benchmarks/gpu.sh  # on a CPU
+#
+# On the device machine (Python 3.12, its own torch/transformers), carry the missing
+# packages: scripts/device_wheels.sh here, then run with carry [".whl"]:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site && benchmarks/gpu.sh && tar czf $OUT/gpu.tgz results/gpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SIZES=${SIZES:-"1b 8b"}
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+SAMPLES=${SAMPLES:-128}  # HW-5 observations per path and mode; HW-2 runs half as many
+GPU_OUT=${GPU_OUT:-results/gpu}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+t0=$SECONDS
+for size in $SIZES; do
+  out=$GPU_OUT/$size
+  mkdir -p "$out"
+  model=(--size "$size" --device "$DEVICE" --dtype "$DTYPE")
+  step() {  # name, script, args...: the script's JSON lands in $out; its output in a log
+    local name=$1 script=$2
+    shift 2
+    echo "[$((SECONDS - t0)) s] $size: $name"
+    "$PY" "benchmarks/$script" "${model[@]}" "$@" > "$out/$name.log" 2>&1 \
+      || { tail -20 "$out/$name.log"; exit 1; }
+  }
+  step prefill prefill.py --samples 8 --out "$out/prefill.json"
+  step engine_paths engine_paths.py --samples $((SAMPLES / 2)) --update-ms 100 \
+    --out "$out/engine_paths.json"
+  step http_ttft http_ttft.py --samples "$SAMPLES" --no-load --out "$out/http_ttft.json"
+  step energy energy.py --rounds 32 --out "$out/energy.json"
+done
+echo "[$((SECONDS - t0)) s] done"
+"$PY" benchmarks/report.py --gpu-summary "$GPU_OUT"
