@@ -95,16 +95,25 @@ def test_adapter_handles_both_cache_api_generations(model_dirs, monkeypatch):
 
     calls = []
 
-    class OldCache:
-        def __init__(self, config=None):
-            self.n = 10
+    class OldLayer:
+        def __init__(self, n):
+            self.n = n
 
         def get_seq_length(self):
             return self.n
 
         def crop(self, max_length):
             calls.append(max_length)
-            self.n = max_length
+            self.n = min(self.n, max_length)
+
+    class OldCache:
+        crop = OldLayer.crop  # the signature the adapter inspects
+
+        def __init__(self, config=None):
+            self.layers = [OldLayer(10), OldLayer(10)]
+
+        def get_seq_length(self):
+            return self.layers[0].n
 
     class OldModel(torch.nn.Module):
         config = None
@@ -117,7 +126,23 @@ def test_adapter_handles_both_cache_api_generations(model_dirs, monkeypatch):
     assert old.kwarg == "past_key_values" and not old.crop_removes
     cache = old.new()
     old.crop(cache, 4)
-    assert calls == [4] and old.length(cache) == 4
+    assert calls == [4, 4] and old.length(cache) == 4
     monkeypatch.undo()
     new = CacheAdapter(TorchBackend.from_pretrained(model_dirs["chatml"]).model)
     assert new.crop_removes and new.kwarg == "cache"
+
+
+def test_crop_takes_each_layer_to_the_length(model_dirs):
+    """After an interrupted forward the first layers hold more positions than the rest; a
+    crop brings every layer to the same absolute length."""
+    backend = TorchBackend.from_pretrained(model_dirs["chatml"])
+    kv = backend.new_kv()
+    backend.extend(kv, [], list(range(5, 15)))
+    first = kv.layers[0]
+    first.keys, first.values = (torch.cat([first.keys, first.keys[..., :3, :]], dim=-2),
+                                torch.cat([first.values, first.values[..., :3, :]], dim=-2))
+    assert [int(layer.get_seq_length()) for layer in kv.layers][:2] == [13, 10]
+    backend.crop(kv, 10)
+    assert all(int(layer.get_seq_length()) == 10 for layer in kv.layers)
+    backend.crop(kv, 4)
+    assert all(int(layer.get_seq_length()) == 4 for layer in kv.layers)

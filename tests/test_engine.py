@@ -459,3 +459,41 @@ def test_a_cancelled_turn_commits_no_assistant_message(make_engine):
     assert snap.version == user_version and snap.messages[-1]["role"] == "user"
     res = eng.turn(sid, None, SamplingParams(max_tokens=2))  # the session goes on
     assert eng.session(sid).snap.messages[-1]["role"] == "assistant", res
+
+
+def test_a_waiting_request_stops_an_idle_chunk_between_layers(make_engine, family):
+    """A foreground task submitted while an idle forward runs stops it at the next decoder
+    layer; the chunk's partial KV is taken back out and the chunk redone after the request,
+    and every record still equals a cold forward."""
+    from prepos.backends.base import in_idle_work
+
+    eng = make_engine(family, chunk_tokens=64)
+    sid = eng.create_session("streaming", system=SYSTEM, standing=[Q])
+    order = []
+
+    def request():
+        order.append("request")
+        return
+        yield
+
+    def submit_once(module, args):  # runs after the layer's own preemption check
+        if in_idle_work() and not order:
+            order.append("submitted")
+            eng.scheduler.submit(request())
+
+    handle = eng.backend.model.model.layers[0].register_forward_pre_hook(submit_once)
+    try:
+        eng.append(sid, "AAPL 101.2 101.5 101.9 102.4")
+        eng.wait_idle()
+    finally:
+        handle.remove()
+    assert order == ["submitted", "request"]
+    assert eng.prepos.counters.preempted == 1
+    s = eng.session(sid)
+    for key, rec in s.ready.records.items():
+        ref = cold_logits(eng, s.snap.tokens + rec.entry)
+        assert float((rec.logits - ref).abs().max()) < 1e-3, key
+    res = eng.query(sid, "Is it falling?", GREEDY1)
+    assert res.path is Path.FALL
+    assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, "Is it falling?"),
+                         res.tokens[0])

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Generator
 
-from prepos.backends.base import Dist
+from prepos.backends.base import Dist, Preempted
 from prepos.core import ReadyRecord
 from prepos.entries import ChatFormat
 from prepos.scheduler import KVPool
@@ -49,6 +49,7 @@ class Counters:
     discarded: int = 0  # of those, still in flight when the mutation came
     superseded: int = 0  # scheduled, but the next mutation came before they started
     skipped: int = 0  # entries skipped for the cell budget (never evicting)
+    preempted: int = 0  # idle chunks stopped part way for a waiting request, redone later
 
     @property
     def hit_rate(self) -> float | None:
@@ -113,7 +114,12 @@ class Prepositioner:
                     if not started:
                         started = ready.started = True
                         self._bump("started")
-                    step = kv.advance(seq, self.chunk)
+                    try:
+                        step = kv.advance(seq, self.chunk)
+                    except Preempted:  # a request is waiting: give way, redo the chunk
+                        self._bump("preempted")
+                        yield
+                        continue
                     if step.done:
                         break
                     yield

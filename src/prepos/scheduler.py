@@ -158,6 +158,10 @@ class Scheduler:
             self._busy.discard(key)
             self._cv.notify_all()
 
+    def _fg_waiting(self) -> bool:
+        """Foreground work is queued (read without the lock: a deque's length is atomic)."""
+        return bool(self._fg)
+
     def _take(self) -> Task | None:
         """The first runnable task: foreground before idle, FIFO within each."""
         for i, task in enumerate(self._fg):
@@ -192,7 +196,7 @@ class Scheduler:
                                           self.idle_steps - task.idle_mark))
             more = True
             try:
-                with idle_work(task.idle):
+                with idle_work(task.idle, self._fg_waiting):
                     next(task.gen)
             except StopIteration:
                 more = False

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -48,21 +48,36 @@ class Dist:
 _work = threading.local()
 
 
+class Preempted(Exception):
+    """An idle forward gave way to foreground work part way through; the KV holds exactly
+    what it held before the call, and the caller redoes the chunk later."""
+
+
 @contextlib.contextmanager
-def idle_work(idle: bool = True):
+def idle_work(idle: bool = True, should_yield: Callable[[], bool] | None = None):
     """Mark the back-end calls made in this block, on this thread, as idle (background)
     work; the scheduler wraps idle steps in it. Remote back ends send such work at the
-    engine's background priority and cap it per replica; in-process back ends ignore it."""
-    old = getattr(_work, "idle", False)
-    _work.idle = idle
+    engine's background priority and cap it per replica. In-process back ends stop such a
+    forward between layers once `should_yield()` (foreground work is waiting) and raise
+    Preempted, so a request waits for one layer, not one chunk."""
+    old = getattr(_work, "idle", False), getattr(_work, "should_yield", None)
+    _work.idle, _work.should_yield = idle, should_yield if idle else None
     try:
         yield
     finally:
-        _work.idle = old
+        _work.idle, _work.should_yield = old
 
 
 def in_idle_work() -> bool:
     return getattr(_work, "idle", False)
+
+
+def check_preempt(*_) -> None:
+    """Raise Preempted if this thread runs idle work and foreground work is waiting (a
+    forward pre-hook on each decoder layer)."""
+    should_yield = getattr(_work, "should_yield", None)
+    if should_yield is not None and should_yield():
+        raise Preempted
 
 
 class Backend(abc.ABC):

@@ -30,14 +30,13 @@ class CacheAdapter:
         return int(cache.get_seq_length())
 
     def crop(self, cache: DynamicCache, length: int) -> None:
-        """Keep the first `length` positions."""
-        current = self.length(cache)
-        if length >= current:
-            return
-        if self.crop_removes:
-            cache.crop(length - current)  # negative: tokens to remove from the end
-        else:
-            cache.crop(length)
+        """Keep the first `length` positions of every layer. Layers can differ in length
+        after an interrupted forward, so each is cropped by its own length."""
+        for layer in cache.layers:
+            current = int(layer.get_seq_length())
+            if length < current:
+                # negative: tokens to remove from the end; older releases: the absolute size
+                layer.crop(length - current if self.crop_removes else length)
 
     def forward_kwargs(self, cache: Any) -> dict:
         return {self.kwarg: cache, "use_cache": True}

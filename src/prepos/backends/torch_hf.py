@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from prepos.backends.base import Backend
+from prepos.backends.base import Backend, Preempted, check_preempt
 from prepos.backends.hf_cache import CacheAdapter
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,6 +22,9 @@ class TorchBackend(Backend):
         self.model = model.eval()
         self.device = torch.device(device)
         self.cache = CacheAdapter(model)
+        # idle forwards stop between decoder layers when a request is waiting (Preempted)
+        for layer in getattr(getattr(model, "model", None), "layers", ()):
+            layer.register_forward_pre_hook(check_preempt)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -43,7 +46,11 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, logits_to_keep=1, **self.cache.forward_kwargs(kv))
+        try:
+            out = self.model(input_ids=ids, logits_to_keep=1, **self.cache.forward_kwargs(kv))
+        except Preempted:  # the layers that ran appended the chunk: take it back out
+            self.cache.crop(kv, len(past))
+            raise
         return out.logits[0, -1].float().cpu()
 
     def crop(self, kv: Any, length: int) -> None:

@@ -118,6 +118,7 @@ class _EngineCollector:
             "discarded": "Pre-positions still running when their session moved on",
             "superseded": "Pre-positions whose session moved on before they started",
             "skipped": "Pre-position entries skipped for the KV cell budget",
+            "preempted": "Idle chunks stopped between layers for a waiting request (redone)",
         }
         for name, value in pre.items():  # every integer counter the engine keeps
             if isinstance(value, int) and not isinstance(value, bool):
