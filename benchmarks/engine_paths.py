@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     backend.extend(cache, [], committed)
     ids = torch.tensor([list(entry)], device=backend.device)
     bare, decode = [], []
-    with torch.inference_mode():
+
+    @torch.inference_mode()
+    def bare_forwards():  # on the model worker, the thread the engine's forwards run on
         for _ in range(n):
             backend.cache.crop(cache, STATE_TOKENS)
             t0 = time.perf_counter()
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                                 **backend.cache.forward_kwargs(cache))
             int(torch.argmax(out.logits[0, -1]))
             decode.append(time.perf_counter() - t0)
+
+    run_on_worker(eng, bare_forwards)
     record("bare_forward", bare)
     record("decode_step", decode)
 
@@ -242,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     # a chunk's duration: the bare forward of `chunk` tokens over the same cache
     chunk_ids = ids[:, : args.chunk]
     chunk = []
-    with torch.inference_mode():
+
+    @torch.inference_mode()
+    def chunk_forwards():
         for _ in range(n):
             backend.cache.crop(cache, STATE_TOKENS)
             t0 = time.perf_counter()
@@ -251,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             if backend.device.type == "cuda":
                 torch.cuda.synchronize()
             chunk.append(time.perf_counter() - t0)
+
+    run_on_worker(eng, chunk_forwards)
     record("idle_chunk", chunk)
 
     p50 = {k: v["p50_ms"] for k, v in results.items()}
