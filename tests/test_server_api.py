@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import queue
-import time
 import threading
+import time
 
 import httpx
 import pytest

@@ -105,6 +105,13 @@ class Engine:
         if spec.system is not None and (not isinstance(spec.system, str)
                                         or not spec.system.strip()):
             raise InvalidInput("system must be a non-empty string when given")
+        self.fmt.check_text(spec.system, "system")
+        for q in spec.standing:
+            self.fmt.check_text(q, "a standing query")
+        self.fmt.check_text(json.dumps(list(spec.tools)), "tools")
+        for _, messages in history:
+            for i, m in enumerate(messages):
+                self.fmt.check_text(json.dumps(m), f"messages[{i}]")
         c = self.config
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
                     c.reserve_tokens, history, admit=self._admit)
@@ -161,6 +168,7 @@ class Engine:
         """Streaming: commit a data message (shifting the window when the context is full);
         with `wait`, return once it is in the KV cache."""
         s = self.sessions.get(sid, owner)
+        self.fmt.check_text(text, "data")
         snap, dropped = s.append(text)
         self._committed(s, snap, dropped, wait)
         return snap.version
@@ -184,11 +192,13 @@ class Engine:
         """Agentic: commit a message without generating: a user message, a tool result, or
         an assistant message the client already has (an OpenAI-style history)."""
         s = self.sessions.get(sid, owner)
+        self.fmt.check_text(content, "content")
         msg: dict = {"role": role, "content": content}
         if tool_calls:
             if role != "assistant":
                 raise InvalidInput("only assistant messages carry tool_calls")
             msg["tool_calls"] = [_check_call(c) for c in tool_calls]
+            self.fmt.check_text(json.dumps(msg["tool_calls"]), "tool_calls")
         snap, dropped = s.add_message(msg, expected_version=expected_version)
         self._committed(s, snap, dropped, wait)
         return snap.version
@@ -234,6 +244,7 @@ class Engine:
         s.require(STREAMING)
         if not isinstance(question, str) or not question.strip():
             raise InvalidInput("question must be a non-empty string")
+        self.fmt.check_text(question, "question")
         mode = self._mode(s, fast_path)
         with s.lock:
             snap, ready = s.snap, s.ready
@@ -306,6 +317,8 @@ class Engine:
                                          on_finish=self._commit_answer(s, base.version))
             snap, dropped = base, None
         else:
+            self.fmt.check_text(message["content"], "user" if message["role"] == "user"
+                                else "content")
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, expected_version=expected_version,

@@ -37,8 +37,25 @@ class ChatFormat:
             raise InvalidInput("the tokenizer has no chat_template; prepos needs one")
         self.tokenizer = tokenizer
         self.end_of_turn = self._end_of_turn_ids()
+        controls = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                    if t.special} | set(tokenizer.all_special_tokens)
+        controls = sorted((c for c in controls if c), key=len, reverse=True)
+        self._control_starts = {c[:2] for c in controls}
+        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         probe = self.render([{"role": "user", "content": f" {SENTINEL} "}])
         self.trims_content = f" {SENTINEL} " not in probe
+
+    def check_text(self, text: Any, what: str) -> None:
+        """Refuse text that holds one of the model's control tokens (`<|im_end|>`, ...):
+        tokenized, it would be chat markup (a forged end of turn, a new role), not text."""
+        if not isinstance(text, str) or self._controls is None:
+            return
+        if not any(start in text for start in self._control_starts):  # the common case
+            return
+        found = self._controls.search(text)
+        if found:
+            raise InvalidInput(f"{what} contains the model's control token "
+                               f"{found.group(0)!r}, which would be read as chat markup")
 
     # -- rendering -----------------------------------------------------------------------
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
