@@ -7,6 +7,7 @@ from prepos.config import BudgetConfig, GateConfig
 from prepos.core import Match, Path, SamplingParams
 from prepos.errors import (
     InvalidInput,
+    InvalidSampling,
     NoToolResultAwaited,
     OverBudget,
     SessionNotFound,
@@ -531,3 +532,21 @@ def test_control_tokens_in_text_are_refused_and_change_nothing(make_engine, fami
     assert state(eng, aid) == before
     # the same characters without the control token are ordinary text
     eng.append(sid, "AAPL <| im_end |> 101")
+
+
+def test_top_logprobs_are_the_cold_forward_s_top_k(make_engine, family):
+    import torch
+
+    eng = make_engine(family)
+    sid = streaming(eng, standing=[Q], fast_path="relaxed")
+    top3 = SamplingParams(max_tokens=1, top_logprobs=3)
+    ref = torch.log_softmax(cold_logits(eng, eng.session(sid).snap.tokens
+                                        + query_entry(eng, sid, Q)), dim=-1)
+    vals, ids = torch.topk(ref, 3)
+    for fast_path in ("exact", "off"):  # the cached distribution, and a fresh forward
+        res = eng.query(sid, Q, top3, fast_path=fast_path)
+        (top,) = res.top_logprobs
+        assert [i for i, _ in top] == ids.tolist(), fast_path
+        assert max(abs(lp - v) for (_, lp), v in zip(top, vals.tolist())) < 1e-3
+    with pytest.raises(InvalidSampling):
+        SamplingParams(top_logprobs=21)

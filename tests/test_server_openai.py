@@ -5,6 +5,8 @@ rolled back, the exact-turn fast path), and the path reported in headers and bod
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import openai
 import pytest
@@ -171,3 +173,36 @@ def test_unsupported_options_are_refused_by_name(oai, model_name):
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model=model_name, messages=msgs,
                                     extra_body={"session_id": "s-404"})
+
+
+def test_top_logprobs_list_the_most_likely_tokens(oai, http, model_name):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}]
+    r = oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=4,
+                                    logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    for e in content:
+        lps = [a.logprob for a in e.top_logprobs]
+        assert len(lps) == 3 and lps == sorted(lps, reverse=True)
+        assert e.top_logprobs[0].token == e.token and lps[0] == pytest.approx(e.logprob)
+        assert sum(math.exp(x) for x in lps) <= 1 + 1e-6
+    streamed = [c.choices[0].logprobs.content[0] for c in oai.chat.completions.create(
+        model=model_name, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=3,
+        stream=True) if c.choices and c.choices[0].logprobs]
+    assert [[a.logprob for a in e.top_logprobs] for e in streamed] == \
+        [[a.logprob for a in e.top_logprobs] for e in content]
+    # the fast path lists them from the cached distribution
+    sid = http.post("/sessions", json={"kind": "streaming", "system": SYSTEM,
+                                       "standing_queries": [Q]}).json()["id"]
+    http.post(f"/sessions/{sid}/append", json={"data": "AAPL 101.2 101.5 101.9"})
+    http.get(f"/sessions/{sid}", params={"wait_ready": 30})
+    fast = oai.chat.completions.create(model=model_name, max_tokens=1, logprobs=True,
+                                       top_logprobs=3, messages=[{"role": "user", "content": Q}],
+                                       extra_body={"session_id": sid})
+    assert fast.model_extra["prepos"]["path"] == "fast"
+    e = fast.choices[0].logprobs.content[0]
+    assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    # completions key the alternatives by text (the legacy format): at most 3 distinct texts
+    c = oai.completions.create(model=model_name, prompt=Q, max_tokens=1, logprobs=3,
+                               extra_body={"session_id": sid})
+    top = c.choices[0].logprobs.top_logprobs[0]
+    assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(e.logprob)

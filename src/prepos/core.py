@@ -31,6 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_logprobs: int = 0  # alternatives reported per generated token (0 to 20)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -45,6 +46,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidSampling("stop sequences must be non-empty strings")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise InvalidSampling(f"top_logprobs must be an integer in [0, 20], got "
+                                  f"{self.top_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -100,3 +104,5 @@ class Result:
     cached_prompt_tokens: int = 0  # prompt tokens found in the KV cache
     tool_calls: list[dict] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each emitted token
+    # per emitted token, the most likely (token, logprob) pairs, when sampling asked for them
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

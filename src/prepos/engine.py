@@ -20,7 +20,7 @@ from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
 from prepos.generation import Generation
 from prepos.prepositioner import Prepositioner
-from prepos.sampling import generator_for, sample
+from prepos.sampling import generator_for, sample, top_logprobs
 from prepos.scheduler import KVPool, Scheduler
 from prepos.session import (
     AGENTIC,
@@ -255,7 +255,7 @@ class Engine:
                 return self._serve_exact(s, snap, ready, exact, sampling, logprobs, t0)
             if mode == "relaxed" and header is not None:
                 if self.gate.fires(header):  # Eq. 12: one cached token, no scheduler
-                    return self._serve_relaxed(ready, header, t0, logprobs)
+                    return self._serve_relaxed(ready, header, sampling, logprobs, t0)
                 self._count("gate_miss")
         ent = s.entries(snap)
         entry = self.fmt.encode(self.fmt.frame(ent.user, question))
@@ -345,14 +345,18 @@ class Engine:
         return commit
 
     # -- the three paths -----------------------------------------------------------------
-    def _serve_relaxed(self, ready: ReadySet, rec: ReadyRecord, t0: float,
-                       logprobs: bool) -> Stream:
+    def _serve_relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
+                       logprobs: bool, t0: float) -> Stream:
         """The gate fired: one cached token, the question-independent answer."""
         self.prepos.consume(ready)
         res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
                      finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p)
         if logprobs:
             res.logprobs.append(rec.top_logprobs[0])
+        if sampling.top_logprobs:
+            cached = rec.logits if rec.logits is not None else Dist(None, rec.top_ids,
+                                                                    rec.top_logprobs)
+            res.top_logprobs.append(top_logprobs(cached, sampling.top_logprobs))
         res.timing.ttft = res.timing.total = time.perf_counter() - t0
         self._count("fast_relaxed")
         stream = Stream()

@@ -11,7 +11,7 @@ import torch
 from prepos.backends.base import Dist
 from prepos.core import Result, SamplingParams
 from prepos.entries import ChatFormat
-from prepos.sampling import token_logprob
+from prepos.sampling import token_logprob, top_logprobs
 from prepos.stream import Stream, TokenEvent
 
 
@@ -45,30 +45,36 @@ class Generation:
         self.tokens.append(token)
         if logprob is not None:
             self.result.logprobs.append(logprob)
+        top = None
+        if self.sampling.top_logprobs and logits is not None:
+            top = top_logprobs(logits, self.sampling.top_logprobs)
+            self.result.top_logprobs.append(top)
         text = self.fmt.decode(self.tokens)
         stop_at = min((i for i in (text.find(s) for s in self.sampling.stop) if i >= 0),
                       default=-1)
         if stop_at >= 0:
             self._text = text[:stop_at]
-            return self.finish("stop", token, logprob)
+            return self.finish("stop", token, logprob, top)
         self._text = text
         safe = len(text) - self._hold
         if text.endswith("\ufffd"):  # an incomplete character: wait for its next byte
             safe = min(safe, len(text) - 1)
-        self._emit(token, safe, logprob)
+        self._emit(token, safe, logprob, top)
         if len(self.tokens) >= self.sampling.max_tokens:
             return self.finish("length")
         return False
 
-    def _emit(self, token: int, upto: int, logprob: float | None) -> None:
+    def _emit(self, token: int, upto: int, logprob: float | None, top) -> None:
         delta = self._text[self._emitted:upto] if upto > self._emitted else ""
         self._emitted = max(self._emitted, upto)
-        self.stream.push(TokenEvent(token, delta, logprob))
+        self.stream.push(TokenEvent(token, delta, logprob, top))
 
-    def finish(self, reason: str, token: int | None = None, logprob: float | None = None) -> bool:
+    def finish(self, reason: str, token: int | None = None, logprob: float | None = None,
+               top: list[tuple[int, float]] | None = None) -> bool:
         rest = self._text[self._emitted:]
         if rest or token is not None:
-            self.stream.push(TokenEvent(token if token is not None else -1, rest, logprob))
+            self.stream.push(TokenEvent(token if token is not None else -1, rest, logprob,
+                                        top))
             self._emitted = len(self._text)
         res = self.result
         res.text = self._text

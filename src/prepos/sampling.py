@@ -47,6 +47,17 @@ def sample(logits: torch.Tensor | Dist, params: SamplingParams,
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def top_logprobs(logits: torch.Tensor | Dist, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens and their logprobs (fewer where a top-k back end returned
+    fewer)."""
+    if isinstance(logits, Dist):
+        if logits.logits is None:
+            return list(zip(logits.top_ids, logits.top_logprobs))[:k]
+        logits = logits.logits
+    vals, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k=min(k, logits.shape[-1]))
+    return list(zip(ids.tolist(), vals.tolist()))
+
+
 def token_logprob(logits: torch.Tensor | Dist, token: int) -> float | None:
     if isinstance(logits, Dist):
         if logits.logits is not None:

@@ -15,6 +15,7 @@ class TokenEvent:
     token: int
     text: str  # the text this token adds (may be empty while a character is incomplete)
     logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # the most likely tokens, when asked for
 
 
 _DONE = object()

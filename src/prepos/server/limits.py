@@ -26,8 +26,8 @@ class Limits:
 
     def sampling(self, max_tokens: int | None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop=None, param: str = "max_tokens"
-                 ) -> SamplingParams:
+                 seed: int | None = None, stop=None, param: str = "max_tokens",
+                 top_logprobs: int = 0) -> SamplingParams:
         n = self.default_max_tokens if max_tokens is None else max_tokens
         if isinstance(n, int) and n > self.max_tokens:
             raise ApiError(400, "max_tokens_limit",
@@ -42,7 +42,7 @@ class Limits:
         return SamplingParams(max_tokens=n,
                               temperature=0.0 if temperature is None else float(temperature),
                               top_k=top_k or 0, top_p=1.0 if top_p is None else float(top_p),
-                              seed=seed, stop=tuple(stop or ()))
+                              seed=seed, stop=tuple(stop or ()), top_logprobs=top_logprobs)
 
     def check_input(self, engine, text: str, what: str) -> None:
         """At most `max_input_tokens` tokens. A byte-level token covers at least one byte,

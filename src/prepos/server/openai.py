@@ -17,9 +17,9 @@ Every response names the path that served it and its timing: headers `X-Prepos-P
 `Server-Timing` (streamed responses whose path is decided on the model worker carry it in
 the last chunk instead), and the body's `prepos` extension field.
 
-`logprobs` are the engine's per-token logprobs of the sampled tokens. `top_logprobs` lists
-only the sampled token (the engine does not return alternatives per step); under greedy
-decoding that is the top-1 exactly. The `prepos.top_logprobs` field says so.
+`logprobs` are the engine's per-token logprobs of the sampled tokens; `top_logprobs` (chat)
+and `logprobs: N` (completions) list the N most likely tokens at each step, from the full
+distribution in process (a remote top-k back end lists at most the k it returned).
 /v1/completions applies the model's chat template: the prompt is a user query, since
 sessions are chat conversations.
 """
@@ -232,7 +232,7 @@ async def chat_completions(request: Request):
     sampling = state.limits.sampling(
         body.max_completion_tokens if body.max_completion_tokens is not None else
         body.max_tokens, body.temperature, body.top_k, body.top_p, body.seed, body.stop,
-        param=limit_name)
+        param=limit_name, top_logprobs=top or 0)
     msgs = normalize(body.messages)
     for i, m in enumerate(msgs):
         state.limits.check_input(eng, m["content"], f"messages[{i}].content")
@@ -443,7 +443,7 @@ class ChatCall:
                     text, held = held[:max(safe, 0)], held[max(safe, 0):]
                 lp = None
                 if self.logprobs and ev.token >= 0 and ev.logprob is not None:
-                    lp = {"content": [self._entry(fmt, ev.token, ev.logprob)]}
+                    lp = {"content": [self._entry(fmt, ev.token, ev.logprob, ev.top)]}
                 if not text and lp is None and not first:
                     continue
                 delta["content"] = text
@@ -468,20 +468,24 @@ class ChatCall:
         return await _stream_response(stream, _guarded(chunks, cleanup), sid, hold)
 
     def _ext(self, res: Result, sid: str | None) -> dict:
-        ext = results.extension(res, sid)
-        if self.top > 1:
-            ext["top_logprobs"] = "sampled token only"
-        return ext
+        return results.extension(res, sid)
 
-    def _entry(self, fmt, token: int, logprob: float) -> dict:
-        text = fmt.decode([token])
-        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        entry["top_logprobs"] = [dict(entry)] if self.top else []
+    def _entry(self, fmt, token: int, logprob: float, top) -> dict:
+        entry = _token_lp(fmt, token, logprob)
+        entry["top_logprobs"] = ([_token_lp(fmt, t, lp) for t, lp in top] if top
+                                 else [dict(entry)] if self.top else [])
         return entry
 
     def _logprobs(self, res: Result) -> list[dict]:
         fmt = self.state.engine.fmt
-        return [self._entry(fmt, t, lp) for t, lp in zip(res.tokens, res.logprobs)]
+        tops = res.top_logprobs or [None] * len(res.tokens)
+        return [self._entry(fmt, t, lp, top)
+                for t, lp, top in zip(res.tokens, res.logprobs, tops)]
+
+
+def _token_lp(fmt, token: int, logprob: float) -> dict:
+    text = fmt.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _message(res: Result, agentic: bool) -> tuple[dict, str]:
@@ -595,7 +599,8 @@ async def completions(request: Request):
         raise ApiError(400, "invalid_request", f"logprobs must be in [0, 5], got "
                        f"{body.logprobs}", "logprobs")
     sampling = state.limits.sampling(body.max_tokens, body.temperature, body.top_k,
-                                     body.top_p, body.seed, body.stop)
+                                     body.top_p, body.seed, body.stop,
+                                     top_logprobs=body.logprobs or 0)
     state.limits.check_input(eng, prompt, "prompt")
     want_lp = body.logprobs is not None
     mode = body.fast_path
@@ -651,14 +656,21 @@ async def _complete(state: ServerState, receive, body: Completion, stream, sid, 
     fmt = state.engine.fmt
     top = body.logprobs or 0
 
-    def lp_block(tokens, lps, offset0: int) -> dict:
+    def lp_block(tokens, lps, tops, offset0: int) -> dict:
         texts = [fmt.decode([t]) for t in tokens]
         offsets, at = [], offset0
         for t in texts:
             offsets.append(at)
             at += len(t)
-        return {"tokens": texts, "token_logprobs": list(lps),
-                "top_logprobs": [{t: lp} for t, lp in zip(texts, lps)] if top else None,
+        listed = None
+        if top:  # keyed by text (the legacy format): tokens of equal text keep the likeliest
+            listed = []
+            for t, lp, alt in zip(texts, lps, tops or [None] * len(texts)):
+                step: dict[str, float] = {}
+                for i, alt_lp in alt or [(None, lp)]:
+                    step.setdefault(t if i is None else fmt.decode([i]), alt_lp)
+                listed.append(step)
+        return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": listed,
                 "text_offset": offsets}
 
     if not body.stream:
@@ -670,7 +682,8 @@ async def _complete(state: ServerState, receive, body: Completion, stream, sid, 
                 cleanup()
         choice = {"index": 0, "text": res.text,
                   "finish_reason": "length" if res.finish_reason == "length" else "stop",
-                  "logprobs": lp_block(res.tokens, res.logprobs, 0) if want_lp else None}
+                  "logprobs": lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
+                  if want_lp else None}
         out = {"id": rid, "object": "text_completion", "created": created, "model": model,
                "choices": [choice], "usage": results.usage(res),
                "prepos": results.extension(res, sid)}
@@ -689,7 +702,7 @@ async def _complete(state: ServerState, receive, body: Completion, stream, sid, 
         async for ev in source:
             lp = None
             if want_lp and ev.token >= 0 and ev.logprob is not None:
-                lp = lp_block([ev.token], [ev.logprob], at)
+                lp = lp_block([ev.token], [ev.logprob], [ev.top], at)
             if not ev.text and lp is None:
                 continue
             at += len(ev.text)
