@@ -99,7 +99,8 @@ class Client:
 def start_server(model: Path, threads: int | None, log: Path, extra: list[str]):
     port_file = log.with_suffix(".port")
     port_file.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, "-m", "prepos.cli", "serve", "--model", str(model), "--port", "0",
            "--port-file", str(port_file), "--journal", "none", "--log-level", "warning",
            *(["--threads", str(threads)] if threads else []), *extra]
