@@ -104,7 +104,8 @@ def test_sse_streaming_on_every_path(client):
     settle(client, hot)
     for question, path in ((Q, "fast"), ("Is it falling?", "fall-through")):
         r = client.post(f"/sessions/{hot}/query", json={"question": question, "max_tokens": 4,
-                                                         "stream": True, "logprobs": True})
+                                                         "stream": True, "logprobs": True,
+                                                         "top_logprobs": 2})
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.text)
         names = [n for n, _ in events]
@@ -113,6 +114,9 @@ def test_sse_streaming_on_every_path(client):
         assert result["path"] == path
         assert "".join(d["text"] for n, d in events[:-1]) == result["text"]
         assert len(result["logprobs"]) == len(result["tokens"])
+        tops = [d["top_logprobs"] for n, d in events[:-1] if d["token"] >= 0]
+        assert tops == result["top_logprobs"] and all(len(t) == 2 for t in tops)
+        assert [t[0][1] for t in tops] == pytest.approx(result["logprobs"])  # greedy: top-1
         plain = client.post(f"/sessions/{hot}/query",
                             json={"question": question, "max_tokens": 4}).json()
         assert plain["tokens"] == result["tokens"]

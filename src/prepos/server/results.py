@@ -58,6 +58,8 @@ def session_result(res: Result, session_id: str, logprobs: bool = False,
                      "cached_prompt_tokens": cached_prompt_tokens(res)}}
     if logprobs:
         out["logprobs"] = res.logprobs
+    if res.top_logprobs:  # [[token id, logprob], ...] per generated token
+        out["top_logprobs"] = res.top_logprobs
     if agentic:
         out["content"] = res.text if content is None else content
         out["tool_calls"] = res.tool_calls

@@ -23,6 +23,7 @@ class SamplingFields(Strict):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     logprobs: StrictBool = False
+    top_logprobs: StrictInt = 0  # the k likeliest tokens at each step, 0 to 20
     fast_path: FastMode | None = None
     stream: StrictBool = False
 

@@ -60,7 +60,7 @@ def _session(state: ServerState, request: Request, sid: str):
 
 def _sampling(state: ServerState, body: SamplingFields):
     return state.limits.sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
-                                 body.seed, body.stop)
+                                 body.seed, body.stop, top_logprobs=body.top_logprobs)
 
 
 def _fast_ready(s, key: tuple, mode: str | None, sampling) -> bool:
@@ -310,6 +310,13 @@ async def tool_result(sid: str, request: Request):
                          agentic=True)
 
 
+def _token(ev) -> dict:
+    out = {"text": ev.text, "token": ev.token, "logprob": ev.logprob}
+    if ev.top is not None:
+        out["top_logprobs"] = ev.top
+    return out
+
+
 async def respond(state: ServerState, request: Request, stream, sid: str, streaming: bool,
                   logprobs: bool, agentic: bool, hold=None) -> Response:
     """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
@@ -324,8 +331,7 @@ async def respond(state: ServerState, request: Request, stream, sid: str, stream
         return _json(final(res), headers=results.headers(res, sid))
     if stream.done:  # the fast path: everything is here, write it in one response
         res = stream.result()
-        chunks = [event({"text": ev.text, "token": ev.token, "logprob": ev.logprob}, "token")
-                  for ev in stream]
+        chunks = [event(_token(ev), "token") for ev in stream]
         chunks.append(event(final(res), "result"))
         return Response(b"".join(chunks), headers={**results.headers(res, sid), **SSE_HEADERS},
                         media_type="text/event-stream")
@@ -333,8 +339,7 @@ async def respond(state: ServerState, request: Request, stream, sid: str, stream
     async def events():
         try:
             async for ev in stream.aiter():
-                yield event({"text": ev.text, "token": ev.token, "logprob": ev.logprob},
-                            "token")
+                yield event(_token(ev), "token")
                 if hold is not None:  # resumed: the first token has been written
                     hold.set()
             yield event(final(stream.result()), "result")
