@@ -24,6 +24,47 @@ def ms(x: float | None, digits: int = 3) -> str:
     return "not run" if x is None else f"{x:.{digits}f} ms"
 
 
+def ttft_figure(ep: dict | None, http: dict | None, out: Path) -> Path | None:
+    """First-token latency CDFs per path: in process (HW-2) and over HTTP (HW-5), log x."""
+    panels = []
+    if ep and "samples_ms" in ep:
+        s = ep["samples_ms"]
+        panels.append(("In process (HW-2)", [
+            ("fast, exact", s["fast_exact"]), ("fast, relaxed", s["fast_relaxed"]),
+            ("fall-through, Δ=0", s["fall_delta0"]), ("fall-through, Δ=entry",
+                                                      s["fall_delta_entry"]),
+            ("cold", s["cold"])]))
+    if http and "samples_ms" in http["ttft"]["json"]:
+        s = http["ttft"]["json"]["samples_ms"]
+        panels.append(("HTTP, client-observed (HW-5)", [
+            ("fast", s["fast"]), ("prefix-cache peer", s["peer"]),
+            ("fall-through", s["fall-through"]), ("cold", s["cold"])]))
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels):
+        for label, xs in series:
+            xs = sorted(xs)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                    label=f"{label} (n={len(xs)})")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (ms, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("First-token latency by path (timing model, seeded random weights, CPU)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def gpu_table(root: Path) -> str | None:
     """The GPU run's table (benchmarks/gpu.sh), one column per model size, or None."""
     sizes = sorted(d for d in root.glob("*") if (d / "prefill.json").is_file())
@@ -212,6 +253,8 @@ def main() -> int:
             f"{t['fast']['p99_ms']:.3f} ms (in process, no HTTP in front): the engine's full "
             f"prompt-cache hit / prepos fast = "
             f"{t['engine_hit']['p50_ms'] / t['fast']['p50_ms']:.0f}x at P50.\n")
+    (DOCS / "figures").mkdir(parents=True, exist_ok=True)
+    ttft_figure(ep, http, DOCS / "figures" / "ttft_cdf_ours.png")
     gpu = gpu_table(RESULTS / "gpu")
     gpu_md = gpu or ("Not run yet: no accelerator has been lent to this project's sessions. "
                      "`benchmarks/gpu.sh` runs HW-1, HW-2, HW-5 and HW-6 on CUDA with 1B- and "
