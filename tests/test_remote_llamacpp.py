@@ -147,11 +147,15 @@ def test_paths_and_greedy_equality(model, live):
 def test_pinning_spreads_sessions_and_keeps_each_on_one_replica(model, live):
     eng = make_engine(model, [r.url for r in live])
     try:
-        sids = [eng.create_session("streaming", system=f"Session {i}.") for i in range(8)]
-        for sid in sids:
-            eng.append(sid, "AAPL 101.2 101.5")
-        eng.wait_idle()
-        homes = {sid: eng.pool.get(sid).handle.replica.url for sid in sids}
+        sids: list[str] = []
+        homes: dict[str, str] = {}
+        while len(set(homes.values())) < 2 and len(sids) < 64:  # session ids are random
+            batch = [eng.create_session("streaming", system=f"Session {i}.") for i in range(8)]
+            for sid in batch:
+                eng.append(sid, "AAPL 101.2 101.5")
+            eng.wait_idle()
+            sids += batch
+            homes = {sid: eng.pool.get(sid).handle.replica.url for sid in sids}
         assert len(set(homes.values())) == 2  # both replicas serve sessions
         for sid in sids:
             eng.query(sid, "What is the trend?", SamplingParams(max_tokens=2))
@@ -168,13 +172,18 @@ def test_failover_when_a_replica_is_killed_then_rejoin(model, live):
     _, _, _, lm = model
     eng = make_engine(model, [r.url for r in live])
     try:
-        sids = [eng.create_session("streaming", system=f"Analyst {i}.") for i in range(6)]
-        for sid in sids:
-            eng.append(sid, "AAPL 101.2 101.5 101.9")
-        eng.wait_idle()
         victim = live[0]
-        on_victim = [sid for sid in sids if eng.pool.get(sid).handle.replica.url == victim.url]
-        assert on_victim, "rendezvous put no session on the first replica"
+        sids: list[str] = []
+        on_victim: list[str] = []
+        while not on_victim and len(sids) < 64:  # session ids are random: place some there
+            batch = [eng.create_session("streaming", system=f"Analyst {i}.") for i in range(6)]
+            for sid in batch:
+                eng.append(sid, "AAPL 101.2 101.5 101.9")
+            eng.wait_idle()
+            sids += batch
+            on_victim = [sid for sid in sids
+                         if eng.pool.get(sid).handle.replica.url == victim.url]
+        assert on_victim, "rendezvous put none of 66 sessions on the first replica"
         victim.kill()
         sp = SamplingParams(max_tokens=4)
         for sid in on_victim:  # no request lost: each moves and rebuilds from the full prompt
