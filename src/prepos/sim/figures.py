@@ -194,7 +194,7 @@ def figure6(c: Constants, path: str | Path, points: Sequence[dict] = (),
         hi = [p["hit_rate_ci"][1] - p["hit_rate"] for p in points]
         n = min(p.get("prepositions", 0) for p in points)
         a.errorbar(x, y, yerr=[lo, hi], fmt="o", color="k", ms=5, capsize=3,
-                   label=f"simulated h, Wilson 95% (>= {n} pre-positions each)")
+                   label=f"simulated h, Wilson 95% family-wise (>= {n} pre-positions each)")
         a.plot(x, [1 - v for v in y], "x", color="k", ms=5, label="simulated w")
     if trace_points:
         x = [p["rho"] for p in trace_points]

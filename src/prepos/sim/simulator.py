@@ -52,6 +52,7 @@ class SimConfig:
     delta: float = 0.0  # fall-through delta on a gate miss, tokens (Eq. 5)
     early: str = "cold"  # a query during a running pre-position: "cold" or "partial"
     seed: int = 0
+    z: float = m.Z95  # the intervals' normal quantile (a family-wise one for a sweep's check)
 
     def __post_init__(self) -> None:
         if not (self.rho >= 0 and math.isfinite(self.rho)):
@@ -206,13 +207,13 @@ def simulate(c: Constants, cfg: SimConfig) -> SimResult:
     waste_ms = float(np.minimum(E[ran & ~hit_ep], T).sum() * 1e3)
 
     nq = int(ep.size)
-    mean, ci = _clustered_mean(lat, ep, n_ep)
+    mean, ci = _clustered_mean(lat, ep, n_ep, cfg.z)
     h = hits / n_pp
     res = SimResult(
         rho=cfg.rho, seed=cfg.seed, T_pp_ms=T * 1e3, update_rate=lam_u, query_rate=lam_q,
         prepositions=n_pp, skipped=int((~ran).sum()), hits=hits,
         incomplete=int(incomplete.sum()), fits=int(fits.sum()),
-        hit_rate=h, hit_rate_ci=m.wilson(hits, n_pp), wasted=1 - h, wasted_work_ms=waste_ms,
+        hit_rate=h, hit_rate_ci=m.wilson(hits, n_pp, cfg.z), wasted=1 - h, wasted_work_ms=waste_ms,
         queries=nq,
         paths={"fast": int(fast.sum()), "fall": int(fall.sum()),
                "early": int(partial.sum()), "cold": int(nq - fast.sum() - fall.sum()
@@ -231,10 +232,10 @@ def simulate(c: Constants, cfg: SimConfig) -> SimResult:
     return res
 
 
-def _clustered_mean(lat: np.ndarray, ep: np.ndarray, n_ep: int):
-    """The mean per-query latency and its 95% interval. Queries of one epoch share its
-    update's fate (skipped or not, its age), so they are not independent: the standard error
-    is the cluster-robust one of a ratio estimator over epochs."""
+def _clustered_mean(lat: np.ndarray, ep: np.ndarray, n_ep: int, z: float = m.Z95):
+    """The mean per-query latency and its interval (normal quantile z). Queries of one epoch
+    share its update's fate (skipped or not, its age), so they are not independent: the
+    standard error is the cluster-robust one of a ratio estimator over epochs."""
     if lat.size == 0:
         return math.nan, (math.nan, math.nan)
     mean = float(lat.mean())
@@ -244,7 +245,7 @@ def _clustered_mean(lat: np.ndarray, ep: np.ndarray, n_ep: int):
     if n_ep < 2:
         return mean, (-math.inf, math.inf)
     se = math.sqrt(float((resid**2).sum()) * n_ep / (n_ep - 1)) / float(counts.sum())
-    return mean, (mean - m.Z95 * se, mean + m.Z95 * se)
+    return mean, (mean - z * se, mean + z * se)
 
 
 def sweep(c: Constants, rhos, **cfg) -> list[SimResult]:
