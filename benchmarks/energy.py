@@ -72,27 +72,27 @@ def main(argv: list[str] | None = None) -> int:
         i += 1
     eng.wait_idle()
     gpu = args.device.startswith("cuda")
-    rapl = nvml_reader() if gpu else rapl_reader()
+    joules_so_far = nvml_reader() if gpu else rapl_reader()  # None: not readable
     cpu, wall, joules = [], [], []
     for r in range(args.rounds):
         eng.append(sid, f"MSFT {r} {200 + r}.5")  # committed and ingested (foreground)
         c0, w0 = time.process_time(), time.perf_counter()
-        e0 = rapl() if rapl else None
+        e0 = joules_so_far() if joules_so_far else None
         eng.wait_idle()  # the pre-position, alone on the machine's worker
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
-        if rapl:
-            joules.append(rapl() - e0)
+        if joules_so_far:
+            joules.append(joules_so_far() - e0)
     c0, w0 = time.process_time(), time.perf_counter()
-    e0 = rapl() if rapl else None
+    e0 = joules_so_far() if joules_so_far else None
     time.sleep(2.0)
     idle_s = time.perf_counter() - w0
     idle_cpu = (time.process_time() - c0) / idle_s
-    idle_measured = (rapl() - e0) / idle_s if rapl else None
+    idle_measured = (joules_so_far() - e0) / idle_s if joules_so_far else None
     eng.close()
     cpu_s = summarize(cpu)["p50_ms"] / 1e3
     wall_s = summarize(wall)["p50_ms"] / 1e3
-    if rapl:
+    if joules_so_far:
         source = ("measured: NVML GPU energy counter (the GPU board only)" if gpu
                   else "measured: RAPL package energy counters")
         e_pp = sorted(joules)[len(joules) // 2]
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         e_pp = cpu_s * args.watts_per_core
         busy_w = args.idle_watts + (cpu_s / wall_s) * args.watts_per_core
         idle_w = args.idle_watts + idle_cpu * args.watts_per_core
-    summary = {"benchmark": "energy", "source": source, "estimate": not rapl,
+    summary = {"benchmark": "energy", "source": source, "estimate": not joules_so_far,
                "model": f"{model_label(args)}, 512-token state",
                "rounds": args.rounds, "machine": machine(),
                "preposition_wall": summarize(wall), "preposition_cpu": summarize(cpu),
