@@ -206,3 +206,23 @@ def test_top_logprobs_list_the_most_likely_tokens(oai, http, model_name):
                                extra_body={"session_id": sid})
     top = c.choices[0].logprobs.top_logprobs[0]
     assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(e.logprob)
+
+
+def test_stateless_completions_continue_the_raw_prompt(oai, model_name, model_dirs):
+    """Without session_id, /v1/completions continues the prompt as given, with no chat
+    template: the greedy continuation transformers itself produces."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "AAPL 101.2 101.5 101.9 102.4 MSFT"
+    c = oai.completions.create(model=model_name, prompt=prompt, max_tokens=6, logprobs=1)
+    assert c.model_extra["prepos"]["path"] == "cold"
+    n = len(c.choices[0].logprobs.tokens)
+    tok = AutoTokenizer.from_pretrained(str(model_dirs["chatml"]))
+    lm = AutoModelForCausalLM.from_pretrained(str(model_dirs["chatml"])).eval()
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        out = lm.generate(torch.tensor([ids]), max_new_tokens=max(n, 1), do_sample=False,
+                          pad_token_id=tok.pad_token_id)
+    assert c.choices[0].text == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    assert c.usage.prompt_tokens == len(ids)

@@ -344,6 +344,22 @@ class Engine:
 
         return commit
 
+    def complete_stream(self, sid: str, prompt: str, sampling: SamplingParams | None = None,
+                        logprobs: bool = False, owner: str | None = None) -> Stream:
+        """Raw completion: continue `prompt` exactly as given (no chat template) on the
+        session's KV, without touching its conversation. The stateless /v1/completions."""
+        t0 = time.perf_counter()
+        sampling = sampling or DEFAULT_SAMPLING
+        self._check_sampling(sampling)
+        s = self.sessions.get(sid, owner)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidInput("prompt must be a non-empty string")
+        with s.lock:
+            snap, ready = s.snap, s.ready
+        seq = tuple(self.fmt.encode_prompt(prompt))
+        return self._submit(s, seq, len(snap.tokens), snap.version, ready, sampling, logprobs,
+                            t0)
+
     # -- the three paths -----------------------------------------------------------------
     def _serve_relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
                        logprobs: bool, t0: float) -> Stream:

@@ -71,6 +71,11 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt as the tokenizer takes it on its own: its special tokens (a BOS)
+        added, no chat template."""
+        return list(self.tokenizer(text)["input_ids"])
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 

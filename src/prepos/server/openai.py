@@ -20,8 +20,9 @@ the last chunk instead), and the body's `prepos` extension field.
 `logprobs` are the engine's per-token logprobs of the sampled tokens; `top_logprobs` (chat)
 and `logprobs: N` (completions) list the N most likely tokens at each step, from the full
 distribution in process (a remote top-k back end lists at most the k it returned).
-/v1/completions applies the model's chat template: the prompt is a user query, since
-sessions are chat conversations.
+/v1/completions without `session_id` continues the prompt as given (no chat template, the
+tokenizer's own special tokens added); with a streaming session's `session_id` the prompt is
+that session's query.
 """
 
 from __future__ import annotations
@@ -627,14 +628,13 @@ async def completions(request: Request):
         shown = sid
     else:
         state.backpressure(eng)
-        # a session with no messages has no chat rendering to extend: ask the prompt as the
-        # one user message of a conversation, which is what a streaming query frames
-        spec = SessionSpec(AGENTIC, None, (), (), "off", False, None, owner=owner)
+        # stateless: the prompt is continued as given, no chat template (a raw completion)
+        spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
 
         def start():
-            sid = state.new_ephemeral(eng, spec, [(0, [{"role": "user", "content": prompt}])])
+            sid = state.new_ephemeral(eng, spec)
             try:
-                return sid, eng.turn_stream(sid, None, sampling, "off", want_lp, owner)
+                return sid, eng.complete_stream(sid, prompt, sampling, want_lp, owner)
             except BaseException:
                 state.close_ephemeral(sid)
                 raise

@@ -239,8 +239,8 @@ class ServerState:
         return sid
 
     def close_after(self, stream, sid: str) -> None:
-        """Close an ephemeral session once its stream has finished (a client that went
-        away does not stop the model worker mid-request)."""
+        """Close an ephemeral session once its stream has finished (or was cancelled by a
+        client that went away)."""
         if stream.done:
             self.close_ephemeral(sid)
             return
