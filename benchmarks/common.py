@@ -64,7 +64,9 @@ def machine() -> dict:
     out = {"platform": platform.platform(), "processor": platform.processor(),
            "cpus": os.cpu_count(), "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           # the machine is shared: what else was running when this was measured
+           "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
     return out

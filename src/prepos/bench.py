@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prepos bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples (not for RESULTS.md)")
     args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"warning: load average {load:.2f} before starting: timings on a busy machine "
+              "are noisy; each result's JSON records the load at its start", file=sys.stderr)
     log = ROOT / "results" / "bench.log"
     log.parent.mkdir(exist_ok=True)
     failed = []
