@@ -14,6 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("PREPOS_RESULTS", ROOT / "results"))
+LOAD_AT_START = round(os.getloadavg()[0], 2)  # read when a benchmark imports this module
 
 
 def summarize(samples_s: list[float]) -> dict:
@@ -65,8 +66,8 @@ def machine() -> dict:
            "cpus": os.cpu_count(), "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           # the machine is shared: what else was running when this was measured
-           "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
+           # the machine is shared: what else was running when this benchmark started
+           "loadavg_1m_at_start": LOAD_AT_START}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
     return out
