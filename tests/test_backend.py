@@ -146,3 +146,17 @@ def test_crop_takes_each_layer_to_the_length(model_dirs):
     assert all(int(layer.get_seq_length()) == 10 for layer in kv.layers)
     backend.crop(kv, 4)
     assert all(int(layer.get_seq_length()) == 4 for layer in kv.layers)
+
+
+def test_preemption_hooks_find_the_decoder_layers_of_other_architectures():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from prepos.backends.base import Preempted, idle_work
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64))
+    backend = TorchBackend(model)
+    kv = backend.new_kv()
+    backend.extend(kv, [], [1, 2, 3])
+    with idle_work(True, should_yield=lambda: True), pytest.raises(Preempted):
+        backend.extend(kv, [1, 2, 3], [4, 5])
+    assert backend.cache.length(kv) == 3  # the interrupted chunk left nothing behind

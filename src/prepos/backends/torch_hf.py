@@ -23,7 +23,7 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.cache = CacheAdapter(model)
         # idle forwards stop between decoder layers when a request is waiting (Preempted)
-        for layer in getattr(getattr(model, "model", None), "layers", ()):
+        for layer in _decoder_layers(model):
             layer.register_forward_pre_hook(check_preempt)
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -55,3 +55,13 @@ class TorchBackend(Backend):
 
     def crop(self, kv: Any, length: int) -> None:
         self.cache.crop(kv, length)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | tuple:
+    """The stack of decoder layers (`model.layers`, `transformer.h`, ...): the module list as
+    long as the config's layer count."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    return ()
