@@ -550,3 +550,36 @@ def test_top_logprobs_are_the_cold_forward_s_top_k(make_engine, family):
         assert max(abs(lp - v) for (_, lp), v in zip(top, vals.tolist())) < 1e-3
     with pytest.raises(InvalidSampling):
         SamplingParams(top_logprobs=21)
+
+
+def test_idle_work_progresses_when_requests_keep_arriving(make_engine):
+    """A request arrives during every idle forward: each chunk gives way once, then runs
+    through, so the pre-position still finishes (without that it would never progress)."""
+    from prepos.backends.base import in_idle_work
+
+    eng = make_engine(chunk_tokens=4)
+    sid = eng.create_session("streaming", system=SYSTEM, standing=[Q])
+    served = []
+
+    def request():
+        served.append(1)
+        return
+        yield
+
+    def submit_always(module, args):
+        if in_idle_work() and len(served) < 500:
+            eng.scheduler.submit(request())
+
+    handle = eng.backend.model.model.layers[0].register_forward_pre_hook(submit_always)
+    try:
+        eng.append(sid, "AAPL 101.2 101.5 101.9 102.4")
+        assert eng.wait_idle(timeout=60)
+    finally:
+        handle.remove()
+    # each stop is followed by a chunk that runs through: about one request per forward,
+    # far below the cap that would otherwise be the only way out
+    assert eng.prepos.counters.preempted >= 1 and len(served) < 500
+    s = eng.session(sid)
+    rec = s.ready.records[query_key(Q)]
+    ref = cold_logits(eng, s.snap.tokens + rec.entry)
+    assert float((rec.logits - ref).abs().max()) < 1e-3

@@ -13,10 +13,11 @@ What to pre-position follows from the session's state:
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Generator
 
-from prepos.backends.base import Dist, Preempted
+from prepos.backends.base import Dist, Preempted, unpreemptible
 from prepos.core import ReadyRecord
 from prepos.entries import ChatFormat
 from prepos.scheduler import KVPool
@@ -30,6 +31,8 @@ from prepos.session import (
     Snapshot,
     query_key,
 )
+
+MAX_YIELDS = 1  # a chunk gives way to waiting requests at most this many times in a row
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Prepositioner:
         kv = self.pool.get(session.id)
         budget = session.budget(self.session_cells)
         started = False
+        yielded = 0  # consecutive chunks stopped for a waiting request
         try:
             for target in self.targets(session, snap):
                 seq = snap.tokens + target.entry
@@ -114,10 +118,15 @@ class Prepositioner:
                     if not started:
                         started = ready.started = True
                         self._bump("started")
-                    try:
-                        step = kv.advance(seq, self.chunk)
-                    except Preempted:  # a request is waiting: give way, redo the chunk
+                    try:  # a request that arrives mid-chunk stops it between layers; after
+                        # MAX_YIELDS such stops in a row the chunk runs through, so idle
+                        # work progresses under load and a request waits one chunk at most
+                        with unpreemptible() if yielded >= MAX_YIELDS else nullcontext():
+                            step = kv.advance(seq, self.chunk)
+                        yielded = 0
+                    except Preempted:
                         self._bump("preempted")
+                        yielded += 1
                         yield
                         continue
                     if step.done:

@@ -68,6 +68,18 @@ def idle_work(idle: bool = True, should_yield: Callable[[], bool] | None = None)
         _work.idle, _work.should_yield = old
 
 
+@contextlib.contextmanager
+def unpreemptible():
+    """Run this block's idle forwards to the end even if a request is waiting: the
+    pre-position's guarantee of progress after it has given way (prepositioner.MAX_YIELDS)."""
+    old = getattr(_work, "should_yield", None)
+    _work.should_yield = None
+    try:
+        yield
+    finally:
+        _work.should_yield = old
+
+
 def in_idle_work() -> bool:
     return getattr(_work, "idle", False)
 
