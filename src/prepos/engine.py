@@ -370,9 +370,7 @@ class Engine:
         if logprobs:
             res.logprobs.append(rec.top_logprobs[0])
         if sampling.top_logprobs:
-            cached = rec.logits if rec.logits is not None else Dist(None, rec.top_ids,
-                                                                    rec.top_logprobs)
-            res.top_logprobs.append(top_logprobs(cached, sampling.top_logprobs))
+            res.top_logprobs.append(top_logprobs(_cached(rec), sampling.top_logprobs))
         res.timing.ttft = res.timing.total = time.perf_counter() - t0
         self._count("fast_relaxed")
         stream = Stream()
@@ -393,8 +391,7 @@ class Engine:
         out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
                          self._finisher(on_finish))
         rng = generator_for(sampling)
-        cached = rec.logits if rec.logits is not None else Dist(None, rec.top_ids,
-                                                                rec.top_logprobs)
+        cached = _cached(rec)
         # greedy: the argmax found when the record was made; otherwise sample the cached logits
         first = rec.argmax if sampling.greedy else sample(cached, sampling, rng)
         if out.add(first, cached, rec.top_logprobs[0] if sampling.greedy else None):
@@ -572,6 +569,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cached(rec: ReadyRecord) -> torch.Tensor | Dist:
+    """A record's distribution: the full vector where kept, else its top-k."""
+    return rec.logits if rec.logits is not None else Dist(None, rec.top_ids, rec.top_logprobs)
 
 
 def _check_call(call: dict) -> dict:

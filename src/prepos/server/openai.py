@@ -419,7 +419,7 @@ class ChatCall:
                       "logprobs": {"content": self._logprobs(res)} if self.logprobs else None}
             out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                    "choices": [choice], "usage": results.usage(res),
-                   "system_fingerprint": None, "prepos": self._ext(res, sid)}
+                   "system_fingerprint": None, "prepos": results.extension(res, sid)}
             return _json(out, results.headers(res, sid))
 
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
@@ -460,16 +460,13 @@ class ChatCall:
             if message.get("tool_calls"):
                 final["tool_calls"] = [{"index": i, **c}
                                        for i, c in enumerate(message["tool_calls"])]
-            yield chunk(final, finish, prepos=self._ext(res, sid))
+            yield chunk(final, finish, prepos=results.extension(res, sid))
             if include_usage:
                 yield event({"id": rid, "object": "chat.completion.chunk",
                              "created": created, "model": model, "choices": [],
                              "usage": results.usage(res)})
 
         return await _stream_response(stream, _guarded(chunks, cleanup), sid, hold)
-
-    def _ext(self, res: Result, sid: str | None) -> dict:
-        return results.extension(res, sid)
 
     def _entry(self, fmt, token: int, logprob: float, top) -> dict:
         entry = _token_lp(fmt, token, logprob)

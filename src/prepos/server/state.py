@@ -158,14 +158,12 @@ class ServerState:
         """Run blocking engine work (rendering, waiting for the worker) off the loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def result(self, stream, receive=None) -> Result:
+    async def result(self, stream, receive) -> Result:
         """The stream's result. `receive`, the request's ASGI receive: a client that leaves
         before the result is ready cancels the stream (no more model work for it)."""
         if stream.done:
             return stream.result()
         work = asyncio.ensure_future(self.run(stream.result))
-        if receive is None:
-            return await work
         gone = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
