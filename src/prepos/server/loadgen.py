@@ -86,11 +86,17 @@ async def _session_task(client: httpx.AsyncClient, sid: str, ticker: str, data: 
 
 async def load_run(url: str, sessions: int = 64, ops: int = 2048, p_update: float = 0.5,
                    state_messages: int = 8, seed: int = 0, headers: dict | None = None,
-                   think_ms: float = 0.0, progress=None) -> dict:
+                   think_ms: float = 0.0, progress=None, settle: bool = False) -> dict:
     """`sessions` streaming sessions (one standing query each), `ops` updates and queries
     in all, run concurrently; each session's task waits an exponential think time of mean
     `think_ms` before each operation (0: a closed loop that saturates the server). Returns
-    counts, throughput, latency percentiles by kind and path, errors and stale answers."""
+    counts, throughput, latency percentiles by kind and path, errors and stale answers.
+
+    With `settle`, after the load each session waits for its pre-position to finish and asks
+    its standing query once more: `settled_fast` counts those answered from the cache (with
+    a pre-position finished for the current version, every one must be), and their answers
+    are checked for staleness like the others. How many queries of the load itself find a
+    finished pre-position depends on the machine's speed; this count does not."""
     per = -(-ops // sessions)
     limits = httpx.Limits(max_connections=sessions + 8, max_keepalive_connections=sessions + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
@@ -118,6 +124,8 @@ async def load_run(url: str, sessions: int = 64, ops: int = 2048, p_update: floa
                           random.Random(seed * 7919 + k), out, think_ms / 1e3)
             for k, (sid, ticker, data, version) in enumerate(made)])
         wall = time.perf_counter() - t0
+        settled = [await _settle(client, sid, ticker, out) for sid, ticker, *_ in made] \
+            if settle else []
         for sid, *_ in made:
             await client.delete(f"/sessions/{sid}")
     queries = [x for xs in out["query_s"].values() for x in xs]
@@ -130,4 +138,25 @@ async def load_run(url: str, sessions: int = 64, ops: int = 2048, p_update: floa
         "wall_s": round(wall, 3), "throughput_ops_s": round(out["done"] / wall, 2),
         "latency": summarize(everything), "update_latency": summarize(out["update_s"]),
         "query_latency_by_path": {p: summarize(xs) for p, xs in sorted(out["query_s"].items())},
+        "settled": len(settled), "settled_fast": sum(settled),
     }
+
+
+async def _settle(client: httpx.AsyncClient, sid: str, ticker: str, out: dict) -> bool:
+    """Wait (up to 60 s) for the session's pre-position at its current version, then ask its
+    standing query; True when the answer came from the cache. Stale answers go to `out`."""
+    r = await client.get(f"/sessions/{sid}", params={"wait_ready": 60})
+    if r.status_code != 200:
+        out["errors"].append(f"{sid}: settle: HTTP {r.status_code}: {r.text[:200]}")
+        return False
+    version = r.json()["version"]
+    r = await client.post(f"/sessions/{sid}/query",
+                          json={"question": STANDING.format(t=ticker), "max_tokens": 1})
+    if r.status_code != 200:
+        out["errors"].append(f"{sid}: settle query: HTTP {r.status_code}: {r.text[:200]}")
+        return False
+    body = r.json()
+    if body["version"] != version:
+        out["stale"].append(f"{sid}: settled answer from version {body['version']}, "
+                            f"session at {version}")
+    return body["path"] == "fast"
