@@ -30,8 +30,8 @@ def summarize(samples_s: list[float]) -> dict:
 
 def timing_model_dir(size: str = "125m", device: str = "cpu", dtype: str = "float32") -> Path:
     """A timing model (seeded random weights), built once and cached in results/: DESIGN.md's
-    ~125M Llama by default, or another of prepos.tiny.TIMING_SIZES (built on `device`)."""
-    from prepos.tiny import timing_model
+    ~125M Llama by default, or another of prepos.lab.tiny.TIMING_SIZES (built on `device`)."""
+    from prepos.lab.tiny import timing_model
 
     out = RESULTS / ("timing-model" if size == "125m" else f"timing-model-{size}-{dtype}")
     if not (out / "config.json").is_file():
@@ -42,7 +42,7 @@ def timing_model_dir(size: str = "125m", device: str = "cpu", dtype: str = "floa
 def model_args(ap: argparse.ArgumentParser, name: str) -> None:
     """The options every in-process benchmark shares: which model, where, in what dtype, and
     where its JSON goes (the GPU script, benchmarks/gpu.sh, runs them with other values)."""
-    ap.add_argument("--size", default="125m", help="timing-model size (prepos.tiny."
+    ap.add_argument("--size", default="125m", help="timing-model size (prepos.lab.tiny."
                     "TIMING_SIZES), built in results/ if missing")
     ap.add_argument("--model-dir", type=Path, help="a local model instead of a timing model")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")

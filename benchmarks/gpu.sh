@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: HW-1 (prefill slope), HW-2 (the engine's paths), HW-5 (first token over HTTP,
 # >= 128 observations per path) and HW-6 (energy, from NVML) on CUDA, with random-weight
-# Llama timing models of the 1B and 8B class in bf16 (prepos.tiny.TIMING_SIZES: Llama-3.2-1B
+# Llama timing models of the 1B and 8B class in bf16 (prepos.lab.tiny.TIMING_SIZES: Llama-3.2-1B
 # and Llama-3.1-8B shapes). For when an accelerator is lent; the CPU suite does not need it.
 # Writes $GPU_OUT/<size>/*.json and $GPU_OUT/summary.md; `python benchmarks/report.py` then
 # puts the GPU table into docs/RESULTS.md. Sized to finish within 8 minutes on one H100/H200

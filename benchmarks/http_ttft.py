@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import machine, model_args, model_dir, model_label  # noqa: E402
-from prepos.server.loadgen import load_run, percentile, price_messages  # noqa: E402
-from prepos.task.market import SYSTEM_PROMPT  # noqa: E402
+from prepos.lab.loadgen import load_run, percentile, price_messages  # noqa: E402
+from prepos.lab.task.market import SYSTEM_PROMPT  # noqa: E402
 
 QUESTION = "Which way is ACME moving?"
 PATHS = ("fast", "fall-through", "cold", "peer")

@@ -2,7 +2,7 @@
 loopback), per path, beside llama-server's own latency with its prompt cache, in one run.
 
 Model: the tiny bundled-kind model (default) or DESIGN.md's timing model (`--model timing`,
-~125M parameters, seeded random weights), converted to GGUF by `prepos.gguf_export` and served
+~125M parameters, seeded random weights), converted to GGUF by `prepos.backends.gguf_export` and served
 by one llama-server (4 slots). Session state: about `--state` tokens; each sample appends one
 fresh data message to the same base state (rollback + append), waits for pre-positioning, and
 times one request (max_tokens 1):
@@ -59,8 +59,8 @@ def main() -> None:
     binary = find_binary()
     if binary is None:
         sys.exit("no llama-server binary: run scripts/build_llama_server.sh")
-    from prepos.gguf_export import export
-    from prepos.tiny import build_model
+    from prepos.backends.gguf_export import export
+    from prepos.lab.tiny import build_model
 
     work = FsPath(tempfile.mkdtemp(prefix="remote-ttft-"))
     model_dir = (timing_model_dir() if args.model == "timing"

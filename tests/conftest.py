@@ -6,7 +6,7 @@ import pytest
 
 from prepos.config import EngineConfig, GateConfig
 from prepos.engine import Engine
-from prepos.tiny import build_model
+from prepos.lab.tiny import build_model
 
 FAMILIES = [("chatml", "llama"), ("llama3", "qwen2")]
 

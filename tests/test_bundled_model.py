@@ -10,7 +10,7 @@ import pytest
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path as ServePath
 from prepos.core import SamplingParams
-from prepos.task.market import ANSWERS, SYSTEM_PROMPT, format_data
+from prepos.lab.task.market import ANSWERS, SYSTEM_PROMPT, format_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "models" / "trend-reader"
@@ -40,7 +40,7 @@ def test_model_directory_is_complete_and_small(path):
 def test_tokenizer_meets_the_engine_requirements(path):
     from transformers import AutoTokenizer
 
-    from prepos.task.tokenizer import check
+    from prepos.lab.task.tokenizer import check
 
     check(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
 
@@ -110,7 +110,7 @@ def test_weak_model_gate_does_not_fire():
 
 
 def test_tokenizer_is_rebuilt_identically_from_the_task(tmp_path):
-    from prepos.task.tokenizer import build
+    from prepos.lab.task.tokenizer import build
 
     build(tmp_path)
     ours = json.loads((tmp_path / "tokenizer.json").read_text())
@@ -125,7 +125,7 @@ def test_training_is_seeded_and_saves_an_engine_loadable_model(tmp_path):
     from safetensors.torch import load_file
 
     from prepos.engine import Engine
-    from prepos.train import main
+    from prepos.lab.train import main
 
     args = ["--steps", "2", "--weak-steps", "1", "--batch", "2", "--eval", "1"]
     for run in ("a", "b"):

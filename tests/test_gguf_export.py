@@ -10,7 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from prepos.gguf_export import export, permute_qk, unpermute_qk  # noqa: E402
+from prepos.backends.gguf_export import export, permute_qk, unpermute_qk  # noqa: E402
 
 
 def rope_half(x: torch.Tensor, pos: int, theta: float = 10000.0) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Integration: the remote back end against two real `llama-server` replicas on loopback,
-serving the bundled kind of model converted to GGUF by `prepos.gguf_export`.
+serving the bundled kind of model converted to GGUF by `prepos.backends.gguf_export`.
 
 Skipped, with the reason, only when no llama-server binary is found
 (`scripts/build_llama_server.sh` builds and caches one; `.ci/run` calls it)."""
@@ -32,8 +32,8 @@ NEAR_TIE = 1e-3  # logprob gap below which float noise may flip a greedy choice
 def model(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prepos.gguf_export import export
-    from prepos.tiny import build_model
+    from prepos.backends.gguf_export import export
+    from prepos.lab.tiny import build_model
 
     root = tmp_path_factory.mktemp("remote-model")
     d = build_model(root / "model", "chatml", "llama", seed=1)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from server_harness import ServerProc
 
-from prepos.server.loadgen import load_run
+from prepos.lab.loadgen import load_run
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepos.task import market as m
+from prepos.lab.task import market as m
 
 # -- ground truth on hand-made series ---------------------------------------------------
 

@@ -7,10 +7,10 @@ import sys
 
 COMMANDS = {
     "serve": ("prepos.server.app", "start the HTTP server"),
-    "demo": ("prepos.demo", "replay a streaming and an agentic session, print each path"),
-    "train": ("prepos.train", "train the bundled model (and its weak contrast)"),
-    "calibrate": ("prepos.calibration", "calibrate the confidence gate (risk-coverage)"),
-    "bench": ("prepos.bench", "every measurement in one command, then docs/RESULTS.md"),
+    "demo": ("prepos.lab.demo", "replay a streaming and an agentic session, print each path"),
+    "train": ("prepos.lab.train", "train the bundled model (and its weak contrast)"),
+    "calibrate": ("prepos.lab.calibration", "calibrate the confidence gate (risk-coverage)"),
+    "bench": ("prepos.lab.bench", "every measurement in one command, then docs/RESULTS.md"),
     "simulate": ("prepos.sim.cli", "closed-form model and session simulator; Figures 4-6"),
 }
 

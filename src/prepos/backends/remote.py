@@ -259,7 +259,7 @@ class LlamaCppAdapter(Adapter):
                 raise RemoteError(
                     "llama-server returned no probabilities: the greedy token's text is an "
                     "incomplete UTF-8 sequence; serve a GGUF exported with "
-                    "prepos.gguf_export.export(for_token_ids=True)") from exc
+                    "prepos.backends.gguf_export.export(for_token_ids=True)") from exc
             raise RemoteError("llama.cpp response has no completion_probabilities "
                               f"(is n_probs > 0?): {exc!r}") from exc
         if "top_logprobs" in first:

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from prepos.task.market import SYSTEM_PROMPT, TICKERS, generate_stream
+from prepos.lab.task.market import SYSTEM_PROMPT, TICKERS, generate_stream
 
 STANDING = "Which way is {t} moving?"
 AD_HOC = ("Is {t} rising?", "Is {t} falling?", "Is it false that {t} is rising?")

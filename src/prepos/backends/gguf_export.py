@@ -13,7 +13,7 @@ checkpoints therefore hold q/k projections whose rows, per head, are ordered
 back: row 2i <- row i, row 2i+1 <- row i + head_dim/2 (`permute_qk`). Qwen2 in llama.cpp uses
 the half-split ("NEOX") rotation already, so its q/k are written unchanged.
 
-    python -m prepos.gguf_export MODEL_DIR OUT.gguf
+    python -m prepos.backends.gguf_export MODEL_DIR OUT.gguf
 """
 
 from __future__ import annotations

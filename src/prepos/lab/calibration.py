@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 
 from prepos.config import GateConfig
 from prepos.sim.model import wilson
-from prepos.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
+from prepos.lab.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
 
 MIN_SERVED = 10  # figures draw r(tau) only where at least this many were served
 
@@ -329,7 +329,7 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
 def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
         wording_rate: float, out_dir: Path, write_gate: bool, figures: bool = True,
         progress: bool = True) -> dict:
-    from prepos.task.market import decision_points
+    from prepos.lab.task.market import decision_points
 
     points = decision_points(n, seed=seed, wording_rate=wording_rate)
     results: dict = {

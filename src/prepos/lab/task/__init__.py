@@ -1,6 +1,6 @@
 """The domain task the bundled model is trained on and calibrated against."""
 
-from prepos.task.market import (
+from prepos.lab.task.market import (
     ANSWERS,
     POLAR,
     SYSTEM_PROMPT,

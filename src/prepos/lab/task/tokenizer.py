@@ -19,7 +19,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from prepos.task.market import ANSWERS, PRICE_MAX, PRICE_MIN, SYSTEM_PROMPT, corpus
+from prepos.lab.task.market import ANSWERS, PRICE_MAX, PRICE_MIN, SYSTEM_PROMPT, corpus
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -26,7 +26,7 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
         ("HW-1 prefill slope", [py, "benchmarks/prefill.py", *(["--samples", "4"] if quick
                                                               else [])]),
         ("HW-2 engine paths", [py, "benchmarks/engine_paths.py", *n]),
-        ("HW-3 gate calibration", [py, "-m", "prepos.calibration", "--threads", "1"]),
+        ("HW-3 gate calibration", [py, "-m", "prepos.lab.calibration", "--threads", "1"]),
         ("HW-4 live-trace hit rate", [py, "benchmarks/hit_rate.py",
                                       *(["--prepositions", "32"] if quick else [])]),
         ("HW-5 HTTP first-token latency", [py, "benchmarks/http_ttft.py", *n,

@@ -1,6 +1,6 @@
 """`prepos train`: the bundled trend-reader model and its weak contrast, trained on the CPU.
 
-A small Llama-architecture causal LM learns the market task (``prepos.task.market``) from
+A small Llama-architecture causal LM learns the market task (``prepos.lab.task.market``) from
 conversations rendered by our own chat template: a system prompt, a few data messages (role
 user), then either a question and its single-token answer, or the bare assistant header and
 the trend (the question-independent decision point the engine pre-positions). The loss is
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from prepos.config import GateConfig
-from prepos.task.market import (
+from prepos.lab.task.market import (
     ANSWERS,
     EVAL_SEED_BASE,
     PRICE_MAX,
@@ -47,8 +47,8 @@ from prepos.task.market import (
     queries,
     sample_example,
 )
-from prepos.task.tokenizer import IM_END
-from prepos.task.tokenizer import build as build_tokenizer
+from prepos.lab.task.tokenizer import IM_END
+from prepos.lab.task.tokenizer import build as build_tokenizer
 
 QUESTION_MIX = {"trend": 0.35, "polar": 0.45, "wording": 0.2}
 DEFAULT_OUT = "models/trend-reader"

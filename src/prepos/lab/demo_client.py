@@ -23,7 +23,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-from prepos.task.market import SYSTEM_PROMPT, generate_stream
+from prepos.lab.task.market import SYSTEM_PROMPT, generate_stream
 
 TICKER = "ACME"
 STANDING = f"Which way is {TICKER} moving?"

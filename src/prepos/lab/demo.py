@@ -14,7 +14,7 @@ from prepos.config import EngineConfig
 from prepos.core import Result, SamplingParams
 from prepos.engine import Engine
 from prepos.paths import DEFAULT_MODEL
-from prepos.task import market
+from prepos.lab.task import market
 
 ONE = SamplingParams(max_tokens=1)
 COLUMNS = f"{'request':<46} {'path':<13} {'match':<8} {'gap':>6} {'TTFT ms':>9}  answer"
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=6)
     args = ap.parse_args(argv)
     if args.url:
-        from prepos.server.demo_client import main as client_main
+        from prepos.lab.demo_client import main as client_main
 
         return int(client_main(["--url", args.url]) or 0)
     t0 = time.perf_counter()
