@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from prepos.backends.base import Dist, KVSequence
+from prepos.backends.base import Dist
+from prepos.kv import KVSequence
 from prepos.backends.hf_cache import CacheAdapter
 from prepos.backends.torch_hf import TorchBackend
 

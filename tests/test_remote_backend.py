@@ -10,7 +10,7 @@ import pytest
 import torch
 from remote_fakes import FakeCluster, hash_logits, torch_logits
 
-from prepos.backends.base import KVSequence
+from prepos.kv import KVSequence
 from prepos.backends.base import idle_work as background_work
 from prepos.backends.remote import (
     Abandoned,

@@ -19,9 +19,10 @@ from prepos.entries import ChatFormat, parse_tool_calls
 from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
 from prepos.generation import Generation
+from prepos.kv import Forward, KVPool, KVSequence
 from prepos.prepositioner import Prepositioner
 from prepos.sampling import generator_for, sample, top_logprobs
-from prepos.scheduler import KVPool, Scheduler
+from prepos.scheduler import Scheduler
 from prepos.session import (
     AGENTIC,
     FAST_MODES,
@@ -51,7 +52,8 @@ class Engine:
         self.gate = Gate(config.gate, fmt)
         self.sessions = SessionStore()
         self.pool = KVPool(backend, config.budget.engine_cells)
-        self.scheduler = Scheduler(config.workers, config.idle_workers)
+        self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,
+                                   backend.max_batch_tokens)
         self.prepos = Prepositioner(fmt, self.pool, config.chunk_tokens,
                                     config.budget.session_cells,
                                     on_record=lambda s, key, rec: self._emit("record", s,
@@ -224,8 +226,7 @@ class Engine:
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
             self._make_room(s, snap.tokens)
-            kv.advance(snap.tokens)
-        yield
+            yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
     def query(self, sid: str, question: str, sampling: SamplingParams | None = None,
@@ -398,7 +399,7 @@ class Engine:
             return stream
         seq = snap.tokens + rec.entry
         self._check_room(s, len(seq), sampling)
-        task = self._decode(s, seq, out, sampling, rng, snap.version)
+        task = self._decode(self.pool.get(s.id), seq, out, sampling, rng)
         self.scheduler.submit(task, key=s.id, on_error=stream.fail)
         return stream
 
@@ -421,11 +422,17 @@ class Engine:
                 out.finish("cancelled")
                 return
             self._make_room(s, seq)
-            step = self.pool.get(s.id).advance(seq)
-            tm.restore, tm.prefill = step.restore_s, step.forward_s
-            tm.prefill_tokens = step.prefilled
-            tm.cached_tokens = max(0, step.kept - base_len)
-            res.cached_prompt_tokens = min(step.kept, len(seq))
+            kv = self.pool.get(s.id)
+            if self.backend.streams_answers:  # the first token is the stream's first event
+                kept = kv.common_prefix(seq)
+                step = None
+            else:
+                step = yield Forward(kv, seq)
+                kept = step.kept
+                tm.restore, tm.prefill = step.restore_s, step.forward_s
+                tm.prefill_tokens = step.prefilled
+            tm.cached_tokens = max(0, kept - base_len)
+            res.cached_prompt_tokens = min(kept, len(seq))
             used = tm.cached_tokens > 0
             if used:
                 res.path = Path.FALL
@@ -434,22 +441,34 @@ class Engine:
                 self.prepos.invalidated(ready)
             self._count("fall" if used else "cold")
             rng = generator_for(sampling)
-            if not out.add(sample(step.logits, sampling, rng), step.logits):
-                yield
-                yield from self._decode(s, seq, out, sampling, rng, version)
+            if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
+                yield from self._decode(kv, seq, out, sampling, rng)
 
         self.scheduler.submit(run(), key=s.id, on_error=stream.fail)
         return stream
 
-    def _decode(self, s: Session, seq: tuple[int, ...], out: Generation,
-                sampling: SamplingParams, rng, version: int):
-        """One decode step per scheduler quantum, from the resident KV."""
-        kv = self.pool.get(s.id)
+    def _decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
+                sampling: SamplingParams, rng):
+        """The rest of the answer after `seq` and `out`'s tokens: one decode step per
+        scheduler quantum, batched with other sessions' steps; or, on a back end that
+        streams answers, every token from one streamed request (the engine's own sampling;
+        one token per quantum is read from it)."""
+        if self.backend.streams_answers:
+            events = kv.stream(seq + tuple(out.tokens), sampling,
+                               sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn)
+            try:
+                for token, dist in events:
+                    if out.add(token, dist):
+                        return
+                    yield
+            finally:
+                events.close()
+            out.finish("stop")  # the engine ended the answer without a stop token
+            return
         while True:
-            step = kv.advance(seq + tuple(out.tokens))
+            step = yield Forward(kv, seq + tuple(out.tokens))
             if out.add(sample(step.logits, sampling, rng), step.logits):
                 return
-            yield
 
     # == helpers ===========================================================================
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
@@ -472,7 +491,7 @@ class Engine:
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         if (not sampling.greedy and not self.backend.full_distribution
-                and not self.config.topk_sampling):
+                and not self.backend.streams_answers and not self.config.topk_sampling):
             raise InvalidSampling(f"the {self.backend.name} back end returns top-k logprobs "
                                   "only: it serves greedy decoding (temperature 0) unless "
                                   "topk_sampling is enabled")

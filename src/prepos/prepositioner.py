@@ -13,14 +13,13 @@ What to pre-position follows from the session's state:
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Generator
 
-from prepos.backends.base import Dist, Preempted, unpreemptible
+from prepos.backends.base import Dist, Preempted
 from prepos.core import ReadyRecord
 from prepos.entries import ChatFormat
-from prepos.scheduler import KVPool
+from prepos.kv import Forward, KVPool
 from prepos.session import (
     ENVELOPE,
     HEADER,
@@ -99,7 +98,7 @@ class Prepositioner:
 
     # -- Algorithm 1 ---------------------------------------------------------------------
     def job(self, session: Session, snap: Snapshot, ready: ReadySet) -> Generator:
-        """Runs on the model worker at idle priority, one chunk per step."""
+        """Runs on the model worker at idle priority, one chunk (one Forward) per quantum."""
         kv = self.pool.get(session.id)
         budget = session.budget(self.session_cells)
         started = False
@@ -121,20 +120,17 @@ class Prepositioner:
                     try:  # a request that arrives mid-chunk stops it between layers; after
                         # MAX_YIELDS such stops in a row the chunk runs through, so idle
                         # work progresses under load and a request waits one chunk at most
-                        with unpreemptible() if yielded >= MAX_YIELDS else nullcontext():
-                            step = kv.advance(seq, self.chunk)
+                        step = yield Forward(kv, seq, self.chunk,
+                                             preemptible=yielded < MAX_YIELDS)
                         yielded = 0
-                    except Preempted:
+                    except Preempted:  # the KV holds what it did before the chunk
                         self._bump("preempted")
                         yielded += 1
-                        yield
                         continue
                     if step.done:
                         break
-                    yield
                 if target.key is not None:
                     self._record(session, ready, target, seq, step.logits)
-                yield
             with session.lock:
                 ready.done = True
                 if started and ready.valid:

@@ -1,10 +1,14 @@
-"""The model worker. Foreground requests go before idle work; each task is a generator that
-does one quantum of model work per step (a request's first token or one decode step; one
-chunk of a pre-position), so a request waits behind at most one chunk of idle work per
-worker, and foreground requests interleave round-robin.
+"""The model worker. Each task is a generator that yields a `Forward` (the one forward it
+needs next: a request's prefill, a decode step, a chunk of a pre-position) or a bare `yield`
+(a quantum boundary with nothing to run), and is sent the forward's `Advance`.
 
-The workers also own the KV caches (`KVPool`): only tasks touch them, and a session's tasks
-never run at the same time.
+One quantum of a worker is one *batched step*: the next forward of every runnable foreground
+task (up to the back end's `max_batch` tasks and `max_batch_tokens` tokens), run as one
+back-end call; idle work runs only when no request waits, one chunk per quantum, and an idle
+chunk gives way between layers when a request arrives (`Forward.preemptible`). So a request
+waits behind at most one chunk of idle work, foreground tasks interleave round-robin, and a
+session's tasks never run at the same time (tasks with the same key are never in one batch
+or on two workers at once). The workers own the KV caches: only tasks touch them.
 """
 
 from __future__ import annotations
@@ -12,70 +16,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Generator, Sequence
+from typing import Callable, Generator
 
-from prepos.backends.base import Backend, KVSequence, idle_work
-from prepos.errors import EngineClosed, OverBudget
-
-
-class KVPool:
-    """Every session's KV cache, and the engine-wide cell budget. Worker-thread only."""
-
-    def __init__(self, backend: Backend, engine_cells: int):
-        self.backend = backend
-        self.engine_cells = engine_cells
-        self._kv: dict[str, KVSequence] = {}
-
-    def get(self, sid: str) -> KVSequence:
-        kv = self._kv.get(sid)
-        if kv is None:
-            kv = self._kv[sid] = KVSequence(self.backend, key=sid)
-        return kv
-
-    def find(self, sid: str) -> KVSequence | None:
-        return self._kv.get(sid)
-
-    def drop(self, sid: str) -> None:
-        kv = self._kv.pop(sid, None)
-        if kv is not None:
-            kv.release()
-
-    @property
-    def used(self) -> int:
-        return sum(len(kv) for kv in list(self._kv.values()))
-
-    def extra_cells(self, sid: str, target: Sequence[int]) -> int:
-        """Cells `target` needs beyond what the session's cache already holds."""
-        kv = self._kv.get(sid)
-        if kv is None:
-            return len(target)
-        return max(0, len(target) - len(kv))
-
-    def fits(self, sid: str, target: Sequence[int]) -> bool:
-        return self.used + self.extra_cells(sid, target) <= self.engine_cells
-
-    def make_room(self, sid: str, target: Sequence[int], committed: Callable[[str], int],
-                  reserve: Callable[[str], bool] = lambda key: True,
-                  release: Callable[[str], None] = lambda key: None) -> None:
-        """For a foreground request: crop other sessions' speculative cells (pre-positioned
-        entries, past answers) back to their committed length. Live state is never
-        evicted; if that is not enough the request is refused."""
-        if self.fits(sid, target):
-            return
-        for other, kv in list(self._kv.items()):
-            if other != sid and reserve(other):  # never touch a cache another task is using
-                try:
-                    kv.crop(min(len(kv), committed(other)))
-                finally:
-                    release(other)
-            if self.fits(sid, target):
-                return
-        raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells is full "
-                         f"({self.used} in use by committed session state)")
+from prepos.backends.base import idle_work
+from prepos.errors import EngineClosed
+from prepos.kv import Advance, Forward, run_forwards
 
 
 class Task:
-    __slots__ = ("gen", "idle", "key", "on_error", "submitted", "started", "done", "idle_mark")
+    __slots__ = ("gen", "idle", "key", "on_error", "submitted", "started", "done", "idle_mark",
+                 "want", "reply")
 
     def __init__(self, gen: Generator, idle: bool, key: str | None,
                  on_error: Callable[[BaseException], None]):
@@ -87,17 +37,20 @@ class Task:
         self.started: float | None = None
         self.done = threading.Event()
         self.idle_mark = 0  # the workers' idle-step count when this task was submitted
+        self.want: Forward | None = None  # the forward it yielded, not yet run
+        self.reply: Advance | BaseException | None = None  # what to send it next
 
 
 class Scheduler:
-    """`workers` threads run task steps; one (the default) suits an in-process model, whose
-    forwards use every core; more suit remote back ends, whose steps wait on the network.
-    Two tasks of one session never run at once, so each session's KV has one user at a
-    time, and at most `idle_workers` idle steps run at once."""
+    """`workers` threads run quanta; one (the default) suits an in-process model, whose
+    forwards use every core and batch across sessions; more suit remote back ends, whose
+    steps wait on the network (`max_batch` 1). At most `idle_workers` idle chunks run at
+    once."""
 
-    def __init__(self, workers: int = 1, idle_workers: int | None = None) -> None:
-        if workers < 1:
-            raise ValueError("workers must be >= 1")
+    def __init__(self, workers: int = 1, idle_workers: int | None = None, max_batch: int = 1,
+                 max_batch_tokens: int = 512) -> None:
+        if workers < 1 or max_batch < 1 or max_batch_tokens < 1:
+            raise ValueError("workers, max_batch and max_batch_tokens must be >= 1")
         self._fg: deque[Task] = deque()
         self._idle: deque[Task] = deque()
         self._cv = threading.Condition()
@@ -105,8 +58,12 @@ class Scheduler:
         self._busy: set[str] = set()  # keys of running tasks
         self._idle_running = 0
         self._idle_cap = idle_workers or workers
+        self._max_batch = max_batch
+        self._max_batch_tokens = max_batch_tokens
         self._stopped = False
         self.idle_steps = 0
+        self.batches = 0  # batched foreground forwards run
+        self.batched_forwards = 0  # foreground forwards they held (/ batches: mean batch size)
         # (seconds, idle chunks run meanwhile) each foreground task waited before it started
         self.fg_waits: deque[tuple[float, int]] = deque(maxlen=4096)
         self._threads = [threading.Thread(target=self._loop, name=f"prepos-worker-{i}",
@@ -162,55 +119,112 @@ class Scheduler:
         """Foreground work is queued (read without the lock: a deque's length is atomic)."""
         return bool(self._fg)
 
-    def _take(self) -> Task | None:
-        """The first runnable task: foreground before idle, FIFO within each."""
-        for i, task in enumerate(self._fg):
+    def _take(self) -> list[Task]:
+        """The next quantum's tasks: every runnable foreground task (distinct keys, FIFO, up
+        to max_batch), else one idle task."""
+        batch: list[Task] = []
+        keys: set[str] = set()
+        for task in list(self._fg):
+            if task.key is not None and (task.key in self._busy or task.key in keys):
+                continue
+            self._fg.remove(task)
+            batch.append(task)
+            if task.key is not None:
+                keys.add(task.key)
+            if len(batch) >= self._max_batch:
+                break
+        if batch or self._idle_running >= self._idle_cap:
+            return batch
+        for i, task in enumerate(self._idle):
             if task.key is None or task.key not in self._busy:
-                del self._fg[i]
-                return task
-        if self._idle_running < self._idle_cap:
-            for i, task in enumerate(self._idle):
-                if task.key is None or task.key not in self._busy:
-                    del self._idle[i]
-                    return task
-        return None
+                del self._idle[i]
+                return [task]
+        return []
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                task = None
-                while not self._stopped and (task := self._take()) is None:
+                batch: list[Task] = []
+                while not self._stopped and not (batch := self._take()):
                     self._cv.wait()
                 if self._stopped:
-                    if task is not None:
+                    for task in batch:
                         (self._idle if task.idle else self._fg).appendleft(task)
                     return
-                if task.key is not None:
-                    self._busy.add(task.key)
-                if task.idle:
+                idle = batch[0].idle
+                for task in batch:
+                    if task.key is not None:
+                        self._busy.add(task.key)
+                if idle:
                     self._idle_running += 1
-            if task.started is None:
-                task.started = time.perf_counter()
-                if not task.idle:
-                    self.fg_waits.append((task.started - task.submitted,
-                                          self.idle_steps - task.idle_mark))
-            more = True
-            try:
-                with idle_work(task.idle, self._fg_waiting):
-                    next(task.gen)
-            except StopIteration:
-                more = False
-            except BaseException as exc:  # a task's failure is its own; the worker lives on
-                more = False
-                task.on_error(exc)
+            now = time.perf_counter()
+            for task in batch:
+                if task.started is None:
+                    task.started = now
+                    if not idle:
+                        self.fg_waits.append((now - task.submitted,
+                                              self.idle_steps - task.idle_mark))
+            finished = self._quantum(batch, idle)
             with self._cv:
-                if task.idle:
+                if idle:
                     self.idle_steps += 1
                     self._idle_running -= 1
-                self._busy.discard(task.key)
-                if more:
-                    (self._idle if task.idle else self._fg).append(task)
-                else:
-                    self._pending -= 1
-                    task.done.set()
+                for task in batch:
+                    self._busy.discard(task.key)
+                    if task in finished:
+                        self._pending -= 1
+                        task.done.set()
+                    else:
+                        (self._idle if task.idle else self._fg).append(task)
                 self._cv.notify_all()
+
+    def _quantum(self, batch: list[Task], idle: bool) -> set[Task]:
+        """Step each task to its next forward, then run those forwards as one batch (within
+        the token cap; a forward left out runs first in the task's next quantum). Returns
+        the tasks that finished."""
+        finished: set[Task] = set()
+        with idle_work(idle, self._fg_waiting):
+            for task in batch:
+                if task.want is None and not self._step(task):
+                    finished.add(task)
+            chosen, tokens = [], 0
+            for task in batch:
+                if task.want is None:
+                    continue
+                cost = task.want.cost
+                if chosen and tokens + cost > self._max_batch_tokens:
+                    continue
+                chosen.append(task)
+                tokens += cost
+            if not chosen:
+                return finished
+            preemptible = all(t.want.preemptible for t in chosen)
+            with idle_work(idle, self._fg_waiting if preemptible else None):
+                try:
+                    advances = run_forwards(chosen[0].want.kv.backend,
+                                            [t.want for t in chosen])
+                except BaseException as exc:  # each task of the batch gets the error
+                    advances = [exc] * len(chosen)
+        if not idle:
+            self.batches += 1
+            self.batched_forwards += len(chosen)
+        for task, adv in zip(chosen, advances):
+            task.want, task.reply = None, adv
+        return finished
+
+    @staticmethod
+    def _step(task: Task) -> bool:
+        """Run the task to its next yield; False when it has finished (or failed)."""
+        reply, task.reply = task.reply, None
+        try:
+            if isinstance(reply, BaseException):
+                out = task.gen.throw(reply)
+            else:
+                out = task.gen.send(reply)
+        except StopIteration:
+            return False
+        except BaseException as exc:  # a task's failure is its own; the worker lives on
+            task.on_error(exc)
+            return False
+        task.want = out if isinstance(out, Forward) else None
+        return True

@@ -1,11 +1,12 @@
-"""The back-end protocol, and the one place that knows which tokens a KV cache holds.
+"""The back-end protocol.
 
-A back end extends a KV cache by some tokens and returns the next-token distribution at the
-last one, and crops a cache back to a prefix. That is all the engine needs: every path
-(cold, fall-through, pre-position, decode) is "bring this KV to hold this token sequence",
-done by `KVSequence.advance`, which crops to the longest common prefix (the restore) and
-extends by the rest (the delta). An in-process back end keeps real tensors; a remote engine
-keeps its prefix cache and the handle only mirrors the tokens it was sent.
+A back end extends KV caches by some tokens and returns the next-token distribution at the
+last one of each, and crops a cache back to a prefix. That is all the engine needs: every
+path (cold, fall-through, pre-position, decode) is "bring this KV to hold this token
+sequence" (`prepos.kv`). An in-process back end keeps real caches and runs the steps of
+several sessions as one batched forward (`extend_batch`); a remote engine keeps its prefix
+cache, the handle only mirrors the tokens it was sent, and it streams a whole answer in one
+request (`stream_answer`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -45,6 +45,9 @@ class Dist:
         return self.top_logprobs[0] - self.top_logprobs[1]
 
 
+Logits = torch.Tensor | Dist  # a full vocabulary vector, or a top-k back end's Dist
+Step = tuple[Any, Sequence[int], Sequence[int]]  # (KV handle, tokens it holds, tokens to run)
+
 _work = threading.local()
 
 
@@ -68,18 +71,6 @@ def idle_work(idle: bool = True, should_yield: Callable[[], bool] | None = None)
         _work.idle, _work.should_yield = old
 
 
-@contextlib.contextmanager
-def unpreemptible():
-    """Run this block's idle forwards to the end even if a request is waiting: the
-    pre-position's guarantee of progress after it has given way (prepositioner.MAX_YIELDS)."""
-    old = getattr(_work, "should_yield", None)
-    _work.should_yield = None
-    try:
-        yield
-    finally:
-        _work.should_yield = old
-
-
 def in_idle_work() -> bool:
     return getattr(_work, "idle", False)
 
@@ -93,21 +84,43 @@ def check_preempt(*_) -> None:
 
 
 class Backend(abc.ABC):
-    """Executes forwards. Every method is called from the one model worker thread only."""
+    """Executes forwards. Every method is called from model worker threads only, never on
+    one KV from two threads at once."""
 
     name: str = "backend"
     vocab_size: int
     full_distribution: bool = True  # False where only top-k logprobs come back
     max_context: int
+    # sequences (and tokens) one `extend_batch` runs as one forward; 1: no batching, so the
+    # scheduler's workers run steps side by side instead (remote engines)
+    max_batch: int = 1
+    max_batch_tokens: int = 512
+    # True where an answer's tokens after the first come from one streamed request
+    streams_answers: bool = False
 
     @abc.abstractmethod
     def new_kv(self, key: str | None = None) -> Any:
         """A fresh, empty KV handle; `key` (the session id) pins it where that matters."""
 
     @abc.abstractmethod
-    def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor | Dist:
+    def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int]) -> Logits:
         """Run `tokens` after the `past` the handle holds; return the last position's logits
         (a 1-D tensor) or, for top-k back ends, a Dist."""
+
+    def extend_batch(self, steps: Sequence[Step]) -> list[Logits]:
+        """Several KVs' extensions (distinct KVs) as one forward where the back end can batch;
+        the logits at the last token of each. Default: one `extend` after another."""
+        return [self.extend(kv, past, tokens) for kv, past, tokens in steps]
+
+    def stream_answer(self, kv: Any, prompt: Sequence[int], sampling: Any, max_tokens: int,
+                      stop_ids: frozenset[int]) -> Iterator[tuple[int, Dist | None]]:
+        """Back ends with `streams_answers`: one request that continues `prompt` (the whole
+        sequence; the engine's prefix cache pays only what it does not hold) by up to
+        `max_tokens` tokens, sampled by the engine itself with `sampling` (temperature,
+        top_k, top_p, seed), stopping after a token in `stop_ids`. Yields each token with
+        its distribution (top-k where that is all the engine returns). Closing the
+        generator aborts the request at the engine."""
+        raise NotImplementedError(f"the {self.name} back end does not stream answers")
 
     @abc.abstractmethod
     def crop(self, kv: Any, length: int) -> None:
@@ -115,69 +128,3 @@ class Backend(abc.ABC):
 
     def release(self, kv: Any) -> None:
         """Free what the handle holds. Default: nothing to free."""
-
-
-@dataclass
-class Advance:
-    """What one `KVSequence.advance` did: the restore and the delta it paid."""
-
-    logits: torch.Tensor | Dist | None  # at the end of the target, once reached
-    kept: int  # tokens of the target found resident (the longest common prefix)
-    prefilled: int  # tokens run through the model by this call
-    restore_s: float
-    forward_s: float
-
-    @property
-    def done(self) -> bool:
-        return self.logits is not None
-
-
-class KVSequence:
-    """A KV cache and the exact token sequence it holds. Owned by the model worker."""
-
-    def __init__(self, backend: Backend, key: str | None = None):
-        self.backend = backend
-        self.handle = backend.new_kv(key)
-        self.tokens: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def common_prefix(self, target: Sequence[int]) -> int:
-        n = min(len(self.tokens), len(target))
-        toks = self.tokens
-        i = 0
-        # Compare in blocks first: sessions share long prefixes and Python loops are slow.
-        while i + 64 <= n and toks[i : i + 64] == list(target[i : i + 64]):
-            i += 64
-        while i < n and toks[i] == target[i]:
-            i += 1
-        return i
-
-    def crop(self, length: int) -> None:
-        if length < len(self.tokens):
-            self.backend.crop(self.handle, length)
-            del self.tokens[length:]
-
-    def advance(self, target: Sequence[int], max_tokens: int | None = None) -> Advance:
-        """Bring the cache toward holding exactly `target`: restore to the common prefix, then
-        extend by at most `max_tokens` tokens (all of them when None). Returns the logits at
-        the end of `target` once it is reached. A target already fully resident re-runs its
-        last token, since a cache holds keys and values, not the output distribution."""
-        if not target:
-            raise ValueError("cannot advance to an empty sequence")
-        t0 = time.perf_counter()
-        kept = self.common_prefix(target)
-        start = min(kept, len(target) - 1)
-        self.crop(start)
-        t1 = time.perf_counter()
-        stop = len(target) if max_tokens is None else min(len(target), start + max_tokens)
-        chunk = list(target[start:stop])
-        out = self.backend.extend(self.handle, self.tokens, chunk)
-        self.tokens.extend(chunk)
-        t2 = time.perf_counter()
-        return Advance(out if stop == len(target) else None, kept, len(chunk), t1 - t0, t2 - t1)
-
-    def release(self) -> None:
-        self.backend.release(self.handle)
-        self.tokens = []

@@ -1,0 +1,209 @@
+"""The KV caches: which tokens each one holds (`KVSequence`), every session's cache and the
+engine-wide cell budget (`KVPool`), and what a task asks of the model worker (`Forward`).
+
+Every path (cold, fall-through, pre-position, decode) is "bring this KV to hold this token
+sequence": crop to the longest common prefix (the restore) and extend by the rest (the delta).
+A task yields a `Forward`; the scheduler runs the forwards of several tasks as one batched
+back-end call (`run_forwards`) and sends each task its `Advance`.
+
+Owned by the model worker: only tasks touch a KV, and a session's tasks never run at once.
+`KVPool.used` is a running count, readable from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from prepos.backends.base import Backend, Dist, Logits
+from prepos.errors import OverBudget
+
+
+@dataclass
+class Advance:
+    """What one forward did: the restore and the delta it paid."""
+
+    logits: Logits | None  # at the end of the target, once reached
+    kept: int  # tokens of the target found resident (the longest common prefix)
+    prefilled: int  # tokens run through the model by this call
+    restore_s: float
+    forward_s: float
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+
+@dataclass
+class Forward:
+    """A task's request to the model worker: bring `kv` toward holding `target`, extending by
+    at most `max_tokens` tokens (all of them when None). The task receives the `Advance`, or
+    has the forward's exception (`Preempted` included) thrown in at its yield."""
+
+    kv: KVSequence
+    target: Sequence[int]
+    max_tokens: int | None = None
+    preemptible: bool = True  # idle work only: may stop between layers for a waiting request
+
+    @property
+    def cost(self) -> int:
+        """Tokens this forward will run (its share of a batch)."""
+        start = min(self.kv.common_prefix(self.target), len(self.target) - 1)
+        n = len(self.target) - start
+        return n if self.max_tokens is None else min(n, self.max_tokens)
+
+
+class KVSequence:
+    """A KV cache and the exact token sequence it holds."""
+
+    def __init__(self, backend: Backend, key: str | None = None,
+                 on_size: Callable[[int], None] | None = None):
+        self.backend = backend
+        self.handle = backend.new_kv(key)
+        self.tokens: list[int] = []
+        self._on_size = on_size or (lambda delta: None)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def common_prefix(self, target: Sequence[int]) -> int:
+        n = min(len(self.tokens), len(target))
+        toks = self.tokens
+        i = 0
+        # Compare in blocks first: sessions share long prefixes and Python loops are slow.
+        while i + 64 <= n and toks[i : i + 64] == list(target[i : i + 64]):
+            i += 64
+        while i < n and toks[i] == target[i]:
+            i += 1
+        return i
+
+    def crop(self, length: int) -> None:
+        if length < len(self.tokens):
+            self.backend.crop(self.handle, length)
+            self._on_size(length - len(self.tokens))
+            del self.tokens[length:]
+
+    def advance(self, target: Sequence[int], max_tokens: int | None = None) -> Advance:
+        """Run one forward alone (see `run_forwards`)."""
+        return run_forwards(self.backend, [Forward(self, target, max_tokens)])[0]
+
+    def _grow(self, chunk: Sequence[int]) -> None:
+        self.tokens.extend(chunk)
+        self._on_size(len(chunk))
+
+    def stream(self, target: Sequence[int], sampling, max_tokens: int,
+               stop_ids: frozenset[int]) -> Iterator[tuple[int, Dist | None]]:
+        """A back end that streams answers: generate up to `max_tokens` after `target` in one
+        request, token by token; the mirror follows what the engine's cache holds (the target
+        and every generated token but the last). Closing the iterator aborts the request."""
+        self.crop(self.common_prefix(target))
+        events = self.backend.stream_answer(self.handle, target, sampling, max_tokens, stop_ids)
+        self._grow(target[len(self.tokens):])
+        last = None
+        try:
+            for token, dist in events:
+                if last is not None:
+                    self._grow([last])
+                last = token
+                yield token, dist
+        finally:
+            events.close()
+
+    def release(self) -> None:
+        self.backend.release(self.handle)
+        self._on_size(-len(self.tokens))
+        self.tokens = []
+
+
+def run_forwards(backend: Backend, forwards: Sequence[Forward]) -> list[Advance]:
+    """Run several tasks' forwards (distinct KVs) as one batched back-end call: restore each
+    to its common prefix, then extend each by its delta. A target already fully resident
+    re-runs its last token, since a cache holds keys and values, not the output
+    distribution. On an exception (Preempted included) each KV's `tokens` still say what its
+    cache holds (the restored prefix)."""
+    t0 = time.perf_counter()
+    steps, plans = [], []
+    for f in forwards:
+        if not f.target:
+            raise ValueError("cannot advance to an empty sequence")
+        kept = f.kv.common_prefix(f.target)
+        start = min(kept, len(f.target) - 1)
+        f.kv.crop(start)
+        stop = len(f.target) if f.max_tokens is None else min(len(f.target),
+                                                               start + f.max_tokens)
+        chunk = list(f.target[start:stop])
+        steps.append((f.kv.handle, f.kv.tokens, chunk))
+        plans.append((kept, chunk, stop == len(f.target)))
+    t1 = time.perf_counter()
+    outs = backend.extend_batch(steps)
+    t2 = time.perf_counter()
+    result = []
+    for f, (kept, chunk, done), out in zip(forwards, plans, outs):
+        f.kv._grow(chunk)
+        result.append(Advance(out if done else None, kept, len(chunk), t1 - t0, t2 - t1))
+    return result
+
+
+class KVPool:
+    """Every session's KV cache, and the engine-wide cell budget."""
+
+    def __init__(self, backend: Backend, engine_cells: int):
+        self.backend = backend
+        self.engine_cells = engine_cells
+        self._kv: dict[str, KVSequence] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def _resize(self, delta: int) -> None:
+        with self._lock:
+            self._used += delta
+
+    def get(self, sid: str) -> KVSequence:
+        kv = self._kv.get(sid)
+        if kv is None:
+            kv = self._kv[sid] = KVSequence(self.backend, key=sid, on_size=self._resize)
+        return kv
+
+    def find(self, sid: str) -> KVSequence | None:
+        return self._kv.get(sid)
+
+    def drop(self, sid: str) -> None:
+        kv = self._kv.pop(sid, None)
+        if kv is not None:
+            kv.release()
+
+    @property
+    def used(self) -> int:
+        """Cells in use across all sessions (a running count: any thread may read it)."""
+        return self._used
+
+    def extra_cells(self, sid: str, target: Sequence[int]) -> int:
+        """Cells `target` needs beyond what the session's cache already holds."""
+        kv = self._kv.get(sid)
+        if kv is None:
+            return len(target)
+        return max(0, len(target) - len(kv))
+
+    def fits(self, sid: str, target: Sequence[int]) -> bool:
+        return self.used + self.extra_cells(sid, target) <= self.engine_cells
+
+    def make_room(self, sid: str, target: Sequence[int], committed: Callable[[str], int],
+                  reserve: Callable[[str], bool] = lambda key: True,
+                  release: Callable[[str], None] = lambda key: None) -> None:
+        """For a foreground request: crop other sessions' speculative cells (pre-positioned
+        entries, past answers) back to their committed length. Live state is never
+        evicted; if that is not enough the request is refused."""
+        if self.fits(sid, target):
+            return
+        for other, kv in list(self._kv.items()):
+            if other != sid and reserve(other):  # never touch a cache another task is using
+                try:
+                    kv.crop(min(len(kv), committed(other)))
+                finally:
+                    release(other)
+            if self.fits(sid, target):
+                return
+        raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells is full "
+                         f"({self.used} in use by committed session state)")
