@@ -577,6 +577,40 @@ class Engine:
             "queue_idle": idle,
         }
 
+    # == for the server (read-only views) ==================================================
+    # No owner checks: the caller has looked the session up with its key already.
+    def serves_exact(self, sid: str, key: tuple, fast_path: str | None = None) -> bool:
+        """Whether a request for entry `key` would be an exact match now: its fast path (the
+        request's, else the session's) is on and a valid ready record holds the entry."""
+        s = self.sessions.get(sid)
+        if (fast_path or s.spec.fast_path) == "off":
+            return False
+        with s.lock:
+            return s.ready.valid and key in s.ready.records
+
+    def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:
+        """A session's committed snapshot and its valid ready records, read together (no
+        records while its ready set is invalid)."""
+        s = self.sessions.get(sid)
+        with s.lock:
+            ready = s.ready
+            return s.snap, (dict(ready.records) if ready.valid else {})
+
+    def snapshot(self, sid: str, version: int | None = None) -> Snapshot:
+        """A committed version of a session: `version` while it is kept rendered, else the
+        current one."""
+        s = self.sessions.get(sid)
+        with s.lock:
+            snap = s.history.get(version) if version is not None else None
+            return snap if isinstance(snap, Snapshot) else s.snap
+
+    def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:
+        """The messages of every version a session keeps for rollback, oldest first."""
+        s = self.sessions.get(sid)
+        with s.lock:
+            kept = list(s.history.items())
+        return {v: h.messages if isinstance(h, Snapshot) else tuple(h) for v, h in kept}
+
     def close(self) -> None:
         self.scheduler.close()
         close = getattr(self.backend, "close", None)
