@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from prepos.backends import llama_cpp
 from prepos.config import EngineConfig, GateConfig
 from prepos.engine import Engine
 from prepos.lab.tiny import build_model
 
 FAMILIES = [("chatml", "llama"), ("llama3", "qwen2")]
+BACKENDS = ["torch", "llama.cpp"]
+NO_LLAMA_CPP = (f"LOUD SKIP: the llama.cpp back end is not installed ({llama_cpp.IMPORT_ERROR}); "
+                "run scripts/build_llama_cpp_python.sh")
+
+
+def pytest_report_header(config):
+    return None if llama_cpp.available() else NO_LLAMA_CPP
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +31,21 @@ def family(request):
     return request.param
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each in-process back end: the engine's tests run on both."""
+    if request.param == "llama.cpp" and not llama_cpp.available():
+        pytest.skip(NO_LLAMA_CPP)
+    return request.param
+
+
 @pytest.fixture
-def make_engine(model_dirs):
+def make_engine(model_dirs, backend):
     engines = []
 
     def make(family: str = "chatml", **overrides) -> Engine:
-        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), **overrides})
+        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), "backend": backend,
+                              "threads": 2, **overrides})
         eng = Engine.from_pretrained(model_dirs[family], cfg)
         engines.append(eng)
         return eng

@@ -48,7 +48,10 @@ class EngineConfig:
     preposition: bool = True  # pre-position on idle after each committed update
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
-    threads: int | None = None  # torch intra-op threads (None: leave torch's default)
+    backend: str = "auto"  # auto | torch | llama.cpp (see prepos.loading)
+    threads: int | None = None  # compute threads (None: the back end's default)
+    kv_cells: int = 16384  # llama.cpp: cells of the one KV cache all sessions share
+    max_sequences: int = 256  # llama.cpp: sessions holding a KV at once (at most 256)
     workers: int = 1  # model-worker threads: 1 in process; more for remote back ends
     idle_workers: int | None = None  # at most this many idle steps at once (default: workers)
     # back ends that return top-k logprobs only (remote engines): allow temperature sampling

@@ -6,7 +6,6 @@ import json
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path as FsPath
 from typing import Callable, Sequence
 
@@ -51,7 +50,8 @@ class Engine:
         self.max_context = min(config.max_context or backend.max_context, backend.max_context)
         self.gate = Gate(config.gate, fmt)
         self.sessions = SessionStore()
-        self.pool = KVPool(backend, config.budget.engine_cells)
+        self.pool = KVPool(backend, min(config.budget.engine_cells,
+                                        backend.kv_cells or config.budget.engine_cells))
         self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,
                                    backend.max_batch_tokens)
         self.prepos = Prepositioner(fmt, self.pool, config.chunk_tokens,
@@ -67,27 +67,11 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | FsPath, config: EngineConfig | None = None) -> Engine:
-        """Load a local Hugging Face causal-LM directory (config, safetensors, tokenizer with
-        a chat template). A `gate.json` beside it is the calibrated gate, used unless the
-        config brings its own fast-answer set. Nothing is fetched from a hub."""
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        """Load a local model: an HF causal-LM directory or a GGUF file, on the back end
+        `config.backend` names (see `prepos.loading`). Nothing is fetched from a hub."""
+        from prepos.loading import load_engine
 
-        from prepos.backends.torch_hf import TorchBackend
-
-        hf_logging.disable_progress_bar()
-
-        path = FsPath(path)
-        if not (path / "config.json").is_file():
-            raise InvalidInput(f"{path} is not a model directory (no config.json)")
-        config = config or EngineConfig()
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        if not config.gate.answers and (path / "gate.json").is_file():
-            config = replace(config, gate=GateConfig.load(path / "gate.json"))
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        backend = TorchBackend.from_pretrained(path, config.device, config.dtype)
-        return cls(backend, ChatFormat(tokenizer), config, model_name=path.name)
+        return load_engine(path, config)
 
     # == sessions ==========================================================================
     def create_session(self, kind: str, system: str | None = None, tools: Sequence[dict] = (),

@@ -1,0 +1,220 @@
+"""In-process back end: llama.cpp through llama-cpp-python's low-level C API.
+
+One model and one context for the whole engine. The context's KV cache is unified: every
+session is a sequence (`seq_id`) of it, so the steps of many sessions run as one
+`llama_decode` (`extend_batch`), each token tagged with its session's sequence and position.
+`crop` removes a sequence's positions from `length` on, `release` the whole sequence. The
+context size (`n_ctx`) is the engine's cell budget, so the budget's "skip, never evict" is
+what keeps llama.cpp from running out of cells.
+
+Idle forwards give way to a waiting request: while one runs, llama.cpp's abort callback
+(polled between graph nodes) returns true once a request is queued; llama_decode then stops,
+the cells it wrote are removed and `Preempted` is raised, as on the torch back end.
+
+Exactness. llama.cpp's logits depend on how the tokens were grouped into a batch (the matrix
+shapes change, so float sums round differently): the same sequence decoded alone or beside
+other sessions' steps agrees to within `logit_tolerance`, not bitwise. Cropping a sequence and
+running it again reproduces its logits exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from prepos.backends.base import Backend, Preempted, Step, _work
+from prepos.errors import OverBudget, PreposError
+
+try:  # the binding is optional: without it the torch back end still serves
+    import llama_cpp as _ll
+except ImportError as exc:  # pragma: no cover - depends on the install
+    _ll = None
+    IMPORT_ERROR: str | None = f"llama-cpp-python is not installed ({exc})"
+else:
+    IMPORT_ERROR = None
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sessions with a KV at once
+
+
+class LlamaCppError(PreposError):
+    status = 500
+    code = "backend_error"
+
+
+def available() -> bool:
+    return _ll is not None
+
+
+class SeqKV:
+    """A session's handle: its sequence id in the unified cache."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int):
+        self.seq = seq
+
+
+class LlamaCppBackend(Backend):
+    name = "llama.cpp"
+    full_distribution = True
+
+    def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
+                 n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05):
+        if _ll is None:
+            raise LlamaCppError(IMPORT_ERROR)
+        if not Path(gguf).is_file():
+            raise FileNotFoundError(f"no GGUF file at {gguf}")
+        _quiet_logs()
+        _ll.llama_backend_init()
+        mparams = _ll.llama_model_default_params()
+        self.model = _ll.llama_model_load_from_file(str(gguf).encode(), mparams)
+        if not self.model:
+            raise LlamaCppError(f"llama.cpp could not load {gguf}")
+        threads = threads or os.cpu_count() or 1
+        if n_ctx < 256:
+            raise ValueError(f"n_ctx must be >= 256, got {n_ctx}")
+        n_batch = min(n_batch, n_ctx)
+        self.n_seq = max(1, min(max_sequences, MAX_SEQUENCES))
+        cparams = _ll.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = self.n_seq
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = True  # one pool of cells shared by every sequence
+        cparams.no_perf = True
+        self.ctx = _ll.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            _ll.llama_model_free(self.model)
+            raise LlamaCppError(f"llama.cpp could not create a context of {n_ctx} cells")
+        self.mem = _ll.llama_get_memory(self.ctx)
+        vocab = _ll.llama_model_get_vocab(self.model)
+        self.vocab_size = int(_ll.llama_vocab_n_tokens(vocab))
+        self.n_ctx = int(_ll.llama_n_ctx(self.ctx))
+        self.kv_cells = self.n_ctx
+        self.max_context = min(self.n_ctx, int(_ll.llama_model_n_ctx_train(self.model)))
+        self.threads = threads
+        self.n_batch = n_batch
+        self.max_batch = self.n_seq
+        self.max_batch_tokens = n_batch
+        self.logit_tolerance = logit_tolerance
+        self._batch = _ll.llama_batch_init(n_batch, 0, 1)
+        self._free = list(range(self.n_seq - 1, -1, -1))
+        self._free_lock = threading.Lock()
+        self._should_yield = None
+        self._abort = _ll.ggml_abort_callback(self._abort_requested)
+        self._closed = False
+
+    # -- the protocol ----------------------------------------------------------------------
+    def new_kv(self, key: str | None = None) -> SeqKV:
+        with self._free_lock:
+            if not self._free:
+                raise OverBudget(f"the llama.cpp back end holds the KV of at most {self.n_seq} "
+                                 "sessions at once (--max-sessions-kv)")
+            return SeqKV(self._free.pop())
+
+    def release(self, kv: SeqKV) -> None:
+        if self._closed:
+            return
+        _ll.llama_memory_seq_rm(self.mem, kv.seq, -1, -1)
+        with self._free_lock:
+            self._free.append(kv.seq)
+
+    def crop(self, kv: SeqKV, length: int) -> None:
+        if not _ll.llama_memory_seq_rm(self.mem, kv.seq, length, -1):
+            raise LlamaCppError(f"llama.cpp could not crop sequence {kv.seq} to {length}")
+
+    def extend(self, kv: SeqKV, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        return self.extend_batch([(kv, past, tokens)])[0]
+
+    def extend_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+        """Every step's tokens in one llama_decode (several, if they exceed n_batch), with
+        the logits of each step's last token."""
+        rows = [(kv.seq, len(past) + i, tok, i == len(tokens) - 1, j)
+                for j, (kv, past, tokens) in enumerate(steps) for i, tok in enumerate(tokens)]
+        out: list[torch.Tensor | None] = [None] * len(steps)
+        should_yield = getattr(_work, "should_yield", None)
+        if should_yield is not None:
+            self._should_yield = should_yield
+            _ll.llama_set_abort_callback(self.ctx, self._abort, None)
+        try:
+            for lo in range(0, len(rows), self.n_batch):
+                chunk = rows[lo:lo + self.n_batch]
+                self._decode(chunk, steps)
+                for i, (_, _, _, last, j) in enumerate(chunk):
+                    if last:
+                        out[j] = self._logits(i)
+        finally:
+            if should_yield is not None:
+                _ll.llama_set_abort_callback(self.ctx, ctypes.cast(None, _ll.ggml_abort_callback),
+                                             None)
+                self._should_yield = None
+        return out  # type: ignore[return-value]
+
+    # -- internals -------------------------------------------------------------------------
+    def _decode(self, rows: list[tuple], steps: Sequence[Step]) -> None:
+        b = self._batch
+        for i, (seq, pos, tok, last, _) in enumerate(rows):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = last
+        b.n_tokens = len(rows)
+        rc = _ll.llama_decode(self.ctx, b)
+        if rc == 0:
+            return
+        for kv, past, _ in steps:  # take back whatever part of the batch was written
+            _ll.llama_memory_seq_rm(self.mem, kv.seq, len(past), -1)
+        if rc == 2:
+            raise Preempted
+        if rc == 1:
+            raise OverBudget("llama.cpp found no free KV cells for this batch")
+        raise LlamaCppError(f"llama_decode failed with status {rc}")
+
+    def _logits(self, i: int) -> torch.Tensor:
+        ptr = _ll.llama_get_logits_ith(self.ctx, i)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+
+    def _abort_requested(self, _data) -> bool:
+        fn = self._should_yield
+        return bool(fn is not None and fn())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _ll.llama_batch_free(self._batch)
+        _ll.llama_free(self.ctx)
+        _ll.llama_model_free(self.model)
+
+
+_LOG_CB = None
+
+
+def _quiet_logs() -> None:
+    """llama.cpp logs every load to stderr; keep warnings and errors only."""
+    global _LOG_CB
+    if _LOG_CB is not None:
+        return
+
+    def log(level: int, text: bytes, _data) -> None:
+        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+            os.write(2, text)
+
+    _LOG_CB = _ll.llama_log_callback(log)
+    _ll.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+def describe() -> dict[str, Any]:
+    """What the installed binding was built with (for benchmarks and `prepos info`)."""
+    if _ll is None:
+        return {"available": False, "reason": IMPORT_ERROR}
+    return {"available": True, "version": _ll.__version__,
+            "system_info": _ll.llama_print_system_info().decode(errors="replace").strip()}

@@ -1,0 +1,119 @@
+"""From a model on disk to an Engine: pick the back end, load the tokenizer and chat template,
+find a calibrated gate. Nothing is fetched from a hub.
+
+- an HF directory (config.json, safetensors, tokenizer with a chat template): the torch back
+  end, or llama.cpp through a float32 GGUF exported once (`gguf_export`) and cached;
+- a GGUF file: llama.cpp; the tokenizer and chat template come from the GGUF's metadata
+  (transformers builds the tokenizer from it: prepos tokenizes and feeds ids).
+
+`backend="auto"` takes llama.cpp for a GGUF, and for an HF directory too wherever the binding
+is installed (it decodes several times faster on a CPU); torch otherwise, and on a GPU device.
+A `gate.json` beside the model (in the directory, or beside the GGUF file) is its calibrated
+gate, used unless the config brings its own fast-answer set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from prepos.backends.base import Backend
+from prepos.config import EngineConfig, GateConfig
+from prepos.entries import ChatFormat
+from prepos.errors import InvalidInput
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+
+
+def resolve_backend(path: Path, config: EngineConfig) -> str:
+    from prepos.backends import llama_cpp
+
+    choice = config.backend
+    if choice not in BACKENDS:
+        raise InvalidInput(f"backend must be one of {BACKENDS}, got {choice!r}")
+    gguf = path.suffix == ".gguf"
+    if choice == "torch" and gguf:
+        raise InvalidInput(f"{path} is a GGUF file: serve it with the llama.cpp back end")
+    if choice == "llama.cpp" or (choice == "auto" and (gguf or (
+            llama_cpp.available() and not config.device.startswith("cuda")))):
+        if not llama_cpp.available():
+            raise InvalidInput(f"the llama.cpp back end needs llama-cpp-python: "
+                               f"{llama_cpp.IMPORT_ERROR} (make llama-cpp)")
+        return "llama.cpp"
+    return "torch"
+
+
+def load_engine(path: str | Path, config: EngineConfig | None = None):
+    from prepos.engine import Engine
+
+    path = Path(path)
+    config = config or EngineConfig()
+    gguf = path.suffix == ".gguf"
+    if gguf and not path.is_file():
+        raise InvalidInput(f"no GGUF file at {path}")
+    if not gguf and not (path / "config.json").is_file():
+        raise InvalidInput(f"{path} is neither a model directory (no config.json) nor a .gguf")
+    home = path.parent if gguf else path
+    if not config.gate.answers and (home / "gate.json").is_file():
+        config = replace(config, gate=GateConfig.load(home / "gate.json"))
+    kind = resolve_backend(path, config)
+    tokenizer = _tokenizer(path)
+    backend = _llama_cpp(path, config) if kind == "llama.cpp" else _torch(path, config)
+    name = path.stem if gguf else path.name
+    return Engine(backend, ChatFormat(tokenizer), config, model_name=name)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if path.suffix == ".gguf":
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                            local_files_only=True)
+        if not tok.chat_template:
+            raise InvalidInput(f"{path} carries no chat template (tokenizer.chat_template)")
+        return tok
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _torch(path: Path, config: EngineConfig) -> Backend:
+    import torch
+
+    from prepos.backends.torch_hf import TorchBackend
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    return TorchBackend.from_pretrained(path, config.device, config.dtype)
+
+
+def _llama_cpp(path: Path, config: EngineConfig) -> Backend:
+    from prepos.backends.llama_cpp import LlamaCppBackend
+
+    gguf = path if path.suffix == ".gguf" else exported_gguf(path)
+    return LlamaCppBackend(gguf, n_ctx=config.kv_cells, threads=config.threads,
+                           max_sequences=config.max_sequences)
+
+
+def exported_gguf(model_dir: Path) -> Path:
+    """The float32 GGUF of an HF directory, exported once into the cache
+    ($PREPOS_CACHE, default ~/.cache/prepos) under a name keyed by the weights' and
+    tokenizer's sizes and times."""
+    from prepos.backends.gguf_export import export
+
+    parts = []
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha1(f"{model_dir.resolve()}|{'|'.join(parts)}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PREPOS_CACHE", Path.home() / ".cache" / "prepos")) / "gguf"
+    out = cache / f"{model_dir.name}-{key}.gguf"
+    if not out.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        export(model_dir, tmp)
+        tmp.replace(out)  # atomic: a concurrent loader sees the whole file or none
+    return out
