@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prepos.conversation import ConversationError, extends, normalize, same
 from prepos.errors import InvalidSampling
 from prepos.server.errors import ApiError
 from prepos.server.journal import Journal, apply, diff
 from prepos.server.limits import Limits
-from prepos.server.openai import _extends, _safe_prefix, _same, normalize
+from prepos.server.openai_format import safe_prefix
 from prepos.server.schemas import ChatMessage
 from prepos.session import Snapshot
 
@@ -50,7 +51,7 @@ def test_journal_restores_every_kept_version(make_engine, tmp_path):
     eng = make_engine("chatml", max_versions=8)
     path = tmp_path / "j.sqlite3"
     journal = Journal(path, max_versions=8, checkpoint_every=4)
-    eng.listeners.append(journal.on_event)
+    journal.attach(eng)
     s = eng.create_session("streaming", system="sys", standing=["Q?"])
     for i in range(20):
         eng.append(s, f"AAPL {100 + i}", wait=False)
@@ -97,20 +98,20 @@ def test_conversation_matching():
                           {"id": "c1", "type": "function",
                            "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
                       ChatMessage(role="tool", content="42", tool_call_id="c1")])
-    assert _extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
-    assert not _same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
-    assert _extends(held, sent[:2]) == -1
-    with pytest.raises(ApiError) as err:
+    assert extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
+    assert not same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
+    assert extends(held, sent[:2]) == -1
+    with pytest.raises(ConversationError) as err:
         normalize([ChatMessage(role="user", content="u"), ChatMessage(role="system",
                                                                       content="s")])
     assert err.value.param == "messages[1].role"
 
 
 def test_tool_call_markup_is_held_back():
-    assert _safe_prefix("Let me check.") == len("Let me check.")
-    assert _safe_prefix("Let me check. <tool_call>{") == len("Let me check. ")
-    assert _safe_prefix("Let me check. <tool") == len("Let me check. ")
-    assert _safe_prefix(' {"name": "f"') == 0
+    assert safe_prefix("Let me check.") == len("Let me check.")
+    assert safe_prefix("Let me check. <tool_call>{") == len("Let me check. ")
+    assert safe_prefix("Let me check. <tool") == len("Let me check. ")
+    assert safe_prefix(' {"name": "f"') == 0
 
 
 def test_limits():

@@ -162,4 +162,28 @@ def _as_call(raw: str) -> dict | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, dict):
         return None
-    return {"type": "function", "function": {"name": obj["name"], "arguments": args}}
+    return _call(obj["name"], args)
+
+
+# -- tool calls a client sends ------------------------------------------------------------
+def normalize_tool_call(call: object) -> dict:
+    """A client's tool call (`{"function": {"name": ..., "arguments": ...}}`, the arguments
+    a JSON object or its text, empty text for none) in the one form a session holds and the
+    chat template renders. Refuses (InvalidInput) a call without a name or whose arguments
+    are not a JSON object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise InvalidInput("a tool call needs function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            raise InvalidInput(f"tool call arguments are not JSON: {exc}") from None
+    if not isinstance(args, dict):
+        raise InvalidInput("tool call arguments must be a JSON object")
+    return _call(fn["name"], args)
+
+
+def _call(name: str, arguments: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}

@@ -51,7 +51,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        eng = state.engine
+        eng = state.loaded
         if eng is None or state.status != "ready":
             body = {"status": state.status, "model": state.model_name}
             if state.error:

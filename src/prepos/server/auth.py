@@ -36,10 +36,6 @@ class Keys:
     def __init__(self, keys: Iterable[str] = ()):
         self._owners = {hashlib.sha256(k.encode()).digest(): owner_id(k) for k in keys}
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._owners)
-
     def owner(self, request: Request) -> str | None:
         """The owner id of the request's key; None when keys are off. 401 otherwise."""
         if not self._owners:

@@ -53,7 +53,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, PreposError):
-        return ApiError(exc.status, exc.code, str(exc))
+        return ApiError(exc.status, exc.code, str(exc), getattr(exc, "param", None))
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     log.exception("internal error", exc_info=exc)

@@ -16,7 +16,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,7 +33,12 @@ CREATE TABLE IF NOT EXISTS versions (
     PRIMARY KEY (sid, version)) WITHOUT ROWID;
 """
 
-EPHEMERAL = "eph-"  # sessions the server makes for one stateless request: never journalled
+EPHEMERAL = "eph-"  # the id prefix of sessions the server makes for one stateless request
+
+
+def is_ephemeral(sid: str) -> bool:
+    """A session made for one stateless request: never journalled, listed or pushed to."""
+    return sid.startswith(EPHEMERAL)
 
 
 def diff(base: Sequence[dict], new: Sequence[dict]) -> list:
@@ -92,7 +97,14 @@ class Journal:
         self._lock = threading.Lock()
         self._last: dict[str, tuple[int, tuple[dict, ...]]] = {}  # sid -> last row written
         self._since_full: dict[str, int] = {}
+        self._versions: Callable[[str], dict[int, tuple[dict, ...]]] | None = None
         self.errors = 0
+
+    def attach(self, engine) -> None:
+        """Journal every session of `engine`: its commit listener, and its view of the
+        versions a session keeps (for commits whose events arrive out of order)."""
+        self._versions = engine.versions
+        engine.listeners.append(self.on_event)
 
     # -- meta ------------------------------------------------------------------------------
     def check_model(self, model: str) -> str | None:
@@ -149,7 +161,7 @@ class Journal:
 
     # -- the engine listener -----------------------------------------------------------------
     def on_event(self, event: str, s: Session, payload: object) -> None:
-        if s.id.startswith(EPHEMERAL):
+        if is_ephemeral(s.id):
             return
         try:
             with self._lock, self._db:
@@ -178,20 +190,20 @@ class Journal:
         last = self._last.get(s.id)
         if last is None or snap.version <= last[0]:
             return  # unknown (not journalled) or already written (listeners out of order)
-        with s.lock:  # versions committed in between whose events have not come yet
-            between = [h for v, h in s.history.items()
-                       if last[0] < v < snap.version and isinstance(h, Snapshot)]
-        for h in [*between, snap]:
+        # versions committed in between whose events have not come yet
+        kept = self._versions(s.id) if self._versions is not None else {}
+        between = [(v, m) for v, m in kept.items() if last[0] < v < snap.version]
+        for version, messages in [*between, (snap.version, snap.messages)]:
             base = self._last[s.id][1]
             n = self._since_full.get(s.id, 0) + 1
             if n >= self.checkpoint_every:
-                self._write(s.id, h.version, h.messages, full=True)
-                self._prune(s.id, h.version)
+                self._write(s.id, version, messages, full=True)
+                self._prune(s.id, version)
             else:
                 self._since_full[s.id] = n
                 self._db.execute("INSERT OR REPLACE INTO versions VALUES (?, ?, 0, ?)",
-                                 (s.id, h.version, json.dumps(diff(base, h.messages))))
-                self._last[s.id] = (h.version, h.messages)
+                                 (s.id, version, json.dumps(diff(base, messages))))
+                self._last[s.id] = (version, messages)
                 self._count()
 
     def _write(self, sid: str, version: int, messages: Sequence[dict], full: bool) -> None:

@@ -20,6 +20,10 @@ TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
 PATHS = [p.value for p in Path]
+# the engine's path counters by the label they are exported with: the path names of
+# responses (`Path` values), the match or gate outcome after the fast path's
+ENGINE_PATHS = {"fast_exact": "fast_exact", "fast_relaxed": "fast_relaxed",
+                "gate_miss": "gate_miss", Path.FALL.value: "fall", Path.COLD.value: "cold"}
 
 
 class Metrics:
@@ -130,10 +134,10 @@ class _EngineCollector:
                                 math.nan if hit is None else hit)
         paths = m["paths"]
         fam = CounterMetricFamily("prepos:requests_by_path", "Requests by engine path: "
-                                  "fast_exact, fast_relaxed (gate fired), gate_miss, fall, "
-                                  "cold", labels=["path"])
-        for p in ("fast_exact", "fast_relaxed", "gate_miss", "fall", "cold"):
-            fam.add_metric([p], paths.get(p, 0))
+                                  "fast_exact, fast_relaxed (gate fired), gate_miss, "
+                                  "fall-through, cold", labels=["path"])
+        for label, counter in ENGINE_PATHS.items():
+            fam.add_metric([label], paths.get(counter, 0))
         yield fam
         yield CounterMetricFamily("prepos:gate_fires", "Relaxed-match gate fires (Eq. 12)",
                                   paths.get("fast_relaxed", 0))

@@ -3,8 +3,18 @@ and its timing go in both, for the session API and the OpenAI-compatible endpoin
 
 from __future__ import annotations
 
-from prepos.core import Path, Result
+import json
+
+from starlette.responses import Response
+
+from prepos.core import Result
 from prepos.server.metrics import cached_prompt_tokens
+
+JSON = "application/json"
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(data), status, headers=headers, media_type=JSON)
 
 
 def timing(res: Result) -> dict:
@@ -67,7 +77,3 @@ def session_result(res: Result, session_id: str, logprobs: bool = False,
         # with a conflict), so it is the next version
         out["committed_version"] = res.version + 1
     return out
-
-
-def is_fast(res: Result) -> bool:
-    return res.path is Path.FAST

@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.entries import parse_tool_calls
-from prepos.errors import SessionNotFound
-from prepos.server import results
-from prepos.server.errors import ApiError, as_api_error, error_body
-from prepos.server.journal import EPHEMERAL
+from prepos.server import results, streaming
+from prepos.server.errors import ApiError
+from prepos.server.journal import is_ephemeral
+from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.schemas import (
     AddMessage,
@@ -34,28 +34,17 @@ from prepos.server.schemas import (
     Turn,
 )
 from prepos.server.sse import HEADERS as SSE_HEADERS
-from prepos.server.sse import EventStream, event
+from prepos.server.sse import event
 from prepos.server.state import ServerState
-from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, Snapshot, query_key
+from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 
 routes = Routes()
-JSON = "application/json"
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.prepos
-
-
-def _json(data, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(json.dumps(data), status, headers=headers, media_type=JSON)
 
 
 def _session(state: ServerState, request: Request, sid: str):
-    eng = state.ready
+    eng = state.engine
     owner = state.owner(request)
-    if sid.startswith(EPHEMERAL):
-        raise SessionNotFound(f"no session {sid!r}")
-    return eng, owner, eng.session(sid, owner)
+    return eng, owner, state.session(eng, sid, owner)
 
 
 def _sampling(state: ServerState, body: SamplingFields):
@@ -63,30 +52,17 @@ def _sampling(state: ServerState, body: SamplingFields):
                                  body.seed, body.stop, top_logprobs=body.top_logprobs)
 
 
-def _fast_ready(s, key: tuple, mode: str | None, sampling) -> bool:
-    """Whether the request will be answered from a ready record with no model work (a
-    one-token exact match): such requests are never refused for backpressure."""
-    if sampling.max_tokens != 1 or (mode or s.spec.fast_path) == "off":
-        return False
-    with s.lock:
-        ready = s.ready
-        return ready.valid and key in ready.records
-
-
-def _committed(s, version: int) -> dict:
-    with s.lock:
-        snap = s.history.get(version)
-        if not isinstance(snap, Snapshot):
-            snap = s.snap
-    return {"session_id": s.id, "version": version, "tokens": len(snap.tokens),
+def _committed(eng, sid: str, version: int) -> dict:
+    snap = eng.snapshot(sid, version)
+    return {"session_id": sid, "version": version, "tokens": len(snap.tokens),
             "messages": len(snap.messages)}
 
 
 # -- lifecycle ----------------------------------------------------------------------------
 @routes.add("POST", "/sessions", 50)
 async def create_session(request: Request):
-    state = _state(request)
-    eng = state.ready
+    state = ServerState.of(request)
+    eng = state.engine
     owner = state.owner(request)
     body = await state.body(request, CreateSession)
     lim = state.limits
@@ -114,14 +90,13 @@ async def create_session(request: Request):
         if state.journal is not None:
             state.journal.extras.pop(sid, None)
         raise
-    return _json(_info(state, eng, sid, owner), 201, {"Location": f"/sessions/{sid}"})
+    return json_response(_info(state, eng, sid, owner), 201, {"Location": f"/sessions/{sid}"})
 
 
 def _info(state: ServerState, eng, sid: str, owner) -> dict:
     info = eng.info(sid, owner)
     s = eng.session(sid, owner)
-    with s.lock:
-        kept = list(s.history)
+    kept = list(eng.versions(sid))
     info["versions_kept"] = [kept[0], kept[-1]] if kept else []
     info["push_max_tokens"] = state.hub.push_tokens.get(sid, 1)
     info["preposition"] = s.spec.preposition and eng.config.preposition
@@ -132,22 +107,22 @@ def _info(state: ServerState, eng, sid: str, owner) -> dict:
 
 @routes.add("GET", "/sessions", 50)
 async def list_sessions(request: Request):
-    state = _state(request)
-    eng = state.ready
+    state = ServerState.of(request)
+    eng = state.engine
     owner = state.owner(request)
     out = []
     for s in eng.sessions.all():
-        if s.id.startswith(EPHEMERAL) or (owner is not None and s.spec.owner != owner):
+        if is_ephemeral(s.id) or (owner is not None and s.spec.owner != owner):
             continue
         snap = s.snap
         out.append({"id": s.id, "kind": s.kind, "version": snap.version,
                     "tokens": len(snap.tokens), "messages": len(snap.messages)})
-    return _json({"object": "list", "data": out})
+    return json_response({"object": "list", "data": out})
 
 
 @routes.add("GET", "/sessions/{sid}", 50)
 async def inspect_session(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     raw = request.query_params.get("wait_ready")
     wait = 0.0
@@ -174,28 +149,27 @@ async def inspect_session(sid: str, request: Request):
             await asyncio.sleep(0.002)
             info = _info(state, eng, sid, owner)
     if include:
-        with s.lock:
-            snap = s.snap
+        snap = eng.snapshot(sid)
         info["version"], info["tokens"] = snap.version, len(snap.tokens)  # one snapshot
         if "tokens" in include:
             info["token_ids"] = list(snap.tokens)
         if "messages" in include:
             info["message_list"] = list(snap.messages)
-    return _json(info)
+    return json_response(info)
 
 
 @routes.add("DELETE", "/sessions/{sid}", 50)
 async def close_session(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, _ = _session(state, request, sid)
     eng.close_session(sid, owner)
-    return _json({"session_id": sid, "closed": True})
+    return json_response({"session_id": sid, "closed": True})
 
 
 # -- mutations ----------------------------------------------------------------------------
 @routes.add("POST", "/sessions/{sid}/append", 14)
 async def append(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, Append)
     s.require(STREAMING)
@@ -203,35 +177,35 @@ async def append(sid: str, request: Request):
     if body.wait:
         state.backpressure(eng)
     version = await state.run(eng.append, sid, body.data, body.wait, owner)
-    return _json(_committed(s, version))
+    return json_response(_committed(eng, sid, version))
 
 
 @routes.add("POST", "/sessions/{sid}/rollback", 50)
 async def rollback(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, Rollback)
     if body.wait:
         state.backpressure(eng)
     version = await state.run(eng.rollback, sid, body.version, body.wait, owner)
-    return _json(_committed(s, version))
+    return json_response(_committed(eng, sid, version))
 
 
 @routes.add("POST", "/sessions/{sid}/shift", 50)
 async def shift(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, Shift)
     s.require(STREAMING)
     if body.wait:
         state.backpressure(eng)
     version = await state.run(eng.shift, sid, body.drop, body.wait, owner)
-    return _json(_committed(s, version))
+    return json_response(_committed(eng, sid, version))
 
 
 @routes.add("POST", "/sessions/{sid}/messages", 16)
 async def add_message(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, AddMessage)
     s.require(AGENTIC)
@@ -240,51 +214,38 @@ async def add_message(sid: str, request: Request):
         state.backpressure(eng)
     version = await state.run(lambda: eng.add_message(sid, body.role, body.content,
                                                       body.tool_calls, body.wait, owner))
-    return _json(_committed(s, version))
+    return json_response(_committed(eng, sid, version))
 
 
 # -- requests -----------------------------------------------------------------------------
 @routes.add("POST", "/sessions/{sid}/query", 0)
 async def query(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, Query)
     s.require(STREAMING)
     sampling = _sampling(state, body)
     state.limits.check_input(eng, body.question, "question")
-    key = query_key(body.question)
-    if not _fast_ready(s, key, body.fast_path, sampling):
-        state.backpressure(eng)
-    hold = state.hold_for(eng, s, key, body.fast_path, body.stream, sampling.max_tokens)
-    try:
-        stream = eng.query_stream(sid, body.question, sampling, body.fast_path, body.logprobs,
-                                  owner)
-    except BaseException:
-        if hold is not None:
-            hold.set()
-        raise
+    stream, hold = state.start_exact(
+        eng, sid, query_key(body.question), body.fast_path, sampling, body.stream,
+        lambda: eng.query_stream(sid, body.question, sampling, body.fast_path, body.logprobs,
+                                 owner))
     return await respond(state, request, stream, sid, body.stream, body.logprobs,
                          agentic=False, hold=hold)
 
 
 @routes.add("POST", "/sessions/{sid}/turn", 10)
 async def turn(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, Turn)
     s.require(AGENTIC)
     sampling = _sampling(state, body)
     hold = None
     if body.user is None:
-        if not _fast_ready(s, TURN, body.fast_path, sampling):
-            state.backpressure(eng)
-        hold = state.hold_for(eng, s, TURN, body.fast_path, body.stream, sampling.max_tokens)
-        try:
-            stream = eng.turn_stream(sid, None, sampling, body.fast_path, body.logprobs, owner)
-        except BaseException:
-            if hold is not None:
-                hold.set()
-            raise
+        stream, hold = state.start_exact(
+            eng, sid, TURN, body.fast_path, sampling, body.stream,
+            lambda: eng.turn_stream(sid, None, sampling, body.fast_path, body.logprobs, owner))
     else:
         state.limits.check_input(eng, body.user, "user")
         state.backpressure(eng)
@@ -296,7 +257,7 @@ async def turn(sid: str, request: Request):
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12)
 async def tool_result(sid: str, request: Request):
-    state = _state(request)
+    state = ServerState.of(request)
     eng, owner, s = _session(state, request, sid)
     body = await state.body(request, ToolResult)
     s.require(AGENTIC)
@@ -317,41 +278,26 @@ def _token(ev) -> dict:
     return out
 
 
-async def respond(state: ServerState, request: Request, stream, sid: str, streaming: bool,
+async def respond(state: ServerState, request: Request, stream, sid: str, streamed: bool,
                   logprobs: bool, agentic: bool, hold=None) -> Response:
     """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
     def final(res) -> dict:
         content = parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
 
-    if hold is not None and (not streaming or stream.done):
-        hold.set()
-    if not streaming:
-        res = await state.result(stream, request.receive)
-        return _json(final(res), headers=results.headers(res, sid))
-    if stream.done:  # the fast path: everything is here, write it in one response
-        res = stream.result()
-        chunks = [event(_token(ev), "token") for ev in stream]
-        chunks.append(event(final(res), "result"))
-        return Response(b"".join(chunks), headers={**results.headers(res, sid), **SSE_HEADERS},
-                        media_type="text/event-stream")
+    if not streamed:
+        res = await streaming.result(state, stream, request.receive, hold)
+        return json_response(final(res), headers=results.headers(res, sid))
+    if stream.done:
+        stream.result()  # a finished stream that failed answers with its error, not events
 
-    async def events():
-        try:
-            async for ev in stream.aiter():
-                yield event(_token(ev), "token")
-                if hold is not None:  # resumed: the first token has been written
-                    hold.set()
-            yield event(final(stream.result()), "result")
-        except Exception as exc:
-            err = as_api_error(exc)
-            yield event(error_body(err.status, err.code, err.message, err.param), "error")
-        finally:
-            if hold is not None:
-                hold.set()
+    async def chunks(source):
+        async for ev in source:
+            yield event(_token(ev), "token")
+        yield event(final(stream.result()), "result")
 
-    return EventStream(events(), headers={**results.pending_headers(sid), **SSE_HEADERS},
-                       on_disconnect=stream.cancel)
+    return await streaming.stream_response(stream, streaming.guarded(chunks, error_event="error"),
+                                           sid, hold)
 
 
 # -- events -------------------------------------------------------------------------------
@@ -360,7 +306,7 @@ async def events(sid: str, request: Request):
     """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
     recorded ready distribution), `answer` (each standing query, answered from its record
     before anyone asks) and `close`."""
-    state = _state(request)
+    state = ServerState.of(request)
     _, _, s = _session(state, request, sid)
     sub = state.hub.subscribe(s)
 

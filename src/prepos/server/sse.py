@@ -17,7 +17,8 @@ from typing import Any
 from starlette.responses import Response
 
 from prepos.core import SamplingParams
-from prepos.server.journal import EPHEMERAL
+from prepos.errors import SessionNotFound
+from prepos.server.journal import is_ephemeral
 
 log = logging.getLogger("prepos.server.sse")
 
@@ -128,7 +129,7 @@ class Hub:
 
     # -- engine side (model worker or request threads): hand off, nothing more ---------------
     def _listener(self, name: str, s, payload) -> None:
-        if s.id.startswith(EPHEMERAL) or (name != "close" and not self._subs.get(s.id)):
+        if is_ephemeral(s.id) or (name != "close" and not self._subs.get(s.id)):
             return
         loop = self.loop
         if loop is not None and not loop.is_closed():
@@ -155,8 +156,10 @@ class Hub:
 
     def _answer(self, s, key: tuple, rec) -> None:
         """Answer a standing query from its exact-match record, if it is still current."""
-        with s.lock:
-            current = s.ready.valid and s.ready.records.get(key) is rec
+        try:
+            current = self.engine.ready_now(s.id)[1].get(key) is rec
+        except SessionNotFound:  # closed meanwhile
+            return
         if not current or not self._subs.get(s.id):
             return
         question = key[1]
@@ -210,9 +213,7 @@ class Hub:
         self._subs.setdefault(s.id, set()).add(sub)
         if self.metrics is not None:
             self.metrics.subscribers.inc()
-        with s.lock:
-            snap, ready = s.snap, s.ready
-            records = dict(ready.records) if ready.valid else {}
+        snap, records = self.engine.ready_now(s.id)
         sub.put(event({"session_id": s.id, "version": snap.version, "tokens": len(snap.tokens),
                        "standing_queries": list(s.spec.standing)}, "hello"))
         latest = self._latest.get(s.id, {})

@@ -18,16 +18,18 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from prepos.config import EngineConfig
-from prepos.core import Result
+from prepos.core import Result, SamplingParams
 from prepos.engine import Engine
-from prepos.errors import PreposError
+from prepos.errors import PreposError, SessionNotFound
 from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
-from prepos.server.journal import EPHEMERAL, Journal
+from prepos.server.journal import EPHEMERAL, Journal, is_ephemeral
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
 from prepos.server.sse import Hub, disconnected
-from prepos.session import SessionSpec
+from prepos.server.streaming import started
+from prepos.session import Session, SessionSpec
+from prepos.stream import Stream
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
@@ -54,7 +56,7 @@ class ServerState:
         self.metrics = Metrics(self.model_name)
         self.hub = Hub(self.metrics)
         self.journal: Journal | None = None
-        self.engine: Engine | None = None
+        self.loaded: Engine | None = None  # the engine, once loaded
         self.status = "loading"
         self.error: str | None = None
         self.restored = 0
@@ -88,14 +90,14 @@ class ServerState:
                 if previous:
                     log.warning("journal %s was written with model %s; restoring its sessions "
                                 "with %s", self.config.journal, previous, self.model_name)
-                engine.listeners.append(self.journal.on_event)
+                self.journal.attach(engine)
             self.hub.attach(engine, self.loop)
             self.metrics.engine = engine
             if self.journal is not None:
                 self._restore(engine, self.journal)
             gc.collect()
             gc.freeze()  # the model and libraries: out of the collector's way for good
-            self.engine = engine
+            self.loaded = engine
             self.status = "ready"
             log.info("prepos ready: model %s, %d sessions restored, %.1f s", self.model_name,
                      self.restored, time.perf_counter() - t0)
@@ -121,16 +123,21 @@ class ServerState:
         self.hub.shutdown()
         if self._loader is not None:
             self._loader.join(timeout=60)
-        if self.engine is not None:
-            self.engine.close()
+        if self.loaded is not None:
+            self.loaded.close()
         if self.journal is not None:
             self.journal.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- per request -----------------------------------------------------------------------
+    @staticmethod
+    def of(request: Request) -> ServerState:
+        return request.app.state.prepos
+
     @property
-    def ready(self) -> Engine:
-        eng = self.engine
+    def engine(self) -> Engine:
+        """The engine; 503 while it loads or if it failed to."""
+        eng = self.loaded
         if eng is None:
             if self.status == "failed":
                 raise ApiError(503, "load_failed", f"the model failed to load: {self.error}")
@@ -140,6 +147,16 @@ class ServerState:
 
     def owner(self, request: Request) -> str | None:
         return self.keys.owner(request)
+
+    def session(self, engine: Engine, sid: str, owner: str | None,
+                param: str | None = None) -> Session:
+        """The caller's session `sid`: 404 for none, another key's or an ephemeral one."""
+        try:
+            if not is_ephemeral(sid):
+                return engine.session(sid, owner)
+        except SessionNotFound:
+            pass
+        raise ApiError(404, "session_not_found", f"no session {sid!r}", param)
 
     async def body(self, request: Request, model: type[M]) -> M:
         raw = await request.body()
@@ -192,16 +209,31 @@ class ServerState:
             ev.set()
         return ev
 
-    def hold_for(self, engine: Engine, s, key: tuple, mode: str | None, streaming: bool,
-                 max_tokens: int) -> threading.Event | None:
+    def hold_for(self, engine: Engine, sid: str, key: tuple, mode: str | None,
+                 streaming: bool, max_tokens: int) -> threading.Event | None:
         """A worker hold for a streamed exact match that will decode more than one token;
         None for any other request."""
-        if not streaming or max_tokens == 1 or (mode or s.spec.fast_path) == "off":
+        if not streaming or max_tokens == 1 or not engine.serves_exact(sid, key, mode):
             return None
-        with s.lock:
-            if not (s.ready.valid and key in s.ready.records):
-                return None
         return self.hold_worker(engine)
+
+    @staticmethod
+    def will_be_fast(engine: Engine, sid: str, key: tuple, mode: str | None,
+                     sampling: SamplingParams) -> bool:
+        """Whether the request will be answered from a ready record with no model work (a
+        one-token exact match): such requests are never refused for backpressure."""
+        return sampling.max_tokens == 1 and engine.serves_exact(sid, key, mode)
+
+    def start_exact(self, engine: Engine, sid: str, key: tuple, mode: str | None,
+                    sampling: SamplingParams, streaming: bool,
+                    start: Callable[[], Stream]) -> tuple[Stream, threading.Event | None]:
+        """`start()` a request for entry `key`: refused for backpressure unless it will be a
+        one-token exact match; a streamed exact match that decodes on holds the worker until
+        its first token is written. Returns the stream and the hold (None without one)."""
+        if not self.will_be_fast(engine, sid, key, mode, sampling):
+            self.backpressure(engine)
+        hold = self.hold_for(engine, sid, key, mode, streaming, sampling.max_tokens)
+        return started(hold, start), hold
 
     def backpressure(self, engine: Engine) -> None:
         try:
@@ -236,6 +268,16 @@ class ServerState:
         self.ephemeral += 1
         return sid
 
+    def start_ephemeral(self, engine: Engine, spec: SessionSpec,
+                        start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
+        """`start(sid)` on a new ephemeral session, closed again if that fails."""
+        sid = self.new_ephemeral(engine, spec, history)
+        try:
+            return sid, start(sid)
+        except BaseException:
+            self.close_ephemeral(sid)
+            raise
+
     def close_after(self, stream, sid: str) -> None:
         """Close an ephemeral session once its stream has finished (or was cancelled by a
         client that went away)."""
@@ -253,7 +295,7 @@ class ServerState:
         asyncio.ensure_future(wait_then_close())
 
     def close_ephemeral(self, sid: str) -> None:
-        eng = self.engine
+        eng = self.loaded
         if eng is None:
             return
         try:
