@@ -33,7 +33,7 @@ import httpx
 
 from common import RESULTS, machine, summarize, timing_model_dir, write
 from prepos.backends.llama_server import LlamaServer, find_binary
-from prepos.backends.remote import remote_engine
+from prepos.remote_engine import remote_engine
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path, SamplingParams
 

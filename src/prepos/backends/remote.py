@@ -3,412 +3,85 @@
 The engine behind it (vLLM, SGLang, llama.cpp's `llama-server`) keeps the KV in its prefix
 cache; prepos keeps the sessions, decision points and ready distributions. A KV handle here
 is only the session's replica (and, for llama.cpp, slot) affinity and the tokens it last
-sent: `extend` sends the whole prompt `past + tokens` for one token with top-k logprobs, and
-the engine's prefix cache makes that cost only the delta. `crop` costs nothing: the next
-request simply sends the shorter prompt.
+sent. `extend` (pre-positions, single steps) sends the whole prompt `past + tokens` for one
+token with top-k logprobs, and the engine's prefix cache makes that cost only the delta.
+`stream_answer` sends an answer as ONE streamed request: the whole prompt, `max_tokens`,
+the stop token ids, the request's sampling and seed, top-k logprobs per token; the engine
+decodes at its own speed and prepos reads the tokens as they come. `crop` costs nothing:
+the next request simply sends the shorter prompt.
 
-Each engine's request and response format lives in one adapter class (`VLLMAdapter`,
-`SGLangAdapter`, `LlamaCppAdapter`); `RemoteBackend` holds the replicas: sessions are pinned
-by rendezvous hashing over the healthy replicas (adding a replica moves only the sessions it
-wins), a failing replica is marked down and its sessions move to the next replica in their
-ranking and rebuild there (the next request carries the full prompt, so no answer is stale
-and no request is lost while any replica is up), and a replica that passes its health check
-again rejoins and wins its sessions back.
+Each engine's formats live in `remote_adapters`; `RemoteBackend` holds the replicas:
+sessions are pinned by rendezvous hashing over the healthy replicas (adding a replica moves
+only the sessions it wins), a failing replica is marked down and its sessions move to the
+next replica in their ranking and rebuild there (the next request carries the full prompt,
+so no answer is stale and no request is lost while any replica is up), and a replica that
+passes its health check again rejoins and wins its sessions back. A streamed answer whose
+replica fails before its first token moves the same way; one that fails after tokens were
+delivered raises `AnswerInterrupted` (a `BackendUnavailable`): never a silent splice of two
+replicas' continuations.
 
-What the remote distribution lacks, compared with the in-process back end: it is the top-k
-(`top_k`, default 8) of the full vocabulary, so `Dist.logits` is None, greedy answers are
-exact and sampling is renormalized within the top-k (only by the engine's `topk_sampling`
-option).
+Sampling. Every token of an answer is the engine's own sampling over the full vocabulary
+(seeded with the request's seed where given) except one: the FIRST token of a fast-path
+answer with temperature > 0, which prepos samples from the ready distribution it cached,
+and that holds only the engine's top-k (`top_k`, default 8) — so that one token is sampled
+from the top-k renormalized (the mass outside the top-k is dropped). Greedy answers are
+exact on every path (the argmax is always in the top-k). The distributions reported with
+each token (`Dist`, `logits` None) are the top max(2, top_logprobs) of the raw model
+distribution.
+
+The engine's facts come from the engine: the context length from vLLM/SGLang's
+`GET /v1/models` `max_model_len` or llama.cpp's `GET /props` `n_ctx` (per slot; the
+smallest over the replicas, capped by any `max_context` given), llama.cpp's slot count from
+`/props`. Background priority (pre-positions: `idle_work`) is sent only where the engine
+runs priority scheduling: vLLM refuses a non-zero priority without `--scheduling-policy
+priority` (HTTP 400); the first such refusal turns priority off for that replica and the
+request is resent without it.
+
+Cached-token accounting (`metrics()`: `cached_tokens`, `prompt_tokens` per replica) is the
+engine's own report, and it has the engine's granularity: vLLM caches whole KV blocks
+(`--block-size`, 32 here), so `cached_tokens` is a multiple of the block size, at most the
+prompt length minus one rounded down to a block (the last prompt token is always run, to get
+its logits); a prompt that shares 100 tokens with the cached one reports 96 at block size 32,
+and a prompt shorter than one block reports 0. llama.cpp caches per token within a slot
+(`cache_n`: the common prefix with the slot's last prompt, at most length minus one).
+Prepos's own `cached_prompt_tokens` (the token mirror's common prefix) is therefore an upper
+bound of what the engine reports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import math
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 
 from prepos.backends.base import Backend, Dist, in_idle_work
-from prepos.errors import PreposError
-
-
-class RemoteError(PreposError):
-    """The engine refused a request (a 4xx: the request, not the replica, is at fault)."""
-
-    code = "remote_error"
-    status = 502
-
-
-class BackendUnavailable(PreposError):
-    """No replica could serve the request."""
-
-    code = "backend_unavailable"
-    status = 503
-
-
-class Abandoned(PreposError):
-    """A background request was cancelled (its session moved on); its answer is discarded."""
-
-    code = "abandoned"
-    status = 409
-
-
-class ReplicaFailure(Exception):
-    """The replica, not the request, failed: connection refused or reset, timeout, 5xx."""
-
-
-# == background priority: the scheduler marks idle steps (base.idle_work) ==============
-
-
-# == adapters: one per engine, each engine's differences in one place =====================
-@dataclass
-class TopK:
-    """What one request brought back."""
-
-    ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    cached_tokens: int | None = None  # prompt tokens the engine found in its prefix cache
-    prompt_tokens: int | None = None
-    slot: int | None = None
-
-    def dist(self) -> Dist:
-        if not self.ids:
-            raise RemoteError("the engine returned no top-k logprobs")
-        order = sorted(range(len(self.ids)), key=lambda i: (-self.logprobs[i], self.ids[i]))
-        ids = tuple(self.ids[i] for i in order)
-        lps = tuple(self.logprobs[i] for i in order)
-        if len(ids) == 1:  # the Dist protocol wants two; a lone token holds all the mass
-            ids, lps = ids + (-1,), lps + (-math.inf,)
-        return Dist(None, ids, lps)
-
-
-@dataclass
-class Call:
-    """One HTTP request an adapter wants made."""
-
-    method: str
-    path: str
-    json: dict | None = None
-    headers: dict = field(default_factory=dict)
-
-
-class Adapter:
-    """The request and response format of one engine."""
-
-    kind = "base"
-    health_path = "/health"
-    uses_slots = False
-
-    def __init__(self, model: str | None = None, background_priority: int | None = None):
-        self.model = model
-        # None: send no priority (the engine runs without priority scheduling)
-        self.background_priority = background_priority
-
-    def request(self, prompt: Sequence[int], k: int, *, rid: str, background: bool,
-                slot: int | None = None) -> Call:
-        raise NotImplementedError
-
-    def parse(self, body: Any) -> TopK:
-        raise NotImplementedError
-
-    def abort(self, rid: str) -> Call | None:
-        """The request that aborts an in-flight one, where the engine has such an API."""
-        return None
-
-    def slots_call(self) -> Call | None:
-        return None
-
-    def parse_slots(self, body: Any) -> int:
-        return 1
-
-
-def _lp(x: Any) -> float:
-    return -math.inf if x is None else float(x)
-
-
-class VLLMAdapter(Adapter):
-    """vLLM's OpenAI-compatible `POST /v1/completions` with a token-id prompt.
-
-    Request: `prompt` a list of token ids, `max_tokens: 1`, `temperature: 0`, `logprobs: k`
-    and vLLM's `return_tokens_as_token_ids` extension, so `top_logprobs` is keyed
-    `"token_id:<id>"` rather than by (ambiguous) token text; `priority` (lower runs earlier
-    under `--scheduling-policy priority`) for background work when configured. Response:
-    `choices[0].logprobs.top_logprobs[0]` (up to k+1 entries: the sampled token is always
-    included); cached prompt tokens in `usage.prompt_tokens_details.cached_tokens` when the
-    server runs with `--enable-prompt-tokens-details`. vLLM aborts a request whose client
-    disconnects; there is no separate abort endpoint.
-    """
-
-    kind = "vllm"
-    health_path = "/health"
-
-    def request(self, prompt, k, *, rid, background, slot=None) -> Call:
-        body: dict = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0.0,
-                      "logprobs": k, "return_tokens_as_token_ids": True, "stream": False}
-        if self.model:
-            body["model"] = self.model
-        if background and self.background_priority is not None:
-            body["priority"] = self.background_priority
-        return Call("POST", "/v1/completions", body, {"X-Request-Id": rid})
-
-    def parse(self, body) -> TopK:
-        try:
-            choice = body["choices"][0]
-            top = choice["logprobs"]["top_logprobs"][0]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RemoteError(f"vLLM response has no top_logprobs: {exc!r}") from exc
-        ids, lps = [], []
-        for key, lp in top.items():
-            if not key.startswith("token_id:"):
-                raise RemoteError("vLLM returned top_logprobs keyed by text; it must honour "
-                                  "return_tokens_as_token_ids")
-            ids.append(int(key[len("token_id:"):]))
-            lps.append(_lp(lp))
-        usage = body.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        return TopK(tuple(ids), tuple(lps), details.get("cached_tokens"),
-                    usage.get("prompt_tokens"))
-
-
-class SGLangAdapter(Adapter):
-    """SGLang's native `POST /generate`.
-
-    Request: `input_ids`, `sampling_params: {max_new_tokens: 1, temperature: 0}`,
-    `return_logprob: true`, `top_logprobs_num: k`, `logprob_start_len: -1` (no prompt
-    logprobs), `rid` (so the request can be aborted with `POST /abort_request {"rid"}`), and
-    `priority` for background work when configured (`--enable-priority-scheduling`).
-    Response: `meta_info.output_top_logprobs[0]` is a list of `[logprob, token_id, text]`;
-    `meta_info.cached_tokens` and `meta_info.prompt_tokens` report the prefix-cache hit.
-    """
-
-    kind = "sglang"
-    health_path = "/health"
-
-    def request(self, prompt, k, *, rid, background, slot=None) -> Call:
-        body: dict = {"input_ids": list(prompt),
-                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                      "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1,
-                      "stream": False, "rid": rid}
-        if background and self.background_priority is not None:
-            body["priority"] = self.background_priority
-        return Call("POST", "/generate", body)
-
-    def parse(self, body) -> TopK:
-        if isinstance(body, list):  # a batch answer: one prompt was sent
-            body = body[0]
-        try:
-            meta = body["meta_info"]
-            top = meta["output_top_logprobs"][0]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RemoteError(f"SGLang response has no output_top_logprobs: {exc!r}") from exc
-        ids = tuple(int(t[1]) for t in top)
-        lps = tuple(_lp(t[0]) for t in top)
-        return TopK(ids, lps, meta.get("cached_tokens"), meta.get("prompt_tokens"))
-
-    def abort(self, rid: str) -> Call:
-        return Call("POST", "/abort_request", {"rid": rid})
-
-
-class LlamaCppAdapter(Adapter):
-    """llama.cpp's `llama-server` `POST /completion`.
-
-    Request: `prompt` a token array, `n_predict: 1`, `n_probs: k`, `cache_prompt: true`,
-    `temperature: 0` (greedy; the probabilities are then a plain softmax of the logits,
-    before any sampler), `id_slot` for slot affinity (each slot keeps its own prompt cache),
-    `post_sampling_probs: false`. Response: `completion_probabilities[0]`, whose shape depends
-    on the server version: `top_logprobs: [{id, token, logprob}]` (current), `top_probs:
-    [{id, token, prob}]` (with `post_sampling_probs`), or `probs: [{tok_str, prob}]` (before
-    late 2024: no ids, so a `token_to_id` map is needed). Cached prompt tokens: `timings.cache_n`
-    where reported, else `tokens_cached`; `id_slot` says which slot served it. Slots:
-    `GET /props` `total_slots`. There is no abort endpoint: the server cancels a task when its
-    client disconnects.
-    """
-
-    kind = "llama.cpp"
-    health_path = "/health"
-    uses_slots = True
-
-    def __init__(self, model: str | None = None, background_priority: int | None = None,
-                 token_to_id: Callable[[str], int | None] | None = None):
-        super().__init__(model, background_priority)
-        self.token_to_id = token_to_id
-
-    def request(self, prompt, k, *, rid, background, slot=None) -> Call:
-        body: dict = {"prompt": list(prompt), "n_predict": 1, "n_probs": k,
-                      "cache_prompt": True, "temperature": 0.0, "post_sampling_probs": False,
-                      "stream": False}
-        if slot is not None:
-            body["id_slot"] = slot
-        return Call("POST", "/completion", body)
-
-    def parse(self, body) -> TopK:
-        try:
-            first = body["completion_probabilities"][0]
-        except (KeyError, IndexError, TypeError) as exc:
-            if isinstance(body, dict) and body.get("tokens_predicted") == 1:
-                # llama-server withholds a token whose text is an incomplete UTF-8 sequence,
-                # and its probabilities with it
-                raise RemoteError(
-                    "llama-server returned no probabilities: the greedy token's text is an "
-                    "incomplete UTF-8 sequence; serve a GGUF exported with "
-                    "prepos.backends.gguf_export.export(for_token_ids=True)") from exc
-            raise RemoteError("llama.cpp response has no completion_probabilities "
-                              f"(is n_probs > 0?): {exc!r}") from exc
-        if "top_logprobs" in first:
-            ids = tuple(int(t["id"]) for t in first["top_logprobs"])
-            lps = tuple(_lp(t["logprob"]) for t in first["top_logprobs"])
-        elif "top_probs" in first:
-            ids = tuple(int(t["id"]) for t in first["top_probs"])
-            lps = tuple(_log(t["prob"]) for t in first["top_probs"])
-        elif "probs" in first:  # older servers: probabilities keyed by token text
-            ids_l, lps_l = [], []
-            for t in first["probs"]:
-                tid = t.get("id")
-                if tid is None:
-                    tid = self.token_to_id(t["tok_str"]) if self.token_to_id else None
-                if tid is None:
-                    raise RemoteError("llama.cpp returned probabilities by token text only; "
-                                      "pass token_to_id to map them")
-                ids_l.append(int(tid))
-                lps_l.append(_log(t["prob"]))
-            ids, lps = tuple(ids_l), tuple(lps_l)
-        else:
-            raise RemoteError(f"unknown llama.cpp probability format: {sorted(first)}")
-        timings = body.get("timings") or {}
-        cached = timings.get("cache_n", body.get("tokens_cached"))
-        prompt_n = body.get("tokens_evaluated")
-        return TopK(ids, lps, cached, prompt_n, body.get("id_slot"))
-
-    def slots_call(self) -> Call:
-        return Call("GET", "/props")
-
-    def parse_slots(self, body) -> int:
-        return max(1, int((body or {}).get("total_slots", 1)))
-
-
-def _log(p: Any) -> float:
-    p = float(p)
-    return math.log(p) if p > 0 else -math.inf
-
-
-ADAPTERS: dict[str, type[Adapter]] = {
-    "vllm": VLLMAdapter, "sglang": SGLangAdapter, "llama.cpp": LlamaCppAdapter,
-    "llamacpp": LlamaCppAdapter, "llama-server": LlamaCppAdapter,
-}
-
-
-def make_adapter(kind: str, **kwargs) -> Adapter:
-    try:
-        cls = ADAPTERS[kind]
-    except KeyError:
-        raise ValueError(f"unknown engine kind {kind!r}; one of {sorted(ADAPTERS)}") from None
-    return cls(**kwargs)
-
-
-# == replicas ==============================================================================
-class Replica:
-    """One engine endpoint: its connection pool, health, slots and counters."""
-
-    def __init__(self, url: str, adapter: Adapter, timeout: float, background_cap: int,
-                 transport: httpx.BaseTransport | None = None):
-        self.url = url.rstrip("/")
-        self.adapter = adapter
-        self.client = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
-                                   limits=httpx.Limits(max_keepalive_connections=32))
-        self.healthy = True
-        self.down_since: float | None = None
-        self.n_slots: int | None = None
-        self._slots: OrderedDict[str, int] = OrderedDict()  # session key -> slot, LRU order
-        self._bg = threading.BoundedSemaphore(background_cap)
-        self.lock = threading.Lock()
-        self.counters = {"requests": 0, "failures": 0, "background": 0, "cached_tokens": 0,
-                         "prompt_tokens": 0, "moved_in": 0, "rejoins": 0, "seconds": 0.0}
-
-    def bump(self, **kw: float) -> None:
-        with self.lock:
-            for k, v in kw.items():
-                self.counters[k] += v
-
-    def call(self, c: Call) -> Any:
-        try:
-            r = self.client.request(c.method, c.path, json=c.json, headers=c.headers)
-        except httpx.TransportError as exc:  # refused, reset, timed out
-            raise ReplicaFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
-        if r.status_code >= 500 or r.status_code in (408, 429):
-            raise ReplicaFailure(f"{self.url}{c.path}: HTTP {r.status_code} {r.text[:200]}")
-        if r.status_code >= 400:
-            raise RemoteError(f"{self.url}{c.path}: HTTP {r.status_code} {r.text[:500]}")
-        try:
-            return r.json()
-        except ValueError as exc:
-            raise ReplicaFailure(f"{self.url}{c.path}: not JSON: {r.text[:200]}") from exc
-
-    def slot_for(self, key: str) -> int | None:
-        """llama.cpp slot affinity: a session keeps its slot while it is among the
-        `n_slots` most recently used sessions of this replica."""
-        if not self.adapter.uses_slots:
-            return None
-        with self.lock:
-            if self.n_slots is None:
-                return None
-            slot = self._slots.get(key)
-            if slot is not None:
-                self._slots.move_to_end(key)
-                return slot
-            if len(self._slots) < self.n_slots:
-                used = set(self._slots.values())
-                slot = next(i for i in range(self.n_slots) if i not in used)
-            else:
-                _, slot = self._slots.popitem(last=False)
-            self._slots[key] = slot
-            return slot
-
-    def forget(self, key: str) -> None:
-        with self.lock:
-            self._slots.pop(key, None)
-
-    def discover(self) -> None:
-        c = self.adapter.slots_call()
-        if c is not None and self.n_slots is None:
-            self.n_slots = self.adapter.parse_slots(self.call(c))
-
-    def check(self, timeout: float) -> bool:
-        try:
-            r = self.client.get(self.adapter.health_path, timeout=timeout)
-            ok = r.status_code == 200
-            if ok:
-                self.discover()
-            return ok
-        except (httpx.HTTPError, ReplicaFailure, RemoteError, ValueError):
-            return False
-
-    def close(self) -> None:
-        self.client.close()
-
-
-@dataclass
-class RemoteKV:
-    """A session's handle: its pinning key, the replica serving it, and what it last sent."""
-
-    key: str
-    replica: Replica | None = None
-    sent: int = 0  # tokens of the last prompt sent (the replica's cache may hold them)
-    last: TopK | None = None  # what the last request reported
-    rid: str | None = None  # the request in flight
-    cancelled_rid: str | None = None  # the in-flight request `cancel` abandoned
-
-
-def _score(key: str, url: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest(),
-                          "big")
+from prepos.backends.remote_adapters import (  # noqa: F401  (re-exported)
+    ADAPTERS,
+    LlamaCppAdapter,
+    SGLangAdapter,
+    VLLMAdapter,
+    make_adapter,
+)
+from prepos.backends.remote_protocol import (  # noqa: F401  (re-exported)
+    Abandoned,
+    Adapter,
+    AnswerInterrupted,
+    BackendUnavailable,
+    Call,
+    EngineInfo,
+    RemoteError,
+    ReplicaFailure,
+    TopK,
+)
+from prepos.backends.remote_replica import RemoteKV, Replica, _score
+
+
+def _is_priority_refusal(exc: RemoteError) -> bool:
+    return "priority" in str(exc).lower()
 
 
 class RemoteBackend(Backend):
@@ -416,9 +89,10 @@ class RemoteBackend(Backend):
 
     name = "remote"
     full_distribution = False
+    streams_answers = True
 
     def __init__(self, adapter: Adapter, urls: Sequence[str], vocab_size: int,
-                 max_context: int, top_k: int = 8, timeout: float = 60.0,
+                 max_context: int | None = None, top_k: int = 8, timeout: float = 60.0,
                  health_interval: float | None = 1.0, health_timeout: float = 1.0,
                  background_cap: int = 1, retry_down_after: float = 5.0,
                  transport: httpx.BaseTransport | None = None):
@@ -429,7 +103,6 @@ class RemoteBackend(Backend):
         self.adapter = adapter
         self.name = f"remote:{adapter.kind}"
         self.vocab_size = int(vocab_size)
-        self.max_context = int(max_context)
         self.top_k = top_k
         self.health_timeout = health_timeout
         self.retry_down_after = retry_down_after
@@ -442,6 +115,11 @@ class RemoteBackend(Backend):
         self.moves = 0  # sessions served by a replica other than the one they were on
         for url in urls:
             self.add_replica(url)
+        known = [r.max_context for r in self.replicas if r.max_context]
+        if max_context is None and not known:
+            raise BackendUnavailable("no replica reported its context length (are they up?); "
+                                     "pass max_context")
+        self.max_context = min([*known, *([int(max_context)] if max_context else [])])
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
         self.health_interval = health_interval
@@ -452,10 +130,10 @@ class RemoteBackend(Backend):
 
     @classmethod
     def from_urls(cls, kind: str, urls: Sequence[str] | str, vocab_size: int,
-                  max_context: int, model: str | None = None,
+                  max_context: int | None = None, model: str | None = None,
                   background_priority: int | None = None, **kwargs) -> RemoteBackend:
         """`kind` is "vllm", "sglang" or "llama.cpp"; `urls` the replicas' base URLs (a
-        comma-separated string works too)."""
+        comma-separated string works too). `max_context` None: the engines' own."""
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
         adapter = make_adapter(kind, model=model, background_priority=background_priority)
@@ -506,6 +184,7 @@ class RemoteBackend(Backend):
                 rep.down_since = time.monotonic()
             rep._slots.clear()  # a restarted server has empty slots
             rep.n_slots = None
+            rep.priority_refused = False  # it may come back with other flags
         rep.bump(failures=1)
 
     def mark_up(self, rep: Replica) -> None:
@@ -554,9 +233,11 @@ class RemoteBackend(Backend):
         kv.sent = 0
 
     def cancel(self, kv: RemoteKV) -> None:
-        """Abandon the handle's in-flight background request, if any (thread-safe): aborted
-        at the engine where it has an abort API; its answer is discarded either way (the
-        `extend` that made it raises `Abandoned`). Later requests are not affected."""
+        """Abandon the handle's in-flight request, if any (thread-safe): aborted at the
+        engine where it has an abort API (a stream is also closed by the reader, which
+        aborts it at any engine); its answer is discarded either way (the `extend` that
+        made it, or the stream at its next token, raises `Abandoned`). Later requests are
+        not affected."""
         rep, rid = kv.replica, kv.rid
         if rid is None:
             return
@@ -567,30 +248,41 @@ class RemoteBackend(Backend):
                 with contextlib.suppress(ReplicaFailure, RemoteError):
                     rep.call(c)
 
-    # -- one request, with failover ------------------------------------------------------
+    # -- requests, with failover ---------------------------------------------------------
+    def _place(self, kv: RemoteKV, tried: list[Replica], errors: list[str]) -> Replica:
+        """The session's replica: the best-ranked one up and not yet tried."""
+        rep = self.replica_for(kv.key, exclude=tried)
+        if rep is None:
+            raise BackendUnavailable("no replica could serve the request"
+                                     + (f": {'; '.join(errors)}" if errors else ""))
+        if kv.replica is not rep:
+            if kv.replica is not None:
+                kv.replica.forget(kv.key)
+                with self._lock:
+                    self.moves += 1
+                rep.bump(moved_in=1)
+            kv.replica, kv.sent = rep, 0
+        if rep.adapter.uses_slots and rep.n_slots is None:
+            with contextlib.suppress(RemoteError, ValueError, ReplicaFailure):
+                rep.discover()
+        return rep
+
+    def _check_length(self, n: int) -> None:
+        if n > self.max_context:
+            raise RemoteError(f"prompt of {n} tokens exceeds the context of "
+                              f"{self.max_context}")
+
     def forward(self, kv: RemoteKV, prompt: Sequence[int]) -> TopK:
         """Send `prompt` for one token's top-k to the session's replica. A replica failure
         marks it down and resends the full prompt to the next replica in the session's
         ranking (which rebuilds the cache there); only a request every replica failed
         raises."""
-        if len(prompt) > self.max_context:
-            raise RemoteError(f"prompt of {len(prompt)} tokens exceeds the context of "
-                              f"{self.max_context}")
+        self._check_length(len(prompt))
         background = in_idle_work()
         tried: list[Replica] = []
         errors: list[str] = []
         while True:
-            rep = self.replica_for(kv.key, exclude=tried)
-            if rep is None:
-                raise BackendUnavailable("no replica could serve the request"
-                                         + (f": {'; '.join(errors)}" if errors else ""))
-            if kv.replica is not rep:
-                if kv.replica is not None:
-                    kv.replica.forget(kv.key)
-                    with self._lock:
-                        self.moves += 1
-                    rep.bump(moved_in=1)
-                kv.replica, kv.sent = rep, 0
+            rep = self._place(kv, tried, errors)
             try:
                 top = self._post(rep, kv, prompt, background)
             except ReplicaFailure as exc:
@@ -602,21 +294,30 @@ class RemoteBackend(Backend):
             kv.sent, kv.last = len(prompt), top
             return top
 
+    def _call(self, rep: Replica, make, background: bool, opener):
+        """Make the request `make(priority)` builds with `opener`; a replica that refuses
+        background priority (it runs no priority scheduling) gets it resent without."""
+        prio = background and rep.priority
+        try:
+            return opener(make(prio))
+        except RemoteError as exc:
+            if not (prio and _is_priority_refusal(exc)):
+                raise
+            rep.priority_refused = True
+            return opener(make(False))
+
     def _post(self, rep: Replica, kv: RemoteKV, prompt: Sequence[int],
               background: bool) -> TopK:
-        if rep.adapter.uses_slots and rep.n_slots is None:
-            with contextlib.suppress(RemoteError, ValueError):
-                rep.discover()
         rid = f"prepos-{kv.key}-{next(self._ids)}"
-        call = self.adapter.request(prompt, self.top_k, rid=rid, background=background,
-                                    slot=rep.slot_for(kv.key))
+        slot = rep.slot_for(kv.key)
         sem = rep._bg if background else None
         if sem is not None:
             sem.acquire()
         t0 = time.perf_counter()
         kv.rid = rid
         try:
-            body = rep.call(call)
+            body = self._call(rep, lambda prio: self.adapter.request(
+                prompt, self.top_k, rid=rid, background=prio, slot=slot), background, rep.call)
         except (ReplicaFailure, RemoteError) as exc:
             if kv.cancelled_rid == rid:  # the abort, not the replica, ended it
                 raise Abandoned(f"request {rid} was cancelled") from exc
@@ -632,14 +333,104 @@ class RemoteBackend(Backend):
                  cached_tokens=top.cached_tokens or 0, prompt_tokens=len(prompt))
         return top
 
+    def stream_answer(self, kv: RemoteKV, prompt: Sequence[int], sampling: Any,
+                      max_tokens: int, stop_ids: frozenset[int]
+                      ) -> Iterator[tuple[int, Dist | None]]:
+        """One streamed request continuing `prompt` by up to `max_tokens` tokens, sampled by
+        the engine (see the module docstring), ending after a token in `stop_ids`; yields
+        (token id, top-k Dist or None). Before its first token a replica failure moves the
+        session to the next replica (the full prompt is resent); after it, the stream
+        raises `AnswerInterrupted`. Closing the generator closes the HTTP stream, which
+        aborts the request at the engine."""
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("cannot continue an empty sequence")
+        if max_tokens < 1:
+            return
+        self._check_length(len(prompt))
+        k = max(2, int(getattr(sampling, "top_logprobs", 0) or 0))
+        background = in_idle_work()
+        tried: list[Replica] = []
+        errors: list[str] = []
+        while True:
+            rep = self._place(kv, tried, errors)
+            rid = f"prepos-{kv.key}-{next(self._ids)}"
+            slot = rep.slot_for(kv.key)
+            parser = self.adapter.stream_parser()
+            delivered = 0
+            sem = rep._bg if background else None
+            if sem is not None:
+                sem.acquire()
+            t0 = time.perf_counter()
+            kv.rid = rid
+            done = False
+            try:
+                with contextlib.ExitStack() as stack:
+                    events = self._call(rep, lambda prio: self.adapter.stream_request(
+                        prompt, k, sampling, max_tokens, stop_ids, rid=rid, background=prio,
+                        slot=slot), background, lambda c: stack.enter_context(rep.stream(c)))
+                    for event in events:
+                        pending = parser.feed(event)
+                        for token, top in pending:
+                            last = token in stop_ids or delivered + 1 >= max_tokens
+                            if last and (self.adapter.stops_on_ids or token not in stop_ids):
+                                # the engine ends the stream itself: read the rest (its cache
+                                # report) before handing the last token on
+                                for rest in events:
+                                    parser.feed(rest)
+                            if kv.cancelled_rid == rid:
+                                raise Abandoned(f"request {rid} was cancelled")
+                            delivered += 1
+                            kv.sent = len(prompt) + delivered - 1
+                            kv.last = top
+                            done = last  # llama.cpp past a stop id: leaving closes the stream
+                            yield token, (top.dist() if top is not None and top.ids else None)
+                            if done:
+                                break
+                        if done:
+                            break
+                    if not done and not parser.finished:
+                        raise ReplicaFailure(f"{rep.url}: the stream ended before the answer")
+                    done = True
+            except ReplicaFailure as exc:
+                self.mark_down(rep, str(exc))
+                if delivered:
+                    rep.bump(interrupted=1)
+                    raise AnswerInterrupted(
+                        f"the replica streaming this answer failed after {delivered} tokens "
+                        f"({exc}); the answer is not resumed elsewhere") from exc
+                errors.append(str(exc))
+                tried.append(rep)
+                continue
+            finally:
+                kv.rid = None
+                if sem is not None:
+                    sem.release()
+                if not done:  # closed early (client gone, error): abort where there is an API
+                    c = self.adapter.abort(rid)
+                    if c is not None:
+                        with contextlib.suppress(ReplicaFailure, RemoteError):
+                            rep.call(c)
+                rep.bump(streams=1, streamed_tokens=delivered, background=int(background),
+                         seconds=time.perf_counter() - t0,
+                         cached_tokens=parser.cached_tokens or 0, prompt_tokens=len(prompt))
+            self.mark_up(rep)
+            if kv.last is not None:
+                kv.last.cached_tokens = parser.cached_tokens
+                kv.last.prompt_tokens = parser.prompt_tokens
+            return
+
     # -- metrics -------------------------------------------------------------------------
     def metrics(self) -> dict:
-        """Per-replica counters: requests, failures, cached prompt tokens, health, ..."""
-        out: dict = {"kind": self.adapter.kind, "moves": self.moves, "replicas": {}}
+        """Per-replica counters: requests, streams, failures, cached prompt tokens, ..."""
+        out: dict = {"kind": self.adapter.kind, "moves": self.moves,
+                     "max_context": self.max_context, "replicas": {}}
         for r in self.replicas:
             with r.lock:
                 out["replicas"][r.url] = {**r.counters, "healthy": r.healthy,
-                                          "slots": r.n_slots, "slot_sessions": len(r._slots)}
+                                          "slots": r.n_slots, "slot_sessions": len(r._slots),
+                                          "max_context": r.max_context,
+                                          "priority": r.priority}
         return out
 
     def close(self) -> None:
@@ -649,32 +440,3 @@ class RemoteBackend(Backend):
         for r in self.replicas:
             r.close()
 
-
-# == building an Engine on it ==============================================================
-def remote_engine(kind: str, urls: Sequence[str] | str, tokenizer_dir: str | Path,
-                  config=None, max_context: int | None = None, **kwargs):
-    """An `Engine` on a remote back end, with the chat template and tokenizer of a local
-    model directory (the same model the engine serves; only its tokenizer files are read,
-    plus `config.json` for the context length and `gate.json` for a calibrated gate)."""
-    import json
-    from dataclasses import replace
-
-    from transformers import AutoTokenizer
-
-    from prepos.config import EngineConfig, GateConfig
-    from prepos.engine import Engine
-    from prepos.entries import ChatFormat
-
-    path = Path(tokenizer_dir)
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() \
-        else {}
-    vocab = max(len(tok), int(cfg.get("vocab_size", 0)))
-    ctx = max_context or int(cfg.get("max_position_embeddings", 2048))
-    # several workers: their steps wait on the network, not on local cores; bigger chunks:
-    # each chunk of a pre-position is one request
-    config = config or EngineConfig(workers=4, idle_workers=2, chunk_tokens=64)
-    if not config.gate.answers and (path / "gate.json").is_file():
-        config = replace(config, gate=GateConfig.load(path / "gate.json"))
-    backend = RemoteBackend.from_urls(kind, urls, vocab, ctx, **kwargs)
-    return Engine(backend, ChatFormat(tok), config, model_name=path.name)

@@ -1,0 +1,161 @@
+"""One replica of a serving engine (`Replica`: its connection pool, health, slots, facts
+and counters, and its streamed requests) and a session's handle on the remote back end
+(`RemoteKV`)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import httpx
+
+from prepos.backends.remote_protocol import Adapter, Call, RemoteError, ReplicaFailure, TopK
+
+
+class Replica:
+    """One engine endpoint: its connection pool, health, slots, facts and counters."""
+
+    def __init__(self, url: str, adapter: Adapter, timeout: float, background_cap: int,
+                 transport: httpx.BaseTransport | None = None):
+        self.url = url.rstrip("/")
+        self.adapter = adapter
+        self.client = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
+                                   limits=httpx.Limits(max_keepalive_connections=32))
+        self.healthy = True
+        self.down_since: float | None = None
+        self.n_slots: int | None = None
+        self.max_context: int | None = None
+        self.priority_refused = False  # the engine runs no priority scheduling
+        self._slots: OrderedDict[str, int] = OrderedDict()  # session key -> slot, LRU order
+        self._bg = threading.BoundedSemaphore(background_cap)
+        self.lock = threading.Lock()
+        self.counters = {"requests": 0, "streams": 0, "streamed_tokens": 0, "failures": 0,
+                         "interrupted": 0, "background": 0, "cached_tokens": 0,
+                         "prompt_tokens": 0, "moved_in": 0, "rejoins": 0, "seconds": 0.0}
+
+    @property
+    def priority(self) -> bool:
+        """Whether background work is sent here with the adapter's background priority."""
+        return self.adapter.background_priority is not None and not self.priority_refused
+
+    def bump(self, **kw: float) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                self.counters[k] += v
+
+    def _check(self, r: httpx.Response, c: Call, text: str) -> None:
+        if r.status_code >= 500 or r.status_code in (408, 429):
+            raise ReplicaFailure(f"{self.url}{c.path}: HTTP {r.status_code} {text[:200]}")
+        if r.status_code >= 400:
+            raise RemoteError(f"{self.url}{c.path}: HTTP {r.status_code} {text[:500]}")
+
+    def call(self, c: Call) -> Any:
+        try:
+            r = self.client.request(c.method, c.path, json=c.json, headers=c.headers)
+        except httpx.TransportError as exc:  # refused, reset, timed out
+            raise ReplicaFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+        self._check(r, c, r.text)
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise ReplicaFailure(f"{self.url}{c.path}: not JSON: {r.text[:200]}") from exc
+
+    @contextlib.contextmanager
+    def stream(self, c: Call) -> Iterator[Iterator[Any]]:
+        """A streamed request: yields an iterator of its server-sent events' JSON objects.
+        Leaving the block closes the connection, which aborts the request at the engine
+        (vLLM and llama.cpp abort a task whose client disconnected). Transport failures,
+        while opening or while reading, raise ReplicaFailure."""
+        try:
+            with self.client.stream(c.method, c.path, json=c.json, headers=c.headers) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    self._check(r, c, r.text)
+                yield self._events(r, c)
+        except httpx.TransportError as exc:
+            raise ReplicaFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+
+    def _events(self, r: httpx.Response, c: Call) -> Iterator[Any]:
+        for line in r.iter_lines():
+            line = line.strip()
+            if not line or line.startswith(":"):
+                continue
+            if line.startswith("data:"):
+                line = line[5:].strip()
+            elif line.startswith("error:"):  # llama-server's error events
+                raise RemoteError(f"{self.url}{c.path}: {line[6:].strip()[:500]}")
+            if line == "[DONE]":
+                return
+            try:
+                yield json.loads(line)
+            except ValueError as exc:
+                raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
+
+    def slot_for(self, key: str) -> int | None:
+        """llama.cpp slot affinity: a session keeps its slot while it is among the
+        `n_slots` most recently used sessions of this replica."""
+        if not self.adapter.uses_slots:
+            return None
+        with self.lock:
+            if self.n_slots is None:
+                return None
+            slot = self._slots.get(key)
+            if slot is not None:
+                self._slots.move_to_end(key)
+                return slot
+            if len(self._slots) < self.n_slots:
+                used = set(self._slots.values())
+                slot = next(i for i in range(self.n_slots) if i not in used)
+            else:
+                _, slot = self._slots.popitem(last=False)
+            self._slots[key] = slot
+            return slot
+
+    def forget(self, key: str) -> None:
+        with self.lock:
+            self._slots.pop(key, None)
+
+    def discover(self) -> None:
+        """Read the engine's facts (context length, slots) once per (re)start."""
+        c = self.adapter.info_call()
+        if c is not None and (self.max_context is None
+                              or self.adapter.uses_slots and self.n_slots is None):
+            info = self.adapter.parse_info(self.call(c))
+            self.max_context = info.max_context or self.max_context
+            if self.adapter.uses_slots:
+                self.n_slots = info.n_slots or 1
+
+    def check(self, timeout: float) -> bool:
+        try:
+            r = self.client.get(self.adapter.health_path, timeout=timeout)
+            ok = r.status_code == 200
+            if ok:
+                self.discover()
+            return ok
+        except (httpx.HTTPError, ReplicaFailure, RemoteError, ValueError):
+            return False
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclass
+class RemoteKV:
+    """A session's handle: its pinning key, the replica serving it, and what it last sent."""
+
+    key: str
+    replica: Replica | None = None
+    sent: int = 0  # tokens of the last prompt sent (the replica's cache may hold them)
+    last: TopK | None = None  # what the last request reported (cached tokens included)
+    rid: str | None = None  # the request in flight
+    cancelled_rid: str | None = None  # the in-flight request `cancel` abandoned
+
+
+def _score(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest(),
+                          "big")

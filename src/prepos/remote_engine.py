@@ -1,0 +1,46 @@
+"""An `Engine` on the remote back end (`prepos.backends.remote`): the session layer in front
+of vLLM, SGLang or llama.cpp replicas. Apart from the back end so that it imports the engine
+and the back end does not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+from prepos.backends.remote import RemoteBackend
+from prepos.config import EngineConfig, GateConfig
+from prepos.engine import Engine
+from prepos.entries import ChatFormat
+
+# Pre-positions run at this priority on engines that schedule by priority (lower runs
+# earlier; answers are sent at the default, 0). An engine that refuses it is sent none.
+BACKGROUND_PRIORITY = 10
+
+
+def remote_engine(kind: str, urls: Sequence[str] | str, tokenizer_dir: str | Path,
+                  config: EngineConfig | None = None, max_context: int | None = None,
+                  **kwargs) -> Engine:
+    """An `Engine` on a remote back end, with the chat template and tokenizer of a local
+    model directory (the same model the engine serves; only its tokenizer files are read,
+    plus `gate.json` for a calibrated gate). The context length is the engine's own
+    (`max_context`, if given, caps it). `kwargs` go to `RemoteBackend.from_urls`."""
+    from transformers import AutoTokenizer
+
+    path = Path(tokenizer_dir)
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    vocab = len(tok)
+    if (path / "config.json").is_file():
+        import json
+
+        vocab = max(vocab, int(json.loads((path / "config.json").read_text())
+                               .get("vocab_size", 0)))
+    # several workers: their steps wait on the network, not on local cores; bigger chunks:
+    # each chunk of a pre-position is one request
+    config = config or EngineConfig(workers=4, idle_workers=2, chunk_tokens=64)
+    if not config.gate.answers and (path / "gate.json").is_file():
+        config = replace(config, gate=GateConfig.load(path / "gate.json"))
+    if kind in ("vllm", "sglang"):
+        kwargs.setdefault("background_priority", BACKGROUND_PRIORITY)
+    backend = RemoteBackend.from_urls(kind, urls, vocab, max_context, **kwargs)
+    return Engine(backend, ChatFormat(tok), config, model_name=path.name)
