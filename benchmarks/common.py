@@ -29,7 +29,7 @@ def summarize(samples_s: list[float]) -> dict:
 
 
 def timing_model_dir(size: str = "125m", device: str = "cpu", dtype: str = "float32") -> Path:
-    """A timing model (seeded random weights), built once and cached in results/: DESIGN.md's
+    """A timing model (seeded random weights), built once and cached in results/: the
     ~125M Llama by default, or another of prepos.lab.tiny.TIMING_SIZES (built on `device`)."""
     from prepos.lab.tiny import timing_model
 

@@ -1,4 +1,4 @@
-"""In-process latency of every path on DESIGN.md's timing model, side by side in one run.
+"""In-process latency of every path on the timing model, side by side in one run.
 
 A ~125M-parameter Llama with seeded RANDOM weights (a timing model: its answers mean
 nothing), 512 tokens of session state, an 18-token query entry, on this machine's CPU.

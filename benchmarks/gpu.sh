@@ -2,7 +2,7 @@
 # The GPU run: HW-1 (prefill slope), HW-2 (the engine's paths), HW-5 (first token over HTTP,
 # >= 128 observations per path) and HW-6 (energy, from NVML) on CUDA, with random-weight
 # Llama timing models of the 1B and 8B class in bf16 (prepos.lab.tiny.TIMING_SIZES: Llama-3.2-1B
-# and Llama-3.1-8B shapes). For when an accelerator is lent; the CPU suite does not need it.
+# and Llama-3.1-8B shapes). For a GPU host; the CPU suite does not need it.
 # Writes $GPU_OUT/<size>/*.json and $GPU_OUT/summary.md; `python benchmarks/report.py` then
 # puts the GPU table into docs/RESULTS.md. Sized to finish within 8 minutes on one H100/H200
 # class GPU (an estimate from the step counts: it has not run on one yet).
@@ -10,10 +10,11 @@
 #   benchmarks/gpu.sh                                              # 1b and 8b on cuda
 #   SIZES=test DEVICE=cpu DTYPE=float32 SAMPLES=4 GPU_OUT=/tmp/g benchmarks/gpu.sh  # on a CPU
 #
-# On the device machine (Python 3.12, its own torch/transformers), carry the missing
-# packages: scripts/device_wheels.sh here, then run with carry [".whl"]:
+# On a GPU host without internet access that has its own torch and transformers (Python
+# 3.12) but not the web stack: run scripts/device_wheels.sh on a machine with access, copy
+# the checkout with its .whl/ folder to the host, and there:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-#   export PYTHONPATH=/tmp/site && benchmarks/gpu.sh && tar czf $OUT/gpu.tgz results/gpu
+#   export PYTHONPATH=/tmp/site && benchmarks/gpu.sh && tar czf gpu.tgz results/gpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,7 +1,7 @@
 """Client-observed time to first token over HTTP, on loopback with keep-alive, for the fast
 path, fall-through and the cold path, side by side in one run; then a load run.
 
-Setup (DESIGN.md's timing model: a ~125M-parameter Llama with seeded random weights, on the
+Setup (the timing model: a ~125M-parameter Llama with seeded random weights, on the
 CPU): three streaming sessions hold the same ~512 tokens of price data. One registers the
 query as a standing query (fast path: exact match), one does not (fall-through: the query
 prefix is pre-paid), one never pre-positions (cold). Each round rolls every session back to

@@ -1,6 +1,6 @@
 """HW-1: prefill cost per token, the slope of prefill time against unique, cache-defeating
 prompt lengths (fresh random token ids every sample, an empty cache each time, so nothing is
-reused), and HW-2's single decode step at the 512-token state, on DESIGN.md's timing model
+reused), and HW-2's single decode step at the 512-token state, on the timing model
 (seeded RANDOM weights). JSON summary as the last line.
 
     python benchmarks/prefill.py [--samples 16]

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Wheels for the packages prepos needs that the device machine's image (Python 3.12, its own
-# torch and transformers; see /work/.library/device/KINDS.md) does not hold, downloaded here
-# into .whl/ (git-ignored) so a device run can carry them:
-#   scripts/device_wheels.sh
-#   run: carry [".whl"], command "python3 -m pip install -q --no-index --no-deps --target
-#        /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && benchmarks/gpu.sh ..."
+# Wheels for the packages prepos needs beyond torch and transformers (the web stack), for a
+# GPU host without internet access that has its own torch and transformers (Python 3.12).
+# Downloaded into .whl/ (git-ignored) on a machine with access; copy the checkout with .whl/
+# to the host, then there:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site && benchmarks/gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,6 +1,6 @@
 """benchmarks/gpu.sh, the GPU run, exercised end to end on the CPU with the CPU-sized "test"
 timing model: every step runs, writes its JSON, and the summary table has no hole. (Its
-numbers mean nothing here; the point is that the script works when an accelerator is lent.)"""
+numbers mean nothing here; the point is that the script works on a GPU host.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Where the bundled models live: `models/` at the repository root."""
+"""Where things live: the repository root (a source checkout or an editable install), and
+the bundled models in `models/` under it."""
 
 from pathlib import Path
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "models"
 DEFAULT_MODEL = MODELS / "trend-reader"
 WEAK_MODEL = MODELS / "trend-reader-weak"

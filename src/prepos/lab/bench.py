@@ -14,9 +14,7 @@ import time
 from tqdm import tqdm
 
 from prepos.backends.llama_server import find_binary
-from prepos.paths import MODELS
-
-ROOT = MODELS.parent
+from prepos.paths import ROOT
 
 
 def steps(quick: bool) -> list[tuple[str, list[str]]]:

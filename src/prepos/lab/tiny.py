@@ -182,7 +182,7 @@ def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama"
     return out
 
 
-# DESIGN.md's timing model and the larger classes of the GPU run (Llama-3.2-1B and
+# The timing model (docs/ARCHITECTURE.md) and the larger classes of the GPU run (Llama-3.2-1B and
 # Llama-3.1-8B shapes); all seeded random weights. "test" is a CPU-sized stand-in that lets
 # the GPU script's pipeline run in the test suite.
 TIMING_SIZES = {
@@ -198,7 +198,7 @@ TIMING_SIZES = {
 
 def timing_model(out_dir: str | Path, seed: int = 0, size: str = "125m", device: str = "cpu",
                  dtype: str = "float32") -> Path:
-    """A timing model of one of TIMING_SIZES (default DESIGN.md's: a ~125M-parameter Llama,
+    """A timing model of one of TIMING_SIZES (default the 125m one: a ~125M-parameter Llama,
     hidden 768, 12 layers, 12 heads, 4 KV heads, vocabulary 32,000), seeded random weights."""
     if size not in TIMING_SIZES:
         raise ValueError(f"size must be one of {sorted(TIMING_SIZES)}, got {size!r}")
