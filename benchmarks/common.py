@@ -47,6 +47,8 @@ def model_args(ap: argparse.ArgumentParser, name: str) -> None:
     ap.add_argument("--model-dir", type=Path, help="a local model instead of a timing model")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
+                    help="the in-process back end (llama.cpp: the model exported to GGUF)")
     ap.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
 
 

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     model_args(ap, "energy")
     args = ap.parse_args(argv)
     eng = Engine.from_pretrained(model_dir(args), EngineConfig(device=args.device,
-                                                              dtype=args.dtype))
+                                                              dtype=args.dtype,
+                                                              backend=args.backend))
     sid = eng.create_session("streaming", system="You read market data.")
     i = 0
     while len(eng.session(sid).snap.tokens) < 512:

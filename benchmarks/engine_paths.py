@@ -93,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n = args.samples
     rng = random.Random(0)
+    if args.backend != "torch":  # the bare forward it compares with is transformers' own
+        raise SystemExit("engine_paths measures the torch back end; for llama.cpp see "
+                         "benchmarks/native_decode.py")
     eng = Engine.from_pretrained(model_dir(args), EngineConfig(
-        chunk_tokens=args.chunk, device=args.device, dtype=args.dtype))
+        chunk_tokens=args.chunk, device=args.device, dtype=args.dtype, backend="torch"))
 
     # -- the session under test: 512 tokens of state, one standing query ----------------
     sid = eng.create_session("streaming", system="You read market data.", fast_path="relaxed",

@@ -82,7 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="prepos serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help="model directory (default: the bundled %(default)s)")
+                   help="an HF model directory or a .gguf file (default: the bundled "
+                   "%(default)s)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
+                   help="auto: llama.cpp where it is installed (GGUF files always), else torch")
+    p.add_argument("--kv-cells", type=int, default=16384,
+                   help="llama.cpp: cells of the KV cache all sessions share")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
@@ -96,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="torch intra-op threads (default: one less than the CPUs, leaving "
+                   help="compute threads (default: one less than the CPUs, leaving "
                    "one to the event loop; more oversubscribes and stalls)")
     p.add_argument("--no-preposition", action="store_true",
                    help="never pre-position (every request pays its entry: the baseline)")
@@ -134,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     else:
         journal = Path(args.journal)
     engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
+                          backend=args.backend, kv_cells=args.kv_cells,
                           max_context=args.max_session_tokens,
                           preposition=not args.no_preposition,
                           budget=BudgetConfig(args.max_session_cells, args.max_kv_cells))

@@ -307,6 +307,6 @@ class ServerState:
 
 def _load_engine(config: ServerConfig) -> Engine:
     path = Path(config.model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {path} (no config.json)")
+    if not (path / "config.json").is_file() and not (path.suffix == ".gguf" and path.is_file()):
+        raise FileNotFoundError(f"no model at {path} (no config.json, not a .gguf file)")
     return Engine.from_pretrained(path, config.engine)

