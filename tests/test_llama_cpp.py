@@ -1,0 +1,139 @@
+"""The in-process llama.cpp back end: sequences of one unified KV cache, crop, batched decode
+across sessions, the abort callback, and how far logits move with the batch they ran in."""
+
+import threading
+
+import pytest
+import torch
+from conftest import NO_LLAMA_CPP
+
+from helpers import greedy_agrees, query_entry
+from prepos.backends import llama_cpp
+from prepos.backends.base import Preempted, idle_work
+from prepos.config import EngineConfig, GateConfig
+from prepos.core import SamplingParams
+from prepos.engine import Engine
+from prepos.errors import OverBudget
+from prepos.loading import exported_gguf
+
+pytestmark = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
+
+Q = "What is the trend?"
+TOKENS = [(7 * i + 3) % 400 + 10 for i in range(90)]
+
+
+@pytest.fixture(scope="module")
+def backend(model_dirs):
+    be = llama_cpp.LlamaCppBackend(exported_gguf(model_dirs["chatml"]), n_ctx=4096, threads=2,
+                                   max_sequences=8)
+    yield be
+    be.close()
+
+
+def test_crop_and_rerun_is_bitwise_identical(backend):
+    kv = backend.new_kv()
+    try:
+        backend.extend(kv, [], TOKENS[:60])
+        first = backend.extend(kv, TOKENS[:60], TOKENS[60:70])
+        backend.crop(kv, 60)
+        again = backend.extend(kv, TOKENS[:60], TOKENS[60:70])
+        assert torch.equal(first, again)
+    finally:
+        backend.release(kv)
+
+
+def test_a_batch_of_sessions_matches_each_alone_within_the_tolerance(backend):
+    """Each sequence of a batched decode sees only its own cache: its logits equal a decode
+    of it alone to within the stated tolerance, and so does its argmax wherever the top-2
+    gap exceeds it."""
+    kvs = [backend.new_kv() for _ in range(4)]
+    try:
+        prompts = [TOKENS[i * 5:i * 5 + 40 + i * 7] for i in range(4)]
+        alone = []
+        for kv, p in zip(kvs, prompts):
+            alone.append(backend.extend(kv, [], p))
+            backend.crop(kv, 0)
+        together = backend.extend_batch([(kv, [], p) for kv, p in zip(kvs, prompts)])
+        for a, b in zip(alone, together):
+            assert float((a - b).abs().max()) <= backend.logit_tolerance
+            top2 = torch.topk(a, 2).values
+            if float(top2[0] - top2[1]) > backend.logit_tolerance:
+                assert int(a.argmax()) == int(b.argmax())
+    finally:
+        for kv in kvs:
+            backend.release(kv)
+
+
+def test_crop_removes_the_positions_it_drops(backend):
+    """After a crop the sequence attends to its kept prefix only: re-running the dropped
+    positions gives a fresh run's logits (stale cells would change them)."""
+    a, b = backend.new_kv(), backend.new_kv()
+    try:
+        backend.extend(a, [], TOKENS)
+        backend.crop(a, 5)
+        out = backend.extend(a, TOKENS[:5], TOKENS[40:45])
+        ref = backend.extend(b, [], TOKENS[:5] + TOKENS[40:45])
+        assert float((out - ref).abs().max()) <= backend.logit_tolerance
+    finally:
+        backend.release(a)
+        backend.release(b)
+
+
+def test_idle_forward_aborts_for_a_waiting_request_and_leaves_the_cache_as_it_was(backend):
+    kv = backend.new_kv()
+    try:
+        backend.extend(kv, [], TOKENS[:20])
+        with idle_work(True, should_yield=lambda: True), pytest.raises(Preempted):
+            backend.extend(kv, TOKENS[:20], TOKENS[20:80])
+        # the aborted chunk's cells were removed: the sequence holds its 20 positions only,
+        # so extending from 20 gives what it gave before
+        ref = backend.extend(kv, TOKENS[:20], TOKENS[20:30])
+        backend.crop(kv, 20)
+        assert torch.equal(ref, backend.extend(kv, TOKENS[:20], TOKENS[20:30]))
+    finally:
+        backend.release(kv)
+
+
+def test_more_sessions_than_sequences_is_refused_not_evicted(backend):
+    held = [backend.new_kv() for _ in range(backend.n_seq)]
+    try:
+        with pytest.raises(OverBudget, match="at most"):
+            backend.new_kv()
+    finally:
+        for kv in held:
+            backend.release(kv)
+    backend.release(backend.new_kv())  # released sequences are reused
+
+
+def test_concurrent_answers_are_batched_and_each_is_its_greedy_answer(model_dirs):
+    """Six sessions answering at once share quanta (their steps run as one forward),
+    and every token of every answer is the greedy choice of a cold forward of that session's
+    own sequence (to within the back end's tolerance)."""
+    cfg = EngineConfig(backend="llama.cpp", threads=2, preposition=False,
+                       gate=GateConfig(tau=0.0, answers=()))
+    with Engine.from_pretrained(model_dirs["chatml"], cfg) as eng:
+        sids = []
+        for i in range(6):
+            sid = eng.create_session("streaming", system="You read market data.")
+            eng.append(sid, f"AAPL {100 + i} {101 + i} {99 + 2 * i}")
+            sids.append(sid)
+        before = eng.scheduler.batches, eng.scheduler.batched_forwards
+        gate = threading.Event()
+
+        def blocker():  # holds the one model worker until every request is queued
+            gate.wait(30)
+            yield
+
+        eng.scheduler.submit(blocker())
+        streams = {sid: eng.query_stream(sid, Q, SamplingParams(max_tokens=8), fast_path="off")
+                   for sid in sids}
+        gate.set()
+        answers = {sid: st.result(timeout=60).tokens for sid, st in streams.items()}
+        batches = eng.scheduler.batches - before[0]
+        forwards = eng.scheduler.batched_forwards - before[1]
+        assert forwards > batches  # some quanta ran several sessions' steps in one forward
+        for sid in sids:
+            seq = list(eng.session(sid).snap.tokens) + list(query_entry(eng, sid, Q))
+            for tok in answers[sid]:
+                assert greedy_agrees(eng, seq, tok), sid
+                seq.append(tok)
