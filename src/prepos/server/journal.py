@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from prepos.session import Session, SessionSpec, Snapshot
@@ -75,7 +75,9 @@ def spec_to_json(spec: SessionSpec) -> str:
 
 
 def spec_from_json(raw: str) -> SessionSpec:
-    d = json.loads(raw)
+    """A journalled spec; fields a newer SessionSpec no longer has are dropped."""
+    known = {f.name for f in fields(SessionSpec)}
+    d = {k: v for k, v in json.loads(raw).items() if k in known}
     d["tools"] = tuple(d.get("tools", ()))
     d["standing"] = tuple(d.get("standing", ()))
     return SessionSpec(**d)

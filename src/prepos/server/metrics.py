@@ -7,7 +7,6 @@ engine counters and gauges (pre-positions, paths, KV cells, queues, sessions) ar
 from __future__ import annotations
 
 import math
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -112,7 +111,7 @@ class _EngineCollector:
         yield info
         if eng is None:
             return
-        m = _engine_metrics(eng)
+        m = eng.metrics()  # readable from any thread (KVPool keeps a running count)
         pre = m["prepositions"]
         helps = {
             "started": "Pre-positions started (one per committed version)",
@@ -159,13 +158,3 @@ class _EngineCollector:
         yield GaugeMetricFamily("prepos:num_requests_waiting", "Foreground requests queued "
                                 "on the model worker", m["queue_foreground"])
         yield GaugeMetricFamily("prepos:sessions", "Live sessions", m["sessions"])
-
-
-def _engine_metrics(eng) -> dict:
-    """`Engine.metrics()` sums KV lengths while the worker may add a session; retry."""
-    for _ in range(5):
-        try:
-            return eng.metrics()
-        except RuntimeError:  # dictionary changed size during iteration
-            time.sleep(0.001)
-    return eng.metrics()

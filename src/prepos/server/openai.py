@@ -57,10 +57,8 @@ async def models(request: Request):
 
 @routes.add("POST", "/v1/chat/completions", 5)
 async def chat_completions(request: Request):
-    state = ServerState.of(request)
-    eng = state.engine
-    owner = state.owner(request)
-    body = await state.body(request, ChatCompletion)
+    c = await ServerState.open(request, ChatCompletion)
+    state, eng, owner, body = c.state, c.engine, c.owner, c.body
     sampling = chat_sampling(state, body)
     msgs = normalize(body.messages)
     for i, m in enumerate(msgs):
@@ -80,10 +78,8 @@ async def chat_completions(request: Request):
 
 @routes.add("POST", "/v1/completions", 6)
 async def completions(request: Request):
-    state = ServerState.of(request)
-    eng = state.engine
-    owner = state.owner(request)
-    body = await state.body(request, Completion)
+    c = await ServerState.open(request, Completion)
+    state, eng, owner, body = c.state, c.engine, c.owner, c.body
     prompt, sampling = completion_input(state, body)
     state.limits.check_input(eng, prompt, "prompt")
     return await complete(state, request.receive, eng, owner, body, prompt, sampling)

@@ -16,6 +16,7 @@ import math
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from prepos.core import SamplingParams
 from prepos.entries import parse_tool_calls
 from prepos.server import results, streaming
 from prepos.server.errors import ApiError
@@ -28,43 +29,40 @@ from prepos.server.schemas import (
     CreateSession,
     Query,
     Rollback,
-    SamplingFields,
     Shift,
     ToolResult,
     Turn,
 )
 from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import event
-from prepos.server.state import ServerState
+from prepos.server.state import Call, ServerState
 from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 
 routes = Routes()
 
 
-def _session(state: ServerState, request: Request, sid: str):
-    eng = state.engine
-    owner = state.owner(request)
-    return eng, owner, state.session(eng, sid, owner)
+def _sampling(c: Call) -> SamplingParams:
+    b = c.body
+    return c.state.limits.sampling(b.max_tokens, b.temperature, b.top_k, b.top_p, b.seed,
+                                   b.stop, top_logprobs=b.top_logprobs)
 
 
-def _sampling(state: ServerState, body: SamplingFields):
-    return state.limits.sampling(body.max_tokens, body.temperature, body.top_k, body.top_p,
-                                 body.seed, body.stop, top_logprobs=body.top_logprobs)
-
-
-def _committed(eng, sid: str, version: int) -> dict:
-    snap = eng.snapshot(sid, version)
-    return {"session_id": sid, "version": version, "tokens": len(snap.tokens),
-            "messages": len(snap.messages)}
+async def _commit(c: Call, fn, *args) -> Response:
+    """A mutation: backpressure if it waits for the KV, then the engine call off the loop;
+    the committed version."""
+    if c.body.wait:
+        c.state.backpressure(c.engine)
+    version = await c.state.run(fn, *args)
+    snap = c.engine.snapshot(c.sid, version)
+    return json_response({"session_id": c.sid, "version": version, "tokens": len(snap.tokens),
+                          "messages": len(snap.messages)})
 
 
 # -- lifecycle ----------------------------------------------------------------------------
 @routes.add("POST", "/sessions", 50)
 async def create_session(request: Request):
-    state = ServerState.of(request)
-    eng = state.engine
-    owner = state.owner(request)
-    body = await state.body(request, CreateSession)
+    c = await ServerState.open(request, CreateSession)
+    state, eng, owner, body = c.state, c.engine, c.owner, c.body
     lim = state.limits
     if not 1 <= body.push_max_tokens <= lim.max_tokens:
         raise ApiError(400, "invalid_request", f"push_max_tokens must be in [1, "
@@ -107,12 +105,10 @@ def _info(state: ServerState, eng, sid: str, owner) -> dict:
 
 @routes.add("GET", "/sessions", 50)
 async def list_sessions(request: Request):
-    state = ServerState.of(request)
-    eng = state.engine
-    owner = state.owner(request)
+    c = await ServerState.open(request)
     out = []
-    for s in eng.sessions.all():
-        if is_ephemeral(s.id) or (owner is not None and s.spec.owner != owner):
+    for s in c.engine.sessions.all():
+        if is_ephemeral(s.id) or (c.owner is not None and s.spec.owner != c.owner):
             continue
         snap = s.snap
         out.append({"id": s.id, "kind": s.kind, "version": snap.version,
@@ -122,8 +118,8 @@ async def list_sessions(request: Request):
 
 @routes.add("GET", "/sessions/{sid}", 50)
 async def inspect_session(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
+    c = await ServerState.open(request, sid=sid)
+    state, eng, owner = c.state, c.engine, c.owner
     raw = request.query_params.get("wait_ready")
     wait = 0.0
     if raw is not None:
@@ -160,115 +156,82 @@ async def inspect_session(sid: str, request: Request):
 
 @routes.add("DELETE", "/sessions/{sid}", 50)
 async def close_session(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, _ = _session(state, request, sid)
-    eng.close_session(sid, owner)
+    c = await ServerState.open(request, sid=sid)
+    c.engine.close_session(sid, c.owner)
     return json_response({"session_id": sid, "closed": True})
 
 
 # -- mutations ----------------------------------------------------------------------------
 @routes.add("POST", "/sessions/{sid}/append", 14)
 async def append(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, Append)
-    s.require(STREAMING)
-    state.limits.check_input(eng, body.data, "data")
-    if body.wait:
-        state.backpressure(eng)
-    version = await state.run(eng.append, sid, body.data, body.wait, owner)
-    return json_response(_committed(eng, sid, version))
+    c = await ServerState.open(request, Append, sid, STREAMING)
+    c.check_input(c.body.data, "data")
+    return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait, c.owner)
 
 
 @routes.add("POST", "/sessions/{sid}/rollback", 50)
 async def rollback(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, Rollback)
-    if body.wait:
-        state.backpressure(eng)
-    version = await state.run(eng.rollback, sid, body.version, body.wait, owner)
-    return json_response(_committed(eng, sid, version))
+    c = await ServerState.open(request, Rollback, sid)
+    return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait, c.owner)
 
 
 @routes.add("POST", "/sessions/{sid}/shift", 50)
 async def shift(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, Shift)
-    s.require(STREAMING)
-    if body.wait:
-        state.backpressure(eng)
-    version = await state.run(eng.shift, sid, body.drop, body.wait, owner)
-    return json_response(_committed(eng, sid, version))
+    c = await ServerState.open(request, Shift, sid, STREAMING)
+    return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait, c.owner)
 
 
 @routes.add("POST", "/sessions/{sid}/messages", 16)
 async def add_message(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, AddMessage)
-    s.require(AGENTIC)
-    state.limits.check_input(eng, body.content, "content")
-    if body.wait:
-        state.backpressure(eng)
-    version = await state.run(lambda: eng.add_message(sid, body.role, body.content,
-                                                      body.tool_calls, body.wait, owner))
-    return json_response(_committed(eng, sid, version))
+    c = await ServerState.open(request, AddMessage, sid, AGENTIC)
+    b = c.body
+    c.check_input(b.content, "content")
+    return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait,
+                         c.owner)
 
 
 # -- requests -----------------------------------------------------------------------------
 @routes.add("POST", "/sessions/{sid}/query", 0)
 async def query(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, Query)
-    s.require(STREAMING)
-    sampling = _sampling(state, body)
-    state.limits.check_input(eng, body.question, "question")
-    stream, hold = state.start_exact(
-        eng, sid, query_key(body.question), body.fast_path, sampling, body.stream,
-        lambda: eng.query_stream(sid, body.question, sampling, body.fast_path, body.logprobs,
-                                 owner))
-    return await respond(state, request, stream, sid, body.stream, body.logprobs,
-                         agentic=False, hold=hold)
+    c = await ServerState.open(request, Query, sid, STREAMING)
+    eng, b = c.engine, c.body
+    sampling = _sampling(c)
+    c.check_input(b.question, "question")
+    stream, hold = c.state.start_exact(
+        eng, sid, query_key(b.question), b.fast_path, sampling, b.stream,
+        lambda: eng.query_stream(sid, b.question, sampling, b.fast_path, b.logprobs, c.owner))
+    return await respond(c, request, stream, agentic=False, hold=hold)
 
 
 @routes.add("POST", "/sessions/{sid}/turn", 10)
 async def turn(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, Turn)
-    s.require(AGENTIC)
-    sampling = _sampling(state, body)
+    c = await ServerState.open(request, Turn, sid, AGENTIC)
+    eng, b = c.engine, c.body
+    sampling = _sampling(c)
     hold = None
-    if body.user is None:
-        stream, hold = state.start_exact(
-            eng, sid, TURN, body.fast_path, sampling, body.stream,
-            lambda: eng.turn_stream(sid, None, sampling, body.fast_path, body.logprobs, owner))
+    if b.user is None:
+        stream, hold = c.state.start_exact(
+            eng, sid, TURN, b.fast_path, sampling, b.stream,
+            lambda: eng.turn_stream(sid, None, sampling, b.fast_path, b.logprobs, c.owner))
     else:
-        state.limits.check_input(eng, body.user, "user")
-        state.backpressure(eng)
-        stream = await state.run(lambda: eng.turn_stream(sid, body.user, sampling,
-                                                         body.fast_path, body.logprobs, owner))
-    return await respond(state, request, stream, sid, body.stream, body.logprobs,
-                         agentic=True, hold=hold)
+        stream = await _committing(c, eng.turn_stream, b.user, "user", sampling)
+    return await respond(c, request, stream, agentic=True, hold=hold)
 
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12)
 async def tool_result(sid: str, request: Request):
-    state = ServerState.of(request)
-    eng, owner, s = _session(state, request, sid)
-    body = await state.body(request, ToolResult)
-    s.require(AGENTIC)
-    sampling = _sampling(state, body)
-    state.limits.check_input(eng, body.content, "content")
-    state.backpressure(eng)
-    stream = await state.run(lambda: eng.tool_result_stream(sid, body.content, sampling,
-                                                            body.fast_path, body.logprobs,
-                                                            owner))
-    return await respond(state, request, stream, sid, body.stream, body.logprobs,
-                         agentic=True)
+    c = await ServerState.open(request, ToolResult, sid, AGENTIC)
+    stream = await _committing(c, c.engine.tool_result_stream, c.body.content, "content",
+                               _sampling(c))
+    return await respond(c, request, stream, agentic=True)
+
+
+async def _committing(c: Call, start, text: str, what: str, sampling: SamplingParams):
+    """An agentic request that commits `text` first: behind backpressure, off the loop."""
+    c.check_input(text, what)
+    c.state.backpressure(c.engine)
+    b = c.body
+    return await c.state.run(start, c.sid, text, sampling, b.fast_path, b.logprobs, c.owner)
 
 
 def _token(ev) -> dict:
@@ -278,9 +241,10 @@ def _token(ev) -> dict:
     return out
 
 
-async def respond(state: ServerState, request: Request, stream, sid: str, streamed: bool,
-                  logprobs: bool, agentic: bool, hold=None) -> Response:
+async def respond(c: Call, request: Request, stream, agentic: bool, hold=None) -> Response:
     """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
+    state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
+
     def final(res) -> dict:
         content = parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
@@ -306,9 +270,9 @@ async def events(sid: str, request: Request):
     """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
     recorded ready distribution), `answer` (each standing query, answered from its record
     before anyone asks) and `close`."""
-    state = ServerState.of(request)
-    _, _, s = _session(state, request, sid)
-    sub = state.hub.subscribe(s)
+    c = await ServerState.open(request, sid=sid)
+    state = c.state
+    sub = state.hub.subscribe(c.session)
 
     async def stream():
         try:

@@ -1,5 +1,6 @@
-"""The server's state: its configuration, the engine (None while loading), the journal,
-the SSE hub, metrics, keys and limits, and the helpers every route uses."""
+"""The server's state: its configuration, the engine once loaded, the journal, the SSE hub,
+metrics, keys and limits, and the helpers every route uses: a request's context (`Call`),
+session lookup, backpressure, worker holds, ephemeral sessions."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -44,6 +45,25 @@ class ServerConfig:
     served_model_name: str | None = None
     limits: Limits = field(default_factory=Limits)
     threads: int = 256  # threads that wait on engine work for the event loop
+
+
+@dataclass
+class Call:
+    """One request's context: the server state, the engine, the caller's owner id, the
+    validated body, and the session of routes that name one."""
+
+    state: ServerState
+    engine: Engine
+    owner: str | None
+    body: Any = None
+    session: Session | None = None
+
+    @property
+    def sid(self) -> str:
+        return self.session.id
+
+    def check_input(self, text: str, what: str) -> None:
+        self.state.limits.check_input(self.engine, text, what)
 
 
 class ServerState:
@@ -133,6 +153,21 @@ class ServerState:
     @staticmethod
     def of(request: Request) -> ServerState:
         return request.app.state.prepos
+
+    @classmethod
+    async def open(cls, request: Request, model: type[BaseModel] | None = None,
+                   sid: str | None = None, kind: str | None = None) -> Call:
+        """A request's context, refused in this order: 503 while loading, 401 for a bad key,
+        404 for no session `sid` (of this key), 400 for a bad body, 409 for a session of
+        another kind."""
+        state = cls.of(request)
+        eng = state.engine
+        owner = state.owner(request)
+        s = state.session(eng, sid, owner) if sid is not None else None
+        body = await state.body(request, model) if model is not None else None
+        if kind is not None:
+            s.require(kind)
+        return Call(state, eng, owner, body, s)
 
     @property
     def engine(self) -> Engine:
