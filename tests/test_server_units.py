@@ -1,6 +1,5 @@
 """Server parts without a server: the journal's delta encoding, checkpoints and pruning
-against a real engine; conversation matching for the `session_id` extension; tool-call
-hold-back in streamed chat; limits."""
+against a real engine; tool-call hold-back in streamed chat; limits."""
 
 from __future__ import annotations
 
@@ -10,13 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepos.conversation import ConversationError, extends, normalize, same
 from prepos.errors import InvalidSampling
 from prepos.server.errors import ApiError
 from prepos.server.journal import Journal, apply, diff
 from prepos.server.limits import Limits
 from prepos.server.openai_format import safe_prefix
-from prepos.server.schemas import ChatMessage
 from prepos.session import Snapshot
 
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
@@ -86,25 +83,6 @@ def test_journal_restores_every_kept_version(make_engine, tmp_path):
     oldest = history[0][0]
     eng2.rollback(s, oldest, wait=False)
     assert eng2.session(s).snap.messages == tuple(history[0][1])
-
-
-def test_conversation_matching():
-    held = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a", "tool_calls": [
-                {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
-    sent = normalize([ChatMessage(role="system", content="s"),
-                      ChatMessage(role="user", content=[{"type": "text", "text": "u"}]),
-                      ChatMessage(role="assistant", content=" a\n", tool_calls=[
-                          {"id": "c1", "type": "function",
-                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
-                      ChatMessage(role="tool", content="42", tool_call_id="c1")])
-    assert extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
-    assert not same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
-    assert extends(held, sent[:2]) == -1
-    with pytest.raises(ConversationError) as err:
-        normalize([ChatMessage(role="user", content="u"), ChatMessage(role="system",
-                                                                      content="s")])
-    assert err.value.param == "messages[1].role"
 
 
 def test_tool_call_markup_is_held_back():

@@ -1,0 +1,56 @@
+"""Conversation matching for the OpenAI `session_id` extension: client messages in the
+session's form, where they extend a session's history, and the rules checked before any
+commit."""
+
+from __future__ import annotations
+
+import pytest
+
+from prepos.conversation import ConversationError, check_order, extends, normalize, resume, same
+from prepos.server.schemas import ChatMessage
+
+
+def test_conversation_matching():
+    held = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
+    sent = normalize([ChatMessage(role="system", content="s"),
+                      ChatMessage(role="user", content=[{"type": "text", "text": "u"}]),
+                      ChatMessage(role="assistant", content=" a\n", tool_calls=[
+                          {"id": "c1", "type": "function",
+                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
+                      ChatMessage(role="tool", content="42", tool_call_id="c1")])
+    assert extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
+    assert not same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
+    assert extends(held, sent[:2]) == -1
+    with pytest.raises(ConversationError) as err:
+        normalize([ChatMessage(role="user", content="u"), ChatMessage(role="system",
+                                                                      content="s")])
+    assert err.value.param == "messages[1].role"
+
+
+def test_resume_finds_the_delta_or_the_version_to_roll_back_to():
+    held = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    sent = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "v"}]
+    r = resume("s-1", 2, held, sent)  # the session's system prompt is implied
+    assert r.rollback_to is None and r.delta == sent[1:] and len(r.held) == 2
+    other = [{"role": "user", "content": "w"}]
+    with pytest.raises(ConversationError) as err:
+        resume("s-1", 2, held, other)
+    assert err.value.code == "conversation_diverged" and err.value.param == "messages[1]"
+    kept = {1: held[:1], 2: held}
+    r = resume("s-1", 2, held, other, lambda: kept)
+    assert r.rollback_to == 1 and r.delta == [{"role": "user", "content": "w"}]
+
+
+def test_order_rules_before_any_commit():
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    check_order([call], [{"role": "tool", "content": "42"}], 1)
+    with pytest.raises(ConversationError) as err:
+        check_order([call], [{"role": "user", "content": "u"}], 1)
+    assert (err.value.code, err.value.status) == ("tool_result_awaited", 409)
+    with pytest.raises(ConversationError) as err:
+        check_order([], [{"role": "tool", "content": "42"}], 0)
+    assert err.value.code == "no_tool_result_awaited"
