@@ -147,6 +147,7 @@ class FakeCluster:
             done.append(tok)
             tops.append(top)
             lps.append(float(lp[tok]))
+            rep.slot_cache[slot] = seq[:-1]  # the KV now holds every token but the newest
             rep.generated[-1] += 1
             last = tok in stops or i == n_max - 1
             if kind == "llama.cpp":

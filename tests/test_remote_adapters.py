@@ -146,3 +146,73 @@ def test_make_adapter():
     assert isinstance(make_adapter("vllm", model="m"), VLLMAdapter)
     with pytest.raises(ValueError, match="unknown engine"):
         make_adapter("tgi")
+
+
+# -- streamed answers and the engine's facts ------------------------------------------------
+def test_stream_requests_carry_every_sampling_knob():
+    from prepos.core import SamplingParams
+
+    sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=4)
+    v = VLLMAdapter(background_priority=3).stream_request([1, 2], 4, sp, 16, frozenset({9, 2}),
+                                                          rid="r", background=True)
+    assert v.path == "/v1/completions" and v.headers["X-Request-Id"] == "r"
+    assert v.json == {"prompt": [1, 2], "max_tokens": 16, "temperature": 0.7, "top_p": 0.9,
+                      "top_k": 5, "min_p": 0.0, "repetition_penalty": 1.0,
+                      "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                      "stop_token_ids": [2, 9], "ignore_eos": True, "logprobs": 4,
+                      "return_tokens_as_token_ids": True, "stream": True,
+                      "stream_options": {"include_usage": True}, "seed": 4, "priority": 3}
+    g = SGLangAdapter().stream_request([1], 2, SamplingParams(), 8, frozenset({2}), rid="r",
+                                       background=False)
+    assert g.json["stream"] is True and g.json["rid"] == "r"
+    assert g.json["sampling_params"] == {"max_new_tokens": 8, "temperature": 0.0,
+                                         "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                         "stop_token_ids": [2], "ignore_eos": True}
+    c = LlamaCppAdapter().stream_request([1], 2, sp, 8, frozenset({2}), rid="r",
+                                         background=False, slot=1)
+    assert c.path == "/completion" and c.json["stream"] is True and c.json["id_slot"] == 1
+    assert (c.json["n_predict"], c.json["n_probs"], c.json["seed"]) == (8, 2, 4)
+    assert c.json["samplers"] == ["top_k", "temperature", "top_p"]
+    assert c.json["min_p"] == 0.0 and c.json["repeat_penalty"] == 1.0
+    assert LlamaCppAdapter().stream_request([1], 2, SamplingParams(seed=4), 8, frozenset(),
+                                            rid="r", background=False).json["seed"] == -1
+
+
+def test_vllm_stream_events_as_vllm_0_32_sends_them():
+    p = VLLMAdapter().stream_parser()
+    ev = {"id": "cmpl-9", "object": "text_completion", "choices": [{
+        "index": 0, "text": "", "logprobs": {"text_offset": [12], "token_logprobs": [-3.69],
+                                             "tokens": ["token_id:331"],
+                                             "top_logprobs": [{"token_id:331": -3.69,
+                                                               "token_id:307": -3.75}]},
+        "finish_reason": "stop", "stop_reason": 331, "prompt_token_ids": None,
+        "token_ids": None}]}
+    [(tok, top)] = p.feed(ev)
+    assert tok == 331 and top.dist().top_ids == (331, 307) and p.finished
+    p.feed({"id": "cmpl-9", "choices": [], "usage": {
+        "prompt_tokens": 6, "total_tokens": 8, "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 0}}})
+    assert (p.cached_tokens, p.prompt_tokens) == (0, 6)
+
+
+def test_sglang_stream_cumulative_or_incremental():
+    def ev(toks, total):
+        return {"meta_info": {"completion_tokens": total, "cached_tokens": 4,
+                              "output_token_logprobs": [[-0.1, t, None] for t in toks],
+                              "output_top_logprobs": [[[-0.1, t, None], [-2.0, 0, None]]
+                                                      for t in toks], "finish_reason": None}}
+    cum = SGLangAdapter().stream_parser()
+    assert [t for t, _ in cum.feed(ev([5], 1))] == [5]
+    assert [t for t, _ in cum.feed(ev([5, 6], 2))] == [6]
+    inc = SGLangAdapter().stream_parser()
+    assert [t for t, _ in inc.feed(ev([5], 1))] == [5]
+    assert [t for t, _ in inc.feed(ev([6], 2))] == [6]
+
+
+def test_engine_info():
+    models = {"object": "list", "data": [{"id": "m", "max_model_len": 2048}]}
+    assert VLLMAdapter().parse_info(models).max_context == 2048
+    assert SGLangAdapter().parse_info(models).max_context == 2048
+    props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 1024}}
+    info = LlamaCppAdapter().parse_info(props)
+    assert (info.max_context, info.n_slots) == (1024, 4)

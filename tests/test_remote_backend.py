@@ -10,7 +10,6 @@ import pytest
 import torch
 from remote_fakes import FakeCluster, hash_logits, torch_logits
 
-from prepos.kv import KVSequence
 from prepos.backends.base import idle_work as background_work
 from prepos.backends.remote import (
     Abandoned,
@@ -22,6 +21,7 @@ from prepos.backends.remote import (
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path, SamplingParams
 from prepos.engine import Engine
+from prepos.kv import KVSequence
 
 KINDS = ["llama.cpp", "vllm", "sglang"]
 

@@ -17,18 +17,21 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def find_binary() -> Path | None:
-    """$PREPOS_LLAMA_SERVER, else the newest cached build under .cache/llama-server (or
-    $LLAMA_CACHE), else `llama-server` on PATH."""
+    """$PREPOS_LLAMA_SERVER, else the newest cached build under $LLAMA_CACHE (or
+    .cache/llama-server, or `.ci/run`'s ~/.cache/prepos-llama-server), else `llama-server`
+    on PATH."""
     env = os.environ.get("PREPOS_LLAMA_SERVER")
     if env:
         p = Path(env)
         return p if p.is_file() and os.access(p, os.X_OK) else None
-    cache = Path(os.environ.get("LLAMA_CACHE", ROOT / ".cache" / "llama-server"))
-    found = sorted(cache.glob("*/bin/llama-server"),
-                   key=lambda p: float(p.parent.parent.name.split(".")[0])
-                   if p.parent.parent.name.split(".")[0].isdigit() else 0.0)
-    if found:
-        return found[-1]
+    caches = ([Path(os.environ["LLAMA_CACHE"])] if os.environ.get("LLAMA_CACHE") else
+              [ROOT / ".cache" / "llama-server", Path.home() / ".cache" / "prepos-llama-server"])
+    for cache in caches:
+        found = sorted(cache.glob("*/bin/llama-server"),
+                       key=lambda p: float(p.parent.parent.name.split(".")[0])
+                       if p.parent.parent.name.split(".")[0].isdigit() else 0.0)
+        if found:
+            return found[-1]
     which = shutil.which("llama-server")
     return Path(which) if which else None
 

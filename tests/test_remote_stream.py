@@ -1,0 +1,208 @@
+"""Streamed answers on the remote back end, against the engines' schemas (remote_fakes.py):
+one request per answer, the engine's own sampling, stop tokens, cancellation by closing the
+stream, failover before the first token and a clean error after it, background priority
+only where the engine accepts it, and the engine's own context length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from remote_fakes import FakeCluster, hash_logits
+
+from prepos.backends.base import idle_work
+from prepos.backends.remote import (
+    AnswerInterrupted,
+    BackendUnavailable,
+    RemoteBackend,
+    RemoteError,
+    make_adapter,
+)
+from prepos.backends.remote_adapters import LlamaCppAdapter
+from prepos.core import SamplingParams
+from prepos.kv import KVSequence
+
+KINDS = ["llama.cpp", "vllm", "sglang"]
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def backend(cluster: FakeCluster, **kw) -> RemoteBackend:
+    kw.setdefault("health_interval", None)
+    return RemoteBackend(make_adapter(cluster.kind, background_priority=5), cluster.urls,
+                         vocab_size=50, top_k=4, transport=cluster.transport, **kw)
+
+
+def greedy(fn, prompt, n):
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(torch.argmax(fn(seq))))
+        seq.append(out[-1])
+    return out
+
+
+def prompt_of(body: dict) -> list[int]:
+    return body.get("prompt", body.get("input_ids"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_request_per_answer_greedy_topk_and_mirror(kind):
+    fn = hash_logits()
+    cl = FakeCluster(kind, fn, ["a"])
+    be = backend(cl)
+    kv = KVSequence(be, key="s")
+    want = greedy(fn, PROMPT, 6)
+    got = list(kv.stream(PROMPT, SamplingParams(top_logprobs=3), 6, frozenset()))
+    assert [t for t, _ in got] == want
+    assert len(cl.replicas["a"].requests) == 1  # one streamed request for the whole answer
+    seq = list(PROMPT)
+    for tok, dist in got:  # each token's top-k: the raw model distribution there
+        ref = torch.topk(torch.log_softmax(fn(seq), -1), 3)
+        assert dist.logits is None and dist.top_ids[:3] == tuple(ref.indices.tolist())
+        seq.append(tok)
+    assert kv.tokens == PROMPT + want[:-1]  # what the engine's cache holds
+    assert be.metrics()["replicas"]["http://a"]["streams"] == 1
+    be.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_token_ends_the_answer_and_is_delivered(kind):
+    fn = hash_logits()
+    want = greedy(fn, PROMPT, 8)
+    stop = want[2]
+    if stop in want[:2]:
+        pytest.skip("the stand-in model repeats its token")
+    # llama.cpp stops by itself only on the model's end-of-generation tokens
+    for eog in (frozenset({stop}), frozenset()):
+        cl = FakeCluster(kind, fn, ["a"], eog=eog)
+        be = backend(cl)
+        got = [t for t, _ in be.stream_answer(be.new_kv("s"), PROMPT, SamplingParams(), 8,
+                                              frozenset({stop}))]
+        assert got == want[:3]
+        # the engine generated no further than the stop (llama.cpp past a non-EOG stop id:
+        # prepos closed the stream; the fake generates one event ahead at most)
+        assert cl.replicas["a"].generated[-1] <= 4
+        be.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_is_the_engines_seeded_and_sent_explicitly(kind):
+    cl = FakeCluster(kind, hash_logits(), ["a"])
+    be = backend(cl)
+    hot = SamplingParams(temperature=1.3, top_k=0, top_p=1.0, seed=11)
+    runs = [[t for t, _ in be.stream_answer(be.new_kv(f"s{i}"), PROMPT, hot, 12, frozenset())]
+            for i in range(2)]
+    assert runs[0] == runs[1]  # seeded: reproducible
+    assert runs[0] != greedy(hash_logits(), PROMPT, 12)
+    body = cl.replicas["a"].requests[-1]
+    sp = body.get("sampling_params", body)
+    assert sp["temperature"] == 1.3 and sp["top_p"] == 1.0 and sp["min_p"] == 0.0
+    assert sp.get("seed", sp.get("sampling_seed")) == 11
+    if kind == "llama.cpp":
+        assert body["samplers"] == ["top_k", "temperature", "top_p"] and body["top_k"] == 0
+    else:
+        assert sp["ignore_eos"] is True
+    be.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closing_the_stream_aborts_at_the_engine(kind):
+    cl = FakeCluster(kind, hash_logits(), ["a"])
+    be = backend(cl)
+    events = be.stream_answer(be.new_kv("s"), PROMPT, SamplingParams(), 40, frozenset())
+    for _ in range(3):
+        next(events)
+    events.close()
+    assert cl.replicas["a"].generated[-1] < 10  # not generated to the end
+    if kind == "sglang":  # the one engine with an abort API is also told
+        assert cl.replicas["a"].aborts and cl.replicas["a"].aborts[-1].startswith("prepos-s-")
+    assert be.metrics()["replicas"]["http://a"]["healthy"]
+    be.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_failover_before_the_first_token_and_a_clean_error_after(kind):
+    fn = hash_logits()
+    cl = FakeCluster(kind, fn, ["a", "b"])
+    be = backend(cl)
+    kv = be.new_kv("s")
+    home = be.replica_for("s")
+    host = home.url.removeprefix("http://")
+    other = "b" if host == "a" else "a"
+    cl.replicas[host].up = False  # down before the answer: moves, whole prompt, no error
+    got = [t for t, _ in be.stream_answer(kv, PROMPT, SamplingParams(), 5, frozenset())]
+    assert got == greedy(fn, PROMPT, 5)
+    assert prompt_of(cl.replicas[other].requests[-1]) == PROMPT
+    assert kv.replica.url == f"http://{other}" and be.moves == 1
+
+    cl.replicas[other].fail_after = 2  # dies mid-answer, and the first replica is down
+    events = be.stream_answer(kv, PROMPT, SamplingParams(), 5, frozenset())
+    assert [next(events)[0] for _ in range(2)] == got[:2]
+    with pytest.raises(AnswerInterrupted) as err:
+        next(events)
+    assert isinstance(err.value, BackendUnavailable) and "not resumed" in str(err.value)
+    m = be.metrics()["replicas"][f"http://{other}"]
+    assert m["interrupted"] == 1 and not m["healthy"]
+
+    cl.replicas[host].up = True  # the next answer goes to the replica that is back
+    be.check_health()
+    cl.replicas[other].fail_after = None
+    assert [t for t, _ in be.stream_answer(kv, PROMPT, SamplingParams(), 5,
+                                           frozenset())] == got
+    assert kv.replica is home
+    be.close()
+
+
+def test_background_priority_only_where_the_engine_accepts_it():
+    cl = FakeCluster("vllm", hash_logits(), ["a"])
+    be = backend(cl)
+    kv = be.new_kv("s")
+    with idle_work():
+        be.extend(kv, [], [1, 2])
+    assert cl.replicas["a"].requests[-1]["priority"] == 5
+    cl.replicas["a"].priority_ok = False  # restarted without priority scheduling
+    with idle_work():
+        be.extend(kv, [], [1, 2, 3])  # refused with priority: resent without it
+        list(be.stream_answer(kv, [1, 2, 3], SamplingParams(), 2, frozenset()))
+    assert "priority" not in cl.replicas["a"].requests[-1]
+    assert be.metrics()["replicas"]["http://a"]["priority"] is False
+    assert be.metrics()["replicas"]["http://a"]["background"] == 3
+    be.extend(kv, [], [1, 2, 3, 4])  # foreground never carries one
+    assert "priority" not in cl.replicas["a"].requests[-1]
+    be.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_length_comes_from_the_engine(kind):
+    cl = FakeCluster(kind, hash_logits(), ["a", "b"], max_context=300)
+    be = backend(cl)
+    assert be.max_context == 300  # not a config file's
+    assert backend(cl, max_context=200).max_context == 200  # a cap, where given
+    with pytest.raises(RemoteError, match="exceeds the context"):
+        list(be.stream_answer(be.new_kv(), list(range(1, 302)), SamplingParams(), 1,
+                              frozenset()))
+    for r in cl.replicas.values():
+        r.up = False
+    with pytest.raises(BackendUnavailable, match="context length"):
+        backend(cl)
+    be.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_tokens_reported_by_the_stream(kind):
+    cl = FakeCluster(kind, hash_logits(), ["a"])
+    be = backend(cl)
+    kv = be.new_kv("s")
+    toks = [t for t, _ in be.stream_answer(kv, PROMPT, SamplingParams(), 3, frozenset())]
+    list(be.stream_answer(kv, PROMPT + toks, SamplingParams(), 3, frozenset()))
+    assert kv.last.cached_tokens == len(PROMPT) + 2  # the last token is run again
+    assert be.metrics()["replicas"]["http://a"]["cached_tokens"] == len(PROMPT) + 2
+    be.close()
+
+
+def test_llamacpp_withheld_token_is_an_error():
+    parser = LlamaCppAdapter().stream_parser()
+    probs = [{"id": 7, "logprob": -0.1, "top_logprobs": [{"id": 7, "logprob": -0.1},
+                                                        {"id": 3, "logprob": -2.0}]}]
+    assert parser.feed({"tokens": [7], "tokens_predicted": 1,
+                        "completion_probabilities": probs})[0][0] == 7
+    with pytest.raises(RemoteError, match="incomplete UTF-8"):
+        parser.feed({"tokens": [7], "tokens_predicted": 3, "completion_probabilities": probs})
