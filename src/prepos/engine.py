@@ -9,18 +9,15 @@ from collections import Counter
 from pathlib import Path as FsPath
 from typing import Callable, Sequence
 
-import torch
-
-from prepos.backends.base import Backend, Dist
+from prepos.answers import Answers
+from prepos.backends.base import Backend
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
-from prepos.entries import ChatFormat, parse_tool_calls
+from prepos.core import ReadyRecord, Result, SamplingParams
+from prepos.entries import ChatFormat, normalize_tool_call, parse_tool_calls
 from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
-from prepos.generation import Generation
-from prepos.kv import Forward, KVPool, KVSequence
+from prepos.kv import Forward, KVPool
 from prepos.prepositioner import Prepositioner
-from prepos.sampling import generator_for, sample, top_logprobs
 from prepos.scheduler import Scheduler
 from prepos.session import (
     AGENTIC,
@@ -59,6 +56,7 @@ class Engine:
                                     on_record=lambda s, key, rec: self._emit("record", s,
                                                                              (key, rec)))
         self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
+        self.answers = Answers(self)
         self.observers: list[Callable[[Result], None]] = []  # called with every finished result
         # called as fn(event, session, payload) for "create", "commit" (payload: the new
         # Snapshot), "record" (payload: (key, ReadyRecord)) and "close"; keep them quick
@@ -183,7 +181,7 @@ class Engine:
         if tool_calls:
             if role != "assistant":
                 raise InvalidInput("only assistant messages carry tool_calls")
-            msg["tool_calls"] = [_check_call(c) for c in tool_calls]
+            msg["tool_calls"] = [normalize_tool_call(c) for c in tool_calls]
             self.fmt.check_text(json.dumps(msg["tool_calls"]), "tool_calls")
         snap, dropped = s.add_message(msg, expected_version=expected_version)
         self._committed(s, snap, dropped, wait)
@@ -237,16 +235,16 @@ class Engine:
         if mode != "off":
             exact = ready.records.get(query_key(question))
             if exact is not None:  # realized entry == pre-positioned entry: zero added risk
-                return self._serve_exact(s, snap, ready, exact, sampling, logprobs, t0)
+                return self.answers.exact(s, snap, ready, exact, sampling, logprobs, t0)
             if mode == "relaxed" and header is not None:
                 if self.gate.fires(header):  # Eq. 12: one cached token, no scheduler
-                    return self._serve_relaxed(ready, header, sampling, logprobs, t0)
+                    return self.answers.relaxed(ready, header, sampling, logprobs, t0)
                 self._count("gate_miss")
         ent = s.entries(snap)
         entry = self.fmt.encode(self.fmt.frame(ent.user, question))
-        return self._submit(s, snap.tokens + tuple(entry), len(snap.tokens), snap.version,
-                            ready, sampling, logprobs, t0,
-                            gap=header.gap if header is not None else None)
+        return self.answers.prefill(s, snap.tokens + tuple(entry), len(snap.tokens),
+                                    snap.version, ready, sampling, logprobs, t0,
+                                    gap=header.gap if header is not None else None)
 
     def turn(self, sid: str, user: str | None = None, sampling: SamplingParams | None = None,
              fast_path: str | None = None, logprobs: bool = False,
@@ -298,8 +296,8 @@ class Engine:
                 raise InvalidInput(f"session {s.id} awaits a tool result, not a new turn")
             turn = ready.records.get(TURN)
             if mode != "off" and turn is not None:
-                return self._serve_exact(s, base, ready, turn, sampling, logprobs, t0,
-                                         on_finish=self._commit_answer(s, base.version))
+                return self.answers.exact(s, base, ready, turn, sampling, logprobs, t0,
+                                          on_finish=self._commit_answer(s, base.version))
             snap, dropped = base, None
         else:
             self.fmt.check_text(message["content"], "user" if message["role"] == "user"
@@ -310,10 +308,10 @@ class Engine:
                 check=lambda n: self._check_room(s, n + n_header, sampling))
             self._emit("commit", s, snap)
         header = s.entries(snap).header
-        return self._submit(s, snap.tokens + header, len(base.tokens), snap.version,
-                            dropped if dropped is not None else ready, sampling, logprobs, t0,
-                            on_finish=self._commit_answer(s, snap.version),
-                            settle_dropped=dropped is not None)
+        return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
+                                    dropped if dropped is not None else ready, sampling,
+                                    logprobs, t0, on_finish=self._commit_answer(s, snap.version),
+                                    settle_dropped=dropped is not None)
 
     def _commit_answer(self, s: Session, version: int) -> Callable[[Result], None]:
         def commit(res: Result) -> None:
@@ -342,117 +340,8 @@ class Engine:
         with s.lock:
             snap, ready = s.snap, s.ready
         seq = tuple(self.fmt.encode_prompt(prompt))
-        return self._submit(s, seq, len(snap.tokens), snap.version, ready, sampling, logprobs,
-                            t0)
-
-    # -- the three paths -----------------------------------------------------------------
-    def _serve_relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
-                       logprobs: bool, t0: float) -> Stream:
-        """The gate fired: one cached token, the question-independent answer."""
-        self.prepos.consume(ready)
-        res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
-                     finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p)
-        if logprobs:
-            res.logprobs.append(rec.top_logprobs[0])
-        if sampling.top_logprobs:
-            res.top_logprobs.append(top_logprobs(_cached(rec), sampling.top_logprobs))
-        res.timing.ttft = res.timing.total = time.perf_counter() - t0
-        self._count("fast_relaxed")
-        stream = Stream()
-        stream.finish(res)
-        self._observe(res)
-        return stream
-
-    def _serve_exact(self, s: Session, snap: Snapshot, ready: ReadySet, rec: ReadyRecord,
-                     sampling: SamplingParams, logprobs: bool, t0: float,
-                     on_finish: Callable[[Result], None] | None = None) -> Stream:
-        """First token from the cached logits with the request's own sampling; further
-        tokens decode on from the resident entry KV."""
-        self.prepos.consume(ready)
-        self._count("fast_exact")
-        res = Result(Path.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
-                     prompt_tokens=rec.p)
-        stream = Stream()
-        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
-                         self._finisher(on_finish))
-        rng = generator_for(sampling)
-        cached = _cached(rec)
-        # greedy: the argmax found when the record was made; otherwise sample the cached logits
-        first = rec.argmax if sampling.greedy else sample(cached, sampling, rng)
-        if out.add(first, cached, rec.top_logprobs[0] if sampling.greedy else None):
-            return stream
-        seq = snap.tokens + rec.entry
-        self._check_room(s, len(seq), sampling)
-        task = self._decode(self.pool.get(s.id), seq, out, sampling, rng)
-        self.scheduler.submit(task, key=s.id, on_error=stream.fail)
-        return stream
-
-    def _submit(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,
-                ready: ReadySet, sampling: SamplingParams, logprobs: bool, t0: float,
-                gap: float | None = None, on_finish: Callable[[Result], None] | None = None,
-                settle_dropped: bool = False) -> Stream:
-        """Fall-through or cold, decided by what the KV holds: restore to the longest
-        resident prefix, prefill only the delta, then decode."""
-        self._check_room(s, len(seq), sampling)
-        stream = Stream()
-        res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
-        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
-                         self._finisher(on_finish))
-
-        def run():
-            tm = res.timing
-            tm.queue = time.perf_counter() - t0
-            if stream.cancelled:  # the client left while this waited: no model work
-                out.finish("cancelled")
-                return
-            self._make_room(s, seq)
-            kv = self.pool.get(s.id)
-            if self.backend.streams_answers:  # the first token is the stream's first event
-                kept = kv.common_prefix(seq)
-                step = None
-            else:
-                step = yield Forward(kv, seq)
-                kept = step.kept
-                tm.restore, tm.prefill = step.restore_s, step.forward_s
-                tm.prefill_tokens = step.prefilled
-            tm.cached_tokens = max(0, kept - base_len)
-            res.cached_prompt_tokens = min(kept, len(seq))
-            used = tm.cached_tokens > 0
-            if used:
-                res.path = Path.FALL
-                self.prepos.consume(ready)
-            elif settle_dropped:
-                self.prepos.invalidated(ready)
-            self._count("fall" if used else "cold")
-            rng = generator_for(sampling)
-            if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
-                yield from self._decode(kv, seq, out, sampling, rng)
-
-        self.scheduler.submit(run(), key=s.id, on_error=stream.fail)
-        return stream
-
-    def _decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
-                sampling: SamplingParams, rng):
-        """The rest of the answer after `seq` and `out`'s tokens: one decode step per
-        scheduler quantum, batched with other sessions' steps; or, on a back end that
-        streams answers, every token from one streamed request (the engine's own sampling;
-        one token per quantum is read from it)."""
-        if self.backend.streams_answers:
-            events = kv.stream(seq + tuple(out.tokens), sampling,
-                               sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn)
-            try:
-                for token, dist in events:
-                    if out.add(token, dist):
-                        return
-                    yield
-            finally:
-                events.close()
-            out.finish("stop")  # the engine ended the answer without a stop token
-            return
-        while True:
-            step = yield Forward(kv, seq + tuple(out.tokens))
-            if out.add(sample(step.logits, sampling, rng), step.logits):
-                return
+        return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
+                                    logprobs, t0)
 
     # == helpers ===========================================================================
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
@@ -505,14 +394,6 @@ class Engine:
     def _committed_len(self, sid: str) -> int:
         s = self.sessions.find(sid)
         return len(s.snap.tokens) if s is not None else 0
-
-    def _finisher(self, then: Callable[[Result], None] | None) -> Callable[[Result], None]:
-        def finish(res: Result) -> None:
-            if then is not None:
-                then(res)
-            self._observe(res)
-
-        return finish
 
     def _emit(self, event: str, s: Session, payload: object) -> None:
         for fn in self.listeners:
@@ -606,23 +487,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _cached(rec: ReadyRecord) -> torch.Tensor | Dist:
-    """A record's distribution: the full vector where kept, else its top-k."""
-    return rec.logits if rec.logits is not None else Dist(None, rec.top_ids, rec.top_logprobs)
-
-
-def _check_call(call: dict) -> dict:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise InvalidInput("a tool call needs function.name")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError as exc:
-            raise InvalidInput(f"tool call arguments are not JSON: {exc}") from exc
-    if not isinstance(args, dict):
-        raise InvalidInput("tool call arguments must be a JSON object")
-    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}

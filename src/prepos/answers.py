@@ -1,0 +1,164 @@
+"""The three paths an answer takes, and its decode. The engine decides which path serves a
+request (Algorithm 2); this module serves it:
+
+- relaxed fast path: the gate fired on the question-independent record: one cached token, no
+  scheduler (Eq. 3);
+- exact fast path: the first token from the cached distribution with the request's own
+  sampling, the rest decoded on from the resident entry KV;
+- fall-through / cold: restore to the longest resident prefix, prefill only the delta
+  (Eq. 5; the whole entry when nothing was pre-paid, Eq. 2), then decode.
+
+Decode runs one step per scheduler quantum, batched with other sessions' steps; on a back end
+that streams answers (a remote engine), every token after the first comes from one streamed
+request. Sampling with temperature > 0 is then the engine's own; the one exception is the first
+token of a fast answer on a top-k back end, sampled by prepos from the cached top-k,
+renormalized.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from prepos.backends.base import Dist
+from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
+from prepos.generation import Generation
+from prepos.kv import Forward, KVSequence
+from prepos.sampling import generator_for, sample, top_logprobs
+from prepos.session import ReadySet, Session, Snapshot
+from prepos.stream import Stream
+
+if TYPE_CHECKING:
+    from prepos.engine import Engine
+
+
+def cached(rec: ReadyRecord) -> torch.Tensor | Dist:
+    """A record's distribution: the full vector where kept, else its top-k."""
+    return rec.logits if rec.logits is not None else Dist(None, rec.top_ids, rec.top_logprobs)
+
+
+class Answers:
+    """Serves requests for the engine that owns it (its pool, scheduler, pre-positioner and
+    counters)."""
+
+    def __init__(self, engine: Engine):
+        self.eng = engine
+
+    def relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
+                logprobs: bool, t0: float) -> Stream:
+        """The gate fired: one cached token, the question-independent answer."""
+        eng = self.eng
+        eng.prepos.consume(ready)
+        res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
+                     finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p)
+        if logprobs:
+            res.logprobs.append(rec.top_logprobs[0])
+        if sampling.top_logprobs:
+            res.top_logprobs.append(top_logprobs(cached(rec), sampling.top_logprobs))
+        res.timing.ttft = res.timing.total = time.perf_counter() - t0
+        eng._count("fast_relaxed")
+        stream = Stream()
+        stream.finish(res)
+        eng._observe(res)
+        return stream
+
+    def exact(self, s: Session, snap: Snapshot, ready: ReadySet, rec: ReadyRecord,
+              sampling: SamplingParams, logprobs: bool, t0: float,
+              on_finish: Callable[[Result], None] | None = None) -> Stream:
+        """First token from the cached logits with the request's own sampling; further
+        tokens decode on from the resident entry KV."""
+        eng = self.eng
+        eng.prepos.consume(ready)
+        eng._count("fast_exact")
+        res = Result(Path.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
+                     prompt_tokens=rec.p)
+        stream = Stream()
+        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish))
+        rng = generator_for(sampling)
+        dist = cached(rec)
+        # greedy: the argmax found when the record was made; otherwise sample the cached logits
+        first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
+        if out.add(first, dist, rec.top_logprobs[0] if sampling.greedy else None):
+            return stream
+        seq = snap.tokens + rec.entry
+        eng._check_room(s, len(seq), sampling)
+        task = self.decode(eng.pool.get(s.id), seq, out, sampling, rng)
+        eng.scheduler.submit(task, key=s.id, on_error=stream.fail)
+        return stream
+
+    def prefill(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,
+                ready: ReadySet, sampling: SamplingParams, logprobs: bool, t0: float,
+                gap: float | None = None, on_finish: Callable[[Result], None] | None = None,
+                settle_dropped: bool = False) -> Stream:
+        """Fall-through or cold, decided by what the KV holds: restore to the longest
+        resident prefix, prefill only the delta, then decode."""
+        eng = self.eng
+        eng._check_room(s, len(seq), sampling)
+        stream = Stream()
+        res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
+        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish))
+
+        def run():
+            tm = res.timing
+            tm.queue = time.perf_counter() - t0
+            if stream.cancelled:  # the client left while this waited: no model work
+                out.finish("cancelled")
+                return
+            eng._make_room(s, seq)
+            kv = eng.pool.get(s.id)
+            if eng.backend.streams_answers:  # the first token is the stream's first event
+                kept = kv.common_prefix(seq)
+                step = None
+            else:
+                step = yield Forward(kv, seq)
+                kept = step.kept
+                tm.restore, tm.prefill = step.restore_s, step.forward_s
+                tm.prefill_tokens = step.prefilled
+            tm.cached_tokens = max(0, kept - base_len)
+            res.cached_prompt_tokens = min(kept, len(seq))
+            used = tm.cached_tokens > 0
+            if used:
+                res.path = Path.FALL
+                eng.prepos.consume(ready)
+            elif settle_dropped:
+                eng.prepos.invalidated(ready)
+            eng._count("fall" if used else "cold")
+            rng = generator_for(sampling)
+            if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
+                yield from self.decode(kv, seq, out, sampling, rng)
+
+        eng.scheduler.submit(run(), key=s.id, on_error=stream.fail)
+        return stream
+
+    def decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
+               sampling: SamplingParams, rng):
+        """The rest of the answer after `seq` and `out`'s tokens: one decode step per
+        scheduler quantum, batched with other sessions' steps; or, on a back end that
+        streams answers, every token from one streamed request (the engine's own sampling;
+        one token per quantum is read from it)."""
+        if self.eng.backend.streams_answers:
+            events = kv.stream(seq + tuple(out.tokens), sampling,
+                               sampling.max_tokens - len(out.tokens), self.eng.fmt.end_of_turn)
+            try:
+                for token, dist in events:
+                    if out.add(token, dist):
+                        return
+                    yield
+            finally:
+                events.close()
+            out.finish("stop")  # the engine ended the answer without a stop token
+            return
+        while True:
+            step = yield Forward(kv, seq + tuple(out.tokens))
+            if out.add(sample(step.logits, sampling, rng), step.logits):
+                return
+
+    def _finisher(self, then: Callable[[Result], None] | None) -> Callable[[Result], None]:
+        def finish(res: Result) -> None:
+            if then is not None:
+                then(res)
+            self.eng._observe(res)
+
+        return finish
