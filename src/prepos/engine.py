@@ -106,8 +106,7 @@ class Engine:
 
     def close_session(self, sid: str, owner: str | None = None) -> None:
         s = self.sessions.remove(sid, owner)
-        with s.lock:
-            s.ready.valid = False
+        s.invalidate()
         self._emit("close", s, None)
 
         def drop():
@@ -132,8 +131,7 @@ class Engine:
 
     def info(self, sid: str, owner: str | None = None) -> dict:
         s = self.sessions.get(sid, owner)
-        with s.lock:
-            snap, ready = s.snap, s.ready
+        snap, ready = s.current()
         return {
             "id": s.id, "kind": s.kind, "version": snap.version, "tokens": len(snap.tokens),
             "messages": len(snap.messages), "awaiting_tool_result": s.awaiting_tool,
@@ -198,10 +196,9 @@ class Engine:
             self._call(self._ingest(s, snap), key=s.id)
         c = self.config
         if c.preposition and s.spec.preposition:
-            with s.lock:
-                ready = s.ready
+            _, ready = s.current()
             if ready.version == snap.version and ready.valid:
-                ready.scheduled = True
+                self.prepos.scheduled(ready)
                 self.scheduler.submit(self.prepos.job(s, snap, ready), idle=True, key=s.id)
 
     def _ingest(self, s: Session, snap: Snapshot):
@@ -229,8 +226,7 @@ class Engine:
             raise InvalidInput("question must be a non-empty string")
         self.fmt.check_text(question, "question")
         mode = self._mode(s, fast_path)
-        with s.lock:
-            snap, ready = s.snap, s.ready
+        snap, ready = s.current()
         header = ready.records.get(HEADER)
         if mode != "off":
             exact = ready.records.get(query_key(question))
@@ -286,8 +282,7 @@ class Engine:
         s = self.sessions.get(sid, owner)
         s.require(AGENTIC)
         mode = self._mode(s, fast_path)
-        with s.lock:
-            base, ready = s.snap, s.ready
+        base, ready = s.current()
         if expected_version is not None and base.version != expected_version:
             raise Conflict(f"session {s.id} is at version {base.version}, not "
                            f"{expected_version}")
@@ -337,8 +332,7 @@ class Engine:
         s = self.sessions.get(sid, owner)
         if not isinstance(prompt, str) or not prompt:
             raise InvalidInput("prompt must be a non-empty string")
-        with s.lock:
-            snap, ready = s.snap, s.ready
+        snap, ready = s.current()
         seq = tuple(self.fmt.encode_prompt(prompt))
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
                                     logprobs, t0)
@@ -422,8 +416,7 @@ class Engine:
     def ready_header(self, sid: str, owner: str | None = None) -> ReadyRecord | None:
         """The question-independent ready record of a streaming session, if recorded."""
         s = self.sessions.get(sid, owner)
-        with s.lock:
-            return s.ready.records.get(HEADER)
+        return s.ready_records().get(HEADER)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         return self.scheduler.wait_idle(timeout)
@@ -450,31 +443,24 @@ class Engine:
         s = self.sessions.get(sid)
         if (fast_path or s.spec.fast_path) == "off":
             return False
-        with s.lock:
-            return s.ready.valid and key in s.ready.records
+        return key in s.ready_records()
 
     def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:
         """A session's committed snapshot and its valid ready records, read together (no
         records while its ready set is invalid)."""
         s = self.sessions.get(sid)
-        with s.lock:
-            ready = s.ready
-            return s.snap, (dict(ready.records) if ready.valid else {})
+        return s.ready_now()
 
     def snapshot(self, sid: str, version: int | None = None) -> Snapshot:
         """A committed version of a session: `version` while it is kept rendered, else the
         current one."""
         s = self.sessions.get(sid)
-        with s.lock:
-            snap = s.history.get(version) if version is not None else None
-            return snap if isinstance(snap, Snapshot) else s.snap
+        return s.at(version)
 
     def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:
         """The messages of every version a session keeps for rollback, oldest first."""
         s = self.sessions.get(sid)
-        with s.lock:
-            kept = list(s.history.items())
-        return {v: h.messages if isinstance(h, Snapshot) else tuple(h) for v, h in kept}
+        return s.versions()
 
     def close(self) -> None:
         self.scheduler.close()

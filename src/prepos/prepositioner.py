@@ -131,10 +131,9 @@ class Prepositioner:
                         break
                 if target.key is not None:
                     self._record(session, ready, target, seq, step.logits)
-            with session.lock:
-                ready.done = True
-                if started and ready.valid:
-                    self._bump("recorded")
+            ready.done = True
+            if started and ready.valid:
+                self._bump("recorded")
         finally:
             ready.done = True
 
@@ -146,14 +145,16 @@ class Prepositioner:
             top_logprobs=dist.top_logprobs, gap=dist.gap, version=ready.version,
             top_text=self.fmt.decode([dist.top_ids[0]]),
         )
-        with session.lock:  # record only if the version it was computed from is current
-            if not ready.valid:
-                return
-            ready.records[target.key] = rec
+        if not session.record(ready, target.key, rec):  # its version is no longer current
+            return
         if self.on_record is not None:
             self.on_record(session, target.key, rec)
 
     # -- accounting ----------------------------------------------------------------------
+    def scheduled(self, ready: ReadySet) -> None:
+        """A pre-position job for this ready set was queued."""
+        ready.scheduled = True
+
     def consume(self, ready: ReadySet | None) -> None:
         """A request used this ready set (a record, or its pre-paid KV): a hit."""
         if ready is None:

@@ -116,7 +116,6 @@ class Session:
         self.lock = threading.Lock()  # guards snap, ready, history (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
-        self.ready = ReadySet(0)
         # committed versions for rollback; restored ones are rendered when rolled back to
         self.history: OrderedDict[int, Snapshot | tuple[dict, ...]] = OrderedDict()
         self._entries: tuple[int, Entries] | None = None
@@ -129,6 +128,45 @@ class Session:
         self._check_fits(len(self.snap.tokens))
         self.history[version] = self.snap
         self.ready = ReadySet(version)  # a restored session pre-positions its current version
+
+    # -- reads and ready-set writes, each under the lock ----------------------------------
+    def current(self) -> tuple[Snapshot, ReadySet]:
+        """The committed snapshot and its ready set, read together."""
+        with self.lock:
+            return self.snap, self.ready
+
+    def ready_records(self) -> dict:
+        """The current ready records (empty once invalidated)."""
+        return self.ready_now()[1]
+
+    def ready_now(self) -> tuple[Snapshot, dict]:
+        """The committed snapshot and the ready records computed from it, read together."""
+        with self.lock:
+            return self.snap, dict(self.ready.records) if self.ready.valid else {}
+
+    def at(self, version: int | None) -> Snapshot:
+        """A committed version still rendered (the current one otherwise)."""
+        with self.lock:
+            snap = self.history.get(version) if version is not None else None
+            return snap if isinstance(snap, Snapshot) else self.snap
+
+    def versions(self) -> dict[int, tuple[dict, ...]]:
+        with self.lock:
+            kept = list(self.history.items())
+        return {v: h.messages if isinstance(h, Snapshot) else tuple(h) for v, h in kept}
+
+    def record(self, ready: ReadySet, key: tuple, rec) -> bool:
+        """Store a ready record, only if `ready` is still valid (its version current)."""
+        with self.lock:
+            if not ready.valid:
+                return False
+            ready.records[key] = rec
+            return True
+
+    def invalidate(self) -> None:
+        """The session is closing: nothing of it may be served any more."""
+        with self.lock:
+            self.ready.valid = False
 
     def _snapshot(self, version: int, messages: tuple[dict, ...]) -> Snapshot:
         text = self.fmt.render(messages, self.spec.tools) if messages else ""
