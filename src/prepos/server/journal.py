@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from prepos.errors import SessionNotFound
 from prepos.session import Session, SessionSpec, Snapshot
 
 log = logging.getLogger("prepos.server.journal")
@@ -193,7 +194,10 @@ class Journal:
         if last is None or snap.version <= last[0]:
             return  # unknown (not journalled) or already written (listeners out of order)
         # versions committed in between whose events have not come yet
-        kept = self._versions(s.id) if self._versions is not None else {}
+        try:
+            kept = self._versions(s.id) if self._versions is not None else {}
+        except SessionNotFound:  # closed meanwhile: its rows go with its close event
+            kept = {}
         between = [(v, m) for v, m in kept.items() if last[0] < v < snap.version]
         for version, messages in [*between, (snap.version, snap.messages)]:
             base = self._last[s.id][1]
