@@ -56,7 +56,10 @@ class Replica:
 
     def call(self, c: Call) -> Any:
         try:
-            r = self.client.request(c.method, c.path, json=c.json, headers=c.headers)
+            try:
+                r = self.client.request(c.method, c.path, json=c.json, headers=c.headers)
+            except httpx.RemoteProtocolError:  # a pooled connection the server had closed
+                r = self.client.request(c.method, c.path, json=c.json, headers=c.headers)
         except httpx.TransportError as exc:  # refused, reset, timed out
             raise ReplicaFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
         self._check(r, c, r.text)
@@ -72,7 +75,15 @@ class Replica:
         (vLLM and llama.cpp abort a task whose client disconnected). Transport failures,
         while opening or while reading, raise ReplicaFailure."""
         try:
-            with self.client.stream(c.method, c.path, json=c.json, headers=c.headers) as r:
+            with contextlib.ExitStack() as stack:
+                try:
+                    r = stack.enter_context(self.client.stream(c.method, c.path, json=c.json,
+                                                               headers=c.headers))
+                except httpx.RemoteProtocolError:
+                    # a pooled keep-alive connection the server had closed (llama-server
+                    # closes some after a streamed answer): once more, on a new connection
+                    r = stack.enter_context(self.client.stream(c.method, c.path, json=c.json,
+                                                               headers=c.headers))
                 if r.status_code >= 400:
                     r.read()
                     self._check(r, c, r.text)
