@@ -261,3 +261,55 @@ def test_never_stale_under_concurrent_updates(model, live):
     finally:
         eng.close()
         eng.backend.close()
+
+
+def test_streamed_answers_on_llama_server(model, live):
+    """One streamed request per answer: greedy equal to PyTorch, a stop id that is not an
+    end-of-generation token ends it (prepos closes the stream), the engine's own seeded
+    sampling is reproducible, closing the stream aborts the task, and the context length
+    is the server's per-slot n_ctx."""
+    import httpx
+
+    _, _, tok, lm = model
+    be = RemoteBackend.from_urls("llama.cpp", [live[0].url], len(tok), top_k=8,
+                                 health_interval=None)
+    rep = be.replicas[0]
+    try:
+        assert be.max_context == 2048 and rep.n_slots == 4  # from /props
+        prompt = tok("MSFT 310.0 309.2 308.7 Is it falling?",
+                     add_special_tokens=False)["input_ids"]
+        got = list(be.stream_answer(be.new_kv("s"), prompt, SamplingParams(top_logprobs=3),
+                                    10, frozenset()))
+        toks = [t for t, _ in got]
+        assert len(toks) == 10 and rep.counters["streams"] == 1
+        assert rep.counters["requests"] == 0
+        assert_greedy_equal(lm, prompt, toks)
+        want = torch.topk(torch_logprobs(lm, prompt), 3)
+        assert got[0][1].top_logprobs[:3] == pytest.approx(tuple(want.values.tolist()),
+                                                           abs=2e-3)
+        if toks[3] not in toks[:3]:
+            stopped = [t for t, _ in be.stream_answer(be.new_kv("t"), prompt,
+                                                      SamplingParams(), 10,
+                                                      frozenset({toks[3]}))]
+            assert stopped == toks[:4]
+        hot = SamplingParams(temperature=1.0, seed=7)
+        a, b = ([t for t, _ in be.stream_answer(be.new_kv(f"h{i}"), prompt, hot, 10,
+                                                frozenset())] for i in range(2))
+        assert a == b and len(a) == 10
+        events = be.stream_answer(be.new_kv("long"), prompt, SamplingParams(),
+                                  2000 - len(prompt), frozenset())
+        next(events)
+        events.close()
+        for _ in range(600):
+            slots = httpx.get(live[0].url + "/slots", timeout=10).json()
+            if not any(s.get("is_processing") for s in slots):
+                break
+            threading.Event().wait(0.1)
+        assert not any(s.get("is_processing") for s in slots)
+        # the aborted task stopped far short of its 2000 tokens (the server's log says)
+        import re
+
+        lengths = re.findall(r"stop processing: n_tokens = (\d+)", live[0].log.read_text())
+        assert lengths and int(lengths[-1]) < 1000
+    finally:
+        be.close()
