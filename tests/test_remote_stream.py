@@ -206,3 +206,19 @@ def test_llamacpp_withheld_token_is_an_error():
                         "completion_probabilities": probs})[0][0] == 7
     with pytest.raises(RemoteError, match="incomplete UTF-8"):
         parser.feed({"tokens": [7], "tokens_predicted": 3, "completion_probabilities": probs})
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_cache_report_is_read_before_the_last_token(kind):
+    """A reader that closes the stream at its last token (as the engine does) still gets the
+    engine's cached-token report: it is read before that token is handed on."""
+    cl = FakeCluster(kind, hash_logits(), ["a"])
+    be = backend(cl)
+    kv = be.new_kv("s")
+    list(be.stream_answer(kv, PROMPT, SamplingParams(), 3, frozenset()))
+    events = be.stream_answer(kv, PROMPT + [9, 9], SamplingParams(), 2, frozenset())
+    next(events)
+    next(events)
+    events.close()  # at the last token
+    assert kv.last.cached_tokens == len(PROMPT)
+    be.close()

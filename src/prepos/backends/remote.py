@@ -377,8 +377,9 @@ class RemoteBackend(Backend):
                             if last and (self.adapter.stops_on_ids or token not in stop_ids):
                                 # the engine ends the stream itself: read the rest (its cache
                                 # report) before handing the last token on
-                                for rest in events:
-                                    parser.feed(rest)
+                                with contextlib.suppress(ReplicaFailure, RemoteError):
+                                    for rest in events:
+                                        parser.feed(rest)
                             if kv.cancelled_rid == rid:
                                 raise Abandoned(f"request {rid} was cancelled")
                             delivered += 1
@@ -415,10 +416,11 @@ class RemoteBackend(Backend):
                 rep.bump(streams=1, streamed_tokens=delivered, background=int(background),
                          seconds=time.perf_counter() - t0,
                          cached_tokens=parser.cached_tokens or 0, prompt_tokens=len(prompt))
-            self.mark_up(rep)
-            if kv.last is not None:
-                kv.last.cached_tokens = parser.cached_tokens
-                kv.last.prompt_tokens = parser.prompt_tokens
+                if done:  # also when the reader closes the generator at the last token
+                    self.mark_up(rep)
+                    if kv.last is not None:
+                        kv.last.cached_tokens = parser.cached_tokens
+                        kv.last.prompt_tokens = parser.prompt_tokens
             return
 
     # -- metrics -------------------------------------------------------------------------
