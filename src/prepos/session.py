@@ -1,7 +1,7 @@
 """Sessions and their store. A session owns its committed conversation, its version and its
 ready records; every mutation swaps the committed snapshot, bumps the version and clears the
-ready records in one critical section (invariant 1). KV tensors are not here: the model
-worker owns them (scheduler.py)."""
+ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md). KV
+caches are not here: the model worker owns them (kv.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from prepos.conversation import awaits_tool
 from prepos.core import ReadyRecord
 from prepos.entries import ChatFormat, Split
 from prepos.errors import (
@@ -81,7 +82,6 @@ class SessionSpec:
     fast_path: str = "exact"
     preposition: bool = True
     budget_cells: int | None = None  # per-session KV budget (default: the engine's)
-    data_role: str = "user"
     owner: str | None = None
 
     def validate(self) -> None:
@@ -183,8 +183,7 @@ class Session:
 
     @property
     def awaiting_tool(self) -> bool:
-        msgs = self.snap.messages
-        return bool(msgs) and msgs[-1]["role"] == "assistant" and bool(msgs[-1].get("tool_calls"))
+        return awaits_tool(self.snap.messages)
 
     def require(self, kind: str) -> None:
         if self.spec.kind != kind:
@@ -198,8 +197,7 @@ class Session:
         fmt, msgs, tools = self.fmt, snap.messages, self.spec.tools
         header = tuple(fmt.encode(fmt.header(msgs, tools, snap.text)))
         user = fmt.split(msgs, tools, "user", snap.text)
-        awaiting = bool(msgs) and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls")
-        tool = fmt.split(msgs, tools, "tool", snap.text) if awaiting else None
+        tool = fmt.split(msgs, tools, "tool", snap.text) if awaits_tool(msgs) else None
         ent = Entries(header, user, tool)
         self._entries = (snap.version, ent)
         return ent
@@ -213,7 +211,7 @@ class Session:
         self.require(STREAMING)
         _check_text(text, "data")
         with self.mutex:
-            msgs = [*self.snap.messages, {"role": self.spec.data_role, "content": text}]
+            msgs = [*self.snap.messages, {"role": "user", "content": text}]
             snap = self._render(msgs, check=False)
             if len(snap[1]) + self.reserve > self.max_context:
                 msgs = self._shifted(msgs)
