@@ -25,9 +25,9 @@ from common import machine, write  # noqa: E402
 from prepos.config import EngineConfig  # noqa: E402
 from prepos.core import SamplingParams  # noqa: E402
 from prepos.engine import Engine  # noqa: E402
+from prepos.lab.task import market  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
 from prepos.sim.model import wilson  # noqa: E402
-from prepos.lab.task import market  # noqa: E402
 
 RHOS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 ONE = SamplingParams(max_tokens=1)

@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     model = model_dir(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     proc, port = start_server(model, args.threads, args.out.with_suffix(".server.log"),
-                              ["--device", args.device, "--dtype", args.dtype, "--backend", args.backend,
-                               *args.server_arg])
+                              ["--device", args.device, "--dtype", args.dtype,
+                               "--backend", args.backend, *args.server_arg])
     summary: dict = {"benchmark": "http_ttft", "model": model_label(args), "machine": machine(),
                      "client": "http.client, one keep-alive connection, loopback",
                      "cpus": os.cpu_count(), "server_threads": args.threads}

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prepos.lab import calibration as cal
 from prepos.core import Match, Path, ReadyRecord, Result
+from prepos.lab import calibration as cal
 from prepos.lab.task.market import decision_points
 
 # -- Wilson intervals ---------------------------------------------------------------------

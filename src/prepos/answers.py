@@ -39,6 +39,9 @@ def cached(rec: ReadyRecord) -> torch.Tensor | Dist:
     return rec.logits if rec.logits is not None else Dist(None, rec.top_ids, rec.top_logprobs)
 
 
+FIRST_TOKEN_GRACE_S = 0.003  # at most this long an exact answer's decode waits for its reader
+
+
 class Answers:
     """Serves requests for the engine that owns it (its pool, scheduler, pre-positioner and
     counters)."""
@@ -84,8 +87,15 @@ class Answers:
             return stream
         seq = snap.tokens + rec.entry
         eng._check_room(s, len(seq), sampling)
-        task = self.decode(eng.pool.get(s.id), seq, out, sampling, rng)
-        eng.scheduler.submit(task, key=s.id, on_error=stream.fail)
+        kv = eng.pool.get(s.id)
+
+        def rest():
+            # the first token is out at once; on a machine with few cores the decode behind it
+            # would take the CPU its writer needs, so it waits (briefly) until it was delivered
+            stream.first_delivered.wait(FIRST_TOKEN_GRACE_S)
+            yield from self.decode(kv, seq, out, sampling, rng)
+
+        eng.scheduler.submit(rest(), key=s.id, on_error=stream.fail)
         return stream
 
     def prefill(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from dataclasses import dataclass
 
 from prepos.core import Result
@@ -28,6 +29,9 @@ class Stream:
         self._error: BaseException | None = None
         self._finished = False
         self.cancelled = False
+        # set when the reader comes back after the first event (it has been delivered: written
+        # to the client, printed), or wants the whole result at once
+        self.first_delivered = threading.Event()
 
     # -- producer side (worker or fast path) ---------------------------------------------
     def push(self, event: TokenEvent) -> None:
@@ -48,22 +52,31 @@ class Stream:
         """The reader has gone: the producer stops before its next forward and finishes with
         reason "cancelled". A stream already finished is unaffected."""
         self.cancelled = True
+        self.first_delivered.set()
 
     @property
     def done(self) -> bool:
         return self._finished
 
     def __iter__(self):
-        while True:
-            item = self._events.get()
-            if item is _DONE:
-                self._events.put(_DONE)  # later readers see the end too
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
+        first = True
+        try:
+            while True:
+                item = self._events.get()
+                if item is _DONE:
+                    self._events.put(_DONE)  # later readers see the end too
+                    if self._error is not None:
+                        raise self._error
+                    return
+                yield item
+                if first:
+                    first = False
+                    self.first_delivered.set()
+        finally:
+            self.first_delivered.set()
 
     def result(self, timeout: float | None = None) -> Result:
+        self.first_delivered.set()
         if not self._finished:
             item = self._events.get(timeout=timeout)
             while item is not _DONE:
@@ -77,14 +90,21 @@ class Stream:
     async def aiter(self):
         """Async iteration; each wait runs in the default executor, never in the loop."""
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                item = self._events.get_nowait()
-            except queue.Empty:
-                item = await loop.run_in_executor(None, self._events.get)
-            if item is _DONE:
-                self._events.put(_DONE)
-                if self._error is not None:
-                    raise self._error
-                return
-            yield item
+        first = True
+        try:
+            while True:
+                try:
+                    item = self._events.get_nowait()
+                except queue.Empty:
+                    item = await loop.run_in_executor(None, self._events.get)
+                if item is _DONE:
+                    self._events.put(_DONE)
+                    if self._error is not None:
+                        raise self._error
+                    return
+                yield item
+                if first:
+                    first = False
+                    self.first_delivered.set()
+        finally:
+            self.first_delivered.set()

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from prepos.config import GateConfig
-from prepos.sim.model import wilson
 from prepos.lab.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
+from prepos.sim.model import wilson
 
 MIN_SERVED = 10  # figures draw r(tau) only where at least this many were served
 

@@ -13,8 +13,8 @@ import time
 from prepos.config import EngineConfig
 from prepos.core import Result, SamplingParams
 from prepos.engine import Engine
-from prepos.paths import DEFAULT_MODEL
 from prepos.lab.task import market
+from prepos.paths import DEFAULT_MODEL
 
 ONE = SamplingParams(max_tokens=1)
 COLUMNS = f"{'request':<46} {'path':<13} {'match':<8} {'gap':>6} {'TTFT ms':>9}  answer"

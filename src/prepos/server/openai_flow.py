@@ -17,7 +17,6 @@ from prepos.server.errors import ApiError
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
-from prepos.server.streaming import started
 from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 
 
@@ -30,9 +29,9 @@ class ChatCall:
         self.logprobs = bool(body.logprobs)
 
     async def _respond(self, stream, sid: str | None, agentic: bool, tools: bool,
-                       cleanup=None, hold=None) -> Response:
+                       cleanup=None) -> Response:
         reply = ChatReply(self.state, self.body, sid, agentic, tools)
-        return await respond(reply, self.state, self.receive, stream, cleanup, hold)
+        return await respond(reply, self.state, self.receive, stream, cleanup)
 
     async def stateless(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
@@ -59,10 +58,10 @@ class ChatCall:
                            f"session {s.id}'s", "messages[0]")
         question = asked[0]["content"]
         mode = self.body.fast_path
-        stream, hold = self.state.start_exact(
-            eng, s.id, query_key(question), mode, self.sampling, self.body.stream,
+        stream = self.state.start_exact(
+            eng, s.id, query_key(question), mode, self.sampling,
             lambda: eng.query_stream(s.id, question, self.sampling, mode, self.logprobs, owner))
-        return await self._respond(stream, s.id, agentic=False, tools=False, hold=hold)
+        return await self._respond(stream, s.id, agentic=False, tools=False)
 
     async def agentic(self, eng, owner, s, msgs: list[dict]) -> Response:
         """Delta-only: commit what the session lacks, then answer."""
@@ -78,12 +77,10 @@ class ChatCall:
             if self.state.will_be_fast(eng, s.id, TURN, mode, self.sampling):
                 stream = eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs, owner)
                 return await self._respond(stream, s.id, agentic=True, tools=tools)
-            hold = self.state.hold_for(eng, s.id, TURN, mode, self.body.stream,
-                                       self.sampling.max_tokens)
-            if hold is not None:  # a streamed exact turn that decodes on
-                stream = started(hold, lambda: eng.turn_stream(
-                    s.id, None, self.sampling, mode, self.logprobs, owner))
-                return await self._respond(stream, s.id, agentic=True, tools=tools, hold=hold)
+            if self.body.stream and eng.serves_exact(s.id, TURN, mode):
+                # a streamed exact turn that decodes on: its first token is out at once
+                stream = eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs, owner)
+                return await self._respond(stream, s.id, agentic=True, tools=tools)
         self.state.backpressure(eng)
         if target is not None or len(delta) > 1:
             self._check_fits(eng, s, held + delta)
@@ -130,11 +127,10 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion, pr
         if s.kind != STREAMING:
             raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
                            "with /v1/chat/completions", "session_id")
-        stream, hold = state.start_exact(
-            eng, s.id, query_key(prompt), body.fast_path, sampling, body.stream,
+        stream = state.start_exact(
+            eng, s.id, query_key(prompt), body.fast_path, sampling,
             lambda: eng.query_stream(s.id, prompt, sampling, body.fast_path, want_lp, owner))
-        return await respond(CompletionReply(state, body, s.id), state, receive, stream,
-                             hold=hold)
+        return await respond(CompletionReply(state, body, s.id), state, receive, stream)
     state.backpressure(eng)
     # stateless: the prompt is continued as given, no chat template (a raw completion)
     spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)

@@ -91,12 +91,12 @@ class Reply:
 
 
 async def respond(reply: Reply, state, receive, stream: Stream, cleanup=None,
-                  hold=None) -> Response:
+) -> Response:
     """The answer: one JSON body, or chunks (`stream: true`) ending in `[DONE]`."""
     if not reply.request.stream:
-        return reply.whole(await streaming.result(state, stream, receive, hold, cleanup))
+        return reply.whole(await streaming.result(state, stream, receive, cleanup))
     chunks = streaming.guarded(reply.chunks(stream), cleanup, last=DONE)
-    return await streaming.stream_response(stream, chunks, reply.sid, hold)
+    return await streaming.stream_response(stream, chunks, reply.sid)
 
 
 # -- chat ---------------------------------------------------------------------------------

@@ -197,10 +197,10 @@ async def query(sid: str, request: Request):
     eng, b = c.engine, c.body
     sampling = _sampling(c)
     c.check_input(b.question, "question")
-    stream, hold = c.state.start_exact(
-        eng, sid, query_key(b.question), b.fast_path, sampling, b.stream,
+    stream = c.state.start_exact(
+        eng, sid, query_key(b.question), b.fast_path, sampling,
         lambda: eng.query_stream(sid, b.question, sampling, b.fast_path, b.logprobs, c.owner))
-    return await respond(c, request, stream, agentic=False, hold=hold)
+    return await respond(c, request, stream, agentic=False)
 
 
 @routes.add("POST", "/sessions/{sid}/turn", 10)
@@ -208,14 +208,13 @@ async def turn(sid: str, request: Request):
     c = await ServerState.open(request, Turn, sid, AGENTIC)
     eng, b = c.engine, c.body
     sampling = _sampling(c)
-    hold = None
     if b.user is None:
-        stream, hold = c.state.start_exact(
-            eng, sid, TURN, b.fast_path, sampling, b.stream,
+        stream = c.state.start_exact(
+            eng, sid, TURN, b.fast_path, sampling,
             lambda: eng.turn_stream(sid, None, sampling, b.fast_path, b.logprobs, c.owner))
     else:
         stream = await _committing(c, eng.turn_stream, b.user, "user", sampling)
-    return await respond(c, request, stream, agentic=True, hold=hold)
+    return await respond(c, request, stream, agentic=True)
 
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12)
@@ -241,7 +240,7 @@ def _token(ev) -> dict:
     return out
 
 
-async def respond(c: Call, request: Request, stream, agentic: bool, hold=None) -> Response:
+async def respond(c: Call, request: Request, stream, agentic: bool) -> Response:
     """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
     state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
 
@@ -250,7 +249,7 @@ async def respond(c: Call, request: Request, stream, agentic: bool, hold=None) -
         return results.session_result(res, sid, logprobs, agentic, content)
 
     if not streamed:
-        res = await streaming.result(state, stream, request.receive, hold)
+        res = await streaming.result(state, stream, request.receive)
         return json_response(final(res), headers=results.headers(res, sid))
     if stream.done:
         stream.result()  # a finished stream that failed answers with its error, not events
@@ -261,7 +260,7 @@ async def respond(c: Call, request: Request, stream, agentic: bool, hold=None) -
         yield event(final(stream.result()), "result")
 
     return await streaming.stream_response(stream, streaming.guarded(chunks, error_event="error"),
-                                           sid, hold)
+                                           sid)
 
 
 # -- events -------------------------------------------------------------------------------

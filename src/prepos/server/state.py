@@ -1,6 +1,6 @@
 """The server's state: its configuration, the engine once loaded, the journal, the SSE hub,
 metrics, keys and limits, and the helpers every route uses: a request's context (`Call`),
-session lookup, backpressure, worker holds, ephemeral sessions."""
+session lookup, backpressure, ephemeral sessions."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from prepos.server.journal import EPHEMERAL, Journal, is_ephemeral
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
 from prepos.server.sse import Hub, disconnected
-from prepos.server.streaming import started
 from prepos.session import Session, SessionSpec
 from prepos.stream import Stream
 
@@ -225,33 +224,6 @@ class ServerState:
         finally:
             gone.cancel()
 
-    def hold_worker(self, engine: Engine, seconds: float = 0.003) -> threading.Event:
-        """Keep the model worker waiting (at most `seconds`) until the returned event is set.
-
-        A streamed fast-path answer has its first token at once, and the decode of the next
-        ones is queued on the worker right behind it; on a host with few cores that decode
-        takes the CPU the event loop needs to write the first token out. Queued ahead of
-        the request, this hold lets the first token leave first."""
-        ev = threading.Event()
-
-        def hold():
-            ev.wait(seconds)
-            yield
-
-        try:
-            engine.scheduler.submit(hold())
-        except PreposError:
-            ev.set()
-        return ev
-
-    def hold_for(self, engine: Engine, sid: str, key: tuple, mode: str | None,
-                 streaming: bool, max_tokens: int) -> threading.Event | None:
-        """A worker hold for a streamed exact match that will decode more than one token;
-        None for any other request."""
-        if not streaming or max_tokens == 1 or not engine.serves_exact(sid, key, mode):
-            return None
-        return self.hold_worker(engine)
-
     @staticmethod
     def will_be_fast(engine: Engine, sid: str, key: tuple, mode: str | None,
                      sampling: SamplingParams) -> bool:
@@ -260,15 +232,12 @@ class ServerState:
         return sampling.max_tokens == 1 and engine.serves_exact(sid, key, mode)
 
     def start_exact(self, engine: Engine, sid: str, key: tuple, mode: str | None,
-                    sampling: SamplingParams, streaming: bool,
-                    start: Callable[[], Stream]) -> tuple[Stream, threading.Event | None]:
+                    sampling: SamplingParams, start: Callable[[], Stream]) -> Stream:
         """`start()` a request for entry `key`: refused for backpressure unless it will be a
-        one-token exact match; a streamed exact match that decodes on holds the worker until
-        its first token is written. Returns the stream and the hold (None without one)."""
+        one-token exact match."""
         if not self.will_be_fast(engine, sid, key, mode, sampling):
             self.backpressure(engine)
-        hold = self.hold_for(engine, sid, key, mode, streaming, sampling.max_tokens)
-        return started(hold, start), hold
+        return start()
 
     def backpressure(self, engine: Engine) -> None:
         try:

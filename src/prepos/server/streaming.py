@@ -4,13 +4,11 @@ Not streamed: the result as one JSON body, once it is there (a client that leave
 cancels it). Streamed: a finished stream (the fast path) is written as one response with its
 path in the headers; an unfinished one as server-sent events while the model worker produces
 them, with `X-Prepos-Path: pending` (the path comes in the last event), and a client that
-leaves cancels it. A worker hold (`ServerState.hold_worker`) is released once the first event
-is written, or at once when nothing is streamed.
+leaves cancels it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
@@ -26,24 +24,9 @@ from prepos.stream import Stream
 Chunks = Callable[[AsyncIterator], AsyncIterator[bytes]]  # stream events -> response bytes
 
 
-def release(hold: threading.Event | None) -> None:
-    if hold is not None:
-        hold.set()
-
-
-def started(hold: threading.Event | None, start: Callable[[], Stream]) -> Stream:
-    """`start()` under a worker hold: the hold is released if it fails."""
-    try:
-        return start()
-    except BaseException:
-        release(hold)
-        raise
-
-
-async def result(state, stream: Stream, receive, hold: threading.Event | None = None,
+async def result(state, stream: Stream, receive,
                  cleanup: Callable[[], None] | None = None) -> Result:
     """The stream's result, for a response that is not streamed; `cleanup` either way."""
-    release(hold)
     try:
         return await state.result(stream, receive)
     finally:
@@ -72,24 +55,10 @@ def guarded(chunks: Chunks, cleanup: Callable[[], None] | None = None,
     return run
 
 
-async def _released(source, hold: threading.Event):
-    """The stream's events; the worker hold is released once the first is written (when
-    the consumer comes back for the second)."""
-    try:
-        async for ev in source:
-            yield ev
-            hold.set()
-    finally:
-        hold.set()
-
-
-async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
-                          hold: threading.Event | None = None) -> Response:
+async def stream_response(stream: Stream, chunks: Chunks, sid: str | None) -> Response:
     """A finished stream (the fast path) is written as one response with its path in the
     headers; otherwise the chunks are streamed as the model worker produces them."""
     if stream.done:
-        release(hold)
-
         async def done_source():
             for ev in stream:
                 yield ev
@@ -101,6 +70,6 @@ async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
             headers = {}
         return Response(body, headers={**headers, **SSE_HEADERS},
                         media_type="text/event-stream")
-    source = stream.aiter() if hold is None else _released(stream.aiter(), hold)
-    return EventStream(chunks(source), headers={**results.pending_headers(sid), **SSE_HEADERS},
+    return EventStream(chunks(stream.aiter()),
+                       headers={**results.pending_headers(sid), **SSE_HEADERS},
                        on_disconnect=stream.cancel)
