@@ -16,7 +16,9 @@ that a change in the machine's load hits both:
   fast         the exact-match fast path (a standing query, pre-positioned), to first token;
   agentic      a 60-token answer after a tool result, end to end: prepos from its
                pre-positioned tool-result envelope; llama-server with the state before the tool
-               result in its prompt cache, asked for as many tokens as prepos produced.
+               result in its prompt cache, asked for as many tokens as prepos produced;
+  idle wait    a request's wait for the model worker while another session pre-positions
+               without pause (the abort callback stops a running idle chunk).
 torch's decode is measured on the same model (the HF directory for the timing model; for a
 GGUF, the weights dequantized by transformers when `accelerate` is installed).
 
@@ -180,17 +182,22 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
     sids = [eng.create_session("streaming", system=SYSTEM, preposition=False) for _ in range(n)]
     for sid in sids:
         fill(eng, sid, args.throughput_state, rng)
-    prompts = [entry_ids(eng, sid, question(k)) for k, sid in enumerate(sids)]
     ours, theirs = [], []
+    batches = eng.scheduler.batches, eng.scheduler.batched_forwards
+    # as many HTTP threads as clients: llama-server streams one response per HTTP thread
     with LlamaServer(binary, gguf, slots=n, ctx_per_slot=args.throughput_state + 128,
-                     threads=args.threads, extra=("--kv-unified",)) as srv:
+                     threads=args.threads,
+                     extra=("--kv-unified", "--threads-http", str(2 * n))) as srv:
         peer = Peer(srv.url)
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
+            # a new question each round on both sides: each prefills its entry, then decodes
+            qs = [question(r * n + k) for k in range(n)]
+            prompts = [entry_ids(eng, sid, q) for sid, q in zip(sids, qs)]
             streams = []
             t0 = time.perf_counter()
-            for k, sid in enumerate(sids):
-                streams.append(eng.query_stream(sid, question(k), SamplingParams(
-                    max_tokens=toks), fast_path="off"))
+            for sid, q in zip(sids, qs):
+                streams.append(eng.query_stream(sid, q, SamplingParams(max_tokens=toks),
+                                                fast_path="off"))
             count = sum(len(s.result().tokens) for s in streams)
             ours.append(count / (time.perf_counter() - t0))
             for k in range(n):
@@ -212,7 +219,8 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
     return {"prepos_tokens_s": ours, "peer_tokens_s": theirs,
             "prepos_tokens_s_median": statistics.median(ours),
             "peer_tokens_s_median": statistics.median(theirs),
-            "mean_batch": eng.scheduler.batched_forwards / max(1, eng.scheduler.batches)}
+            "mean_batch": (eng.scheduler.batched_forwards - batches[1])
+            / max(1, eng.scheduler.batches - batches[0])}
 
 
 def measure_fast(eng: Engine, args, rng) -> dict:
@@ -260,6 +268,45 @@ def measure_agentic(eng: Engine, peer: Peer, args, rng) -> dict:
             "tokens_mean": statistics.fmean(counts)}
 
 
+def measure_idle_wait(gguf: Path, args, rng) -> dict:
+    """How long a request waits for the worker while another session pre-positions without
+    pause (an update every 20 ms, idle chunks of --idle-chunk tokens): the abort callback
+    stops a running chunk when a request arrives. Beside it, one idle chunk's own duration."""
+    cfg = EngineConfig(backend="llama.cpp", threads=args.threads, chunk_tokens=args.idle_chunk,
+                       gate=GateConfig(tau=1e9, answers=()), kv_cells=args.cells,
+                       budget=BudgetConfig(session_cells=args.cells, engine_cells=args.cells))
+    with Engine.from_pretrained(gguf, cfg) as eng:
+        busy = eng.create_session("streaming", system=SYSTEM, standing=[STANDING])
+        fill(eng, busy, args.state // 2, rng)
+        probe = eng.create_session("streaming", system=SYSTEM, preposition=False)
+        fill(eng, probe, args.state // 2, rng)
+        stop = threading.Event()
+
+        def updates():
+            while not stop.is_set():
+                eng.append(busy, "ACME " + " ".join(f"{rng.uniform(90, 110):.2f}"
+                                                     for _ in range(8)), wait=False)
+                if len(eng.session(busy).snap.tokens) > args.state:
+                    eng.rollback(busy, 1, wait=False)
+                time.sleep(0.02)
+
+        t = threading.Thread(target=updates, daemon=True)
+        t.start()
+        waits = []
+        try:
+            for i in range(args.samples):
+                time.sleep(rng.uniform(0.005, 0.05))
+                res = eng.query(probe, question(i), SamplingParams(max_tokens=1),
+                                fast_path="off")
+                waits.append(res.timing.queue)
+        finally:
+            stop.set()
+            t.join()
+        preempted = eng.prepos.counters.preempted
+    return {"request_wait": summarize(waits), "idle_chunk_tokens": args.idle_chunk,
+            "prepositions_preempted": preempted}
+
+
 def ratio(a: dict, b: dict) -> float:
     return round(a["p50_ms"] / b["p50_ms"], 3)
 
@@ -278,6 +325,7 @@ def main() -> None:
     ap.add_argument("--agentic-samples", type=int, default=64)
     ap.add_argument("--agentic-tokens", type=int, default=60)
     ap.add_argument("--cells", type=int, default=16384)
+    ap.add_argument("--idle-chunk", type=int, default=64, help="idle chunk, idle-wait figure")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -303,6 +351,7 @@ def main() -> None:
         out["throughput"] = measure_throughput(eng, binary, gguf, args, rng)
     finally:
         eng.close()
+    out["idle_wait"] = measure_idle_wait(gguf, args, rng)
     if hf_dir is not None and not args.no_torch:
         out["decode_torch"] = measure_torch_decode(hf_dir, args, rng)
     de = out["decode_entry"]
@@ -321,6 +370,8 @@ def main() -> None:
     keys = ["decode_ratio_vs_llama_server", "entry_ratio_vs_llama_server",
             "decode_speedup_vs_torch", "throughput_ratio_vs_llama_server", "fast_p50_us",
             "agentic_60_ratio_vs_llama_server"]
+    out["request_wait_behind_idle_p99_ms"] = round(out["idle_wait"]["request_wait"]["p99_ms"], 3)
+    keys.append("request_wait_behind_idle_p99_ms")
     print(json.dumps({"model": label, **{k: out.get(k) for k in keys},
                       "decode_p50_ms": de["decode_prepos"]["p50_ms"],
                       "peer_decode_p50_ms": de["decode_peer"]["p50_ms"]}))
