@@ -121,6 +121,62 @@ def gpu_table(root: Path) -> str | None:
     return "\n".join(lines)
 
 
+def native_table() -> str | None:
+    """`benchmarks/native_decode.py`, one column per model it ran on."""
+    runs = [(p.stem.removeprefix("native_decode_"), json.loads(p.read_text()))
+            for p in sorted(RESULTS.glob("native_decode_*.json"))]
+    if not runs:
+        return None
+
+    def pq(d: dict) -> str:
+        return f"{d['p50_ms']:.2f} / {d['p99_ms']:.2f} (n={d['n']})"
+
+    def col(r: dict) -> list[str]:
+        de, tp, ag = r["decode_entry"], r["throughput"], r["agentic"]
+        iw = r.get("idle_wait")
+        return [
+            f"{pq(de['decode_prepos'])} vs {pq(de['decode_peer'])}: "
+            f"**{r['decode_ratio_vs_llama_server']:.3f}x** (target <= 1.1)",
+            f"{pq(de['entry_prepos'])} vs {pq(de['entry_peer'])} "
+            f"({de['entry_tokens_mean']:.0f} tokens): "
+            f"**{r['entry_ratio_vs_llama_server']:.3f}x** (target <= 1.1)",
+            (f"torch {pq(r['decode_torch'])}: **{r['decode_speedup_vs_torch']:.2f}x** "
+             "(expected >= 3)") if "decode_torch" in r else "not measured",
+            f"{tp['prepos_tokens_s_median']:.0f} vs {tp['peer_tokens_s_median']:.0f} tokens/s "
+            f"(median of {len(tp['prepos_tokens_s'])} rounds; mean batch "
+            f"{tp['mean_batch']:.1f}): **{r['throughput_ratio_vs_llama_server']:.2f}x** "
+            "(target >= 0.9)",
+            f"**{r['fast_p50_us']:.1f} us** P50, {r['fast']['p99_ms'] * 1e3:.1f} us P99 "
+            f"(n={r['fast']['n']}; target <= 100 us)",
+            f"{pq(ag['prepos'])} vs {pq(ag['peer'])} ({ag['tokens_mean']:.0f} tokens): "
+            f"**{r['agentic_60_ratio_vs_llama_server']:.3f}x** (target <= 0.9)",
+            (f"{pq(iw['request_wait'])}, {iw['prepositions_preempted']} idle chunks of "
+             f"{iw['idle_chunk_tokens']} tokens stopped") if iw else "not measured",
+        ]
+
+    names = ["decode per token, ms P50 / P99: prepos vs llama-server",
+             "entry on cached state to first token, ms",
+             "decode, torch back end / llama.cpp back end",
+             "16 sessions x 32 tokens at once, aggregate",
+             "exact fast path, first token",
+             "60-token agentic answer after a tool result, end to end, ms",
+             "a request's wait behind continuous pre-positioning, ms"]
+    cols = [col(r) for _, r in runs]
+    head = "| | " + " | ".join(r["model"] for _, r in runs) + " |"
+    lines = [head, "|---" * (len(runs) + 1) + "|"]
+    for i, name in enumerate(names):
+        lines.append(f"| {name} | " + " | ".join(c[i] for c in cols) + " |")
+    first = runs[0][1]
+    when = "; ".join(f"{name} {r['machine']['date']} (load {r['machine']['loadavg_1m_at_start']})"
+                     for name, r in runs)
+    return (f"prepos on its in-process llama.cpp back end, prepos on torch, and llama.cpp's "
+            f"`llama-server` built from the same llama.cpp with the same flags, on the same "
+            f"GGUF, {first['threads']} threads, {first['state_tokens']} tokens of state, "
+            f"measured in one run, prepos and llama-server interleaved round by round "
+            f"(`python benchmarks/native_decode.py --model MODEL`). Runs: {when}. llama.cpp: "
+            f"{first['llama_cpp'].get('system_info', '')}\n\n" + "\n".join(lines))
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--gpu-summary"]:  # benchmarks/gpu.sh: its own table only
         root = Path(sys.argv[2])
@@ -298,6 +354,9 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 {chr(10).join(rows)}
 
 {ratios}
+## Every token at the engine's speed (`benchmarks/native_decode.py`)
+{native_table() or "Not run yet."}
+
 ## GPU run (`benchmarks/gpu.sh`)
 {gpu_md}
 
