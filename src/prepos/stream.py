@@ -58,20 +58,20 @@ class Stream:
     def done(self) -> bool:
         return self._finished
 
+    def _end(self, item) -> bool:
+        """True at the end of the events (raising the stream's error if it failed)."""
+        if item is not _DONE:
+            return False
+        self._events.put(_DONE)  # later readers see the end too
+        if self._error is not None:
+            raise self._error
+        return True
+
     def __iter__(self):
-        first = True
         try:
-            while True:
-                item = self._events.get()
-                if item is _DONE:
-                    self._events.put(_DONE)  # later readers see the end too
-                    if self._error is not None:
-                        raise self._error
-                    return
+            while not self._end(item := self._events.get()):
                 yield item
-                if first:
-                    first = False
-                    self.first_delivered.set()
+                self.first_delivered.set()  # the reader is back: the event was delivered
         finally:
             self.first_delivered.set()
 
@@ -90,21 +90,15 @@ class Stream:
     async def aiter(self):
         """Async iteration; each wait runs in the default executor, never in the loop."""
         loop = asyncio.get_running_loop()
-        first = True
         try:
             while True:
                 try:
                     item = self._events.get_nowait()
                 except queue.Empty:
                     item = await loop.run_in_executor(None, self._events.get)
-                if item is _DONE:
-                    self._events.put(_DONE)
-                    if self._error is not None:
-                        raise self._error
+                if self._end(item):
                     return
                 yield item
-                if first:
-                    first = False
-                    self.first_delivered.set()
+                self.first_delivered.set()
         finally:
             self.first_delivered.set()
