@@ -23,10 +23,12 @@ def test_conversation_matching():
     assert extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
     assert not same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
     assert extends(held, sent[:2]) == -1
+    # a system message after the first is the template's to allow or refuse, not normalize's
+    assert normalize([ChatMessage(role="user", content="u"),
+                      ChatMessage(role="system", content="s")])[1]["role"] == "system"
     with pytest.raises(ConversationError) as err:
-        normalize([ChatMessage(role="user", content="u"), ChatMessage(role="system",
-                                                                      content="s")])
-    assert err.value.param == "messages[1].role"
+        normalize([ChatMessage(role="robot", content="u")])
+    assert err.value.param == "messages[0].role"
 
 
 def test_resume_finds_the_delta_or_the_version_to_roll_back_to():
@@ -54,3 +56,19 @@ def test_order_rules_before_any_commit():
     with pytest.raises(ConversationError) as err:
         check_order([], [{"role": "tool", "content": "42"}], 0)
     assert err.value.code == "no_tool_result_awaited"
+    with pytest.raises(ConversationError) as err:  # an assistant message would orphan it
+        check_order([call], [{"role": "assistant", "content": "a"}], 1)
+    assert (err.value.code, err.value.status, err.value.param) == ("tool_result_awaited", 409,
+                                                                   "messages[1]")
+
+
+def test_what_a_conversation_may_end_with():
+    sys_msg = {"role": "system", "content": "s"}
+    user = {"role": "user", "content": "u"}
+    answer = {"role": "assistant", "content": "The tr"}
+    check_order([], [sys_msg], 0)  # a system message alone: the model answers it
+    check_order([], [sys_msg, user, answer], 0, continue_final=True)  # continued
+    for msgs, kw in (([sys_msg, user, answer], {}), ([sys_msg, sys_msg], {})):
+        with pytest.raises(ConversationError) as err:
+            check_order([], msgs, 0, **kw)
+        assert err.value.param == "messages" and "end with" in str(err.value)

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prepos.errors import InvalidSampling
 from prepos.server.errors import ApiError
 from prepos.server.journal import Journal, apply, diff
 from prepos.server.limits import Limits
@@ -98,8 +97,12 @@ def test_limits():
     with pytest.raises(ApiError) as err:
         lim.sampling(9)
     assert err.value.code == "max_tokens_limit"
-    with pytest.raises(InvalidSampling):
+    with pytest.raises(ApiError) as err:  # the engine's check, naming its field
         lim.sampling(2, temperature=-1)
+    assert (err.value.code, err.value.param) == ("invalid_sampling", "temperature")
+    with pytest.raises(ApiError) as err:
+        lim.sampling(2, seed=2**64)
+    assert (err.value.code, err.value.param) == ("invalid_sampling", "seed")
 
     class Fmt:
         @staticmethod

@@ -57,9 +57,6 @@ def normalize(messages: Sequence[Message]) -> list[dict]:
         if role not in ROLES:
             raise ConversationError(f"messages[{i}].role must be system, user, assistant or "
                                     f"tool, got {m.role!r}", f"messages[{i}].role")
-        if role == "system" and i != 0:
-            raise ConversationError(f"messages[{i}]: a system message must come first",
-                                    f"messages[{i}].role")
         content = _content(m, i)
         msg: dict = {"role": role, "content": content}
         if m.tool_calls:
@@ -98,15 +95,20 @@ def _tool_call(call: object, where: str) -> dict:
 
 
 # -- order --------------------------------------------------------------------------------
-def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int) -> None:
+def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
+                continue_final: bool = False) -> None:
     """The rules the session applies to each message of `delta` (messages[offset:] of the
-    request) after `base`, checked before any is committed."""
+    request) after `base`, checked before any is committed. System messages go where the
+    chat template allows them (it refuses the others when the conversation is rendered).
+    The conversation must end with a user or tool message, or be a system message alone;
+    with `continue_final`, an assistant message may end it (its content is continued)."""
     msgs = list(base)
     for k, m in enumerate(delta):
         i = offset + k
-        if m["role"] == "system":
-            raise ConversationError(f"messages[{i}]: a system message must come first",
-                                    f"messages[{i}].role")
+        if m["role"] == "assistant" and awaits_tool(msgs):
+            raise ConversationError(f"messages[{i}] is an assistant message, but a tool call "
+                                    "awaits its result first", f"messages[{i}]",
+                                    "tool_result_awaited", 409)
         if m["role"] == "tool" and not awaits_tool(msgs):
             raise ConversationError(f"messages[{i}] is a tool result, but no tool call is "
                                     "awaiting one", f"messages[{i}]", "no_tool_result_awaited",
@@ -117,9 +119,13 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int) -> Non
                                     409)
         msgs.append(m)
     last = msgs[-1]["role"] if msgs else None
-    if last not in ("user", "tool"):
-        raise ConversationError("the conversation must end with a user or tool message for "
-                                "the model to answer", "messages")
+    if last in ("user", "tool") or (last == "system" and len(msgs) == 1):
+        return
+    if last == "assistant" and continue_final and not msgs[-1].get("tool_calls"):
+        return
+    raise ConversationError("the conversation must end with a user or tool message for the "
+                            "model to answer (a stateless request may also end with an "
+                            "assistant message, which is continued)", "messages")
 
 
 # -- where a conversation meets a session -------------------------------------------------

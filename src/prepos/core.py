@@ -32,16 +32,37 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # alternatives reported per generated token (0 to 20)
+    # OpenAI's penalties over the tokens generated so far, and additive logit biases
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidSampling(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(
+                self.temperature) or self.temperature < 0:
             raise InvalidSampling(f"temperature must be finite and >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidSampling(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise InvalidSampling(f"seed must be an integer in [-2**63, 2**64), got "
+                                  f"{self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise InvalidSampling(f"{name} must be a number in [-2, 2], got {v!r}")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        for tok, bias in self.logit_bias:
+            if not isinstance(tok, int) or tok < 0:
+                raise InvalidSampling(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            if not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise InvalidSampling(f"logit_bias values must be in [-100, 100], got "
+                                      f"{bias!r} for token {tok}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -51,8 +72,14 @@ class SamplingParams:
                                   f"{self.top_logprobs!r}")
 
     @property
+    def shaped(self) -> bool:
+        """Whether penalties or biases change the logits before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The raw argmax is the choice: temperature 0 and nothing shaping the logits."""
+        return self.temperature == 0.0 and not self.shaped
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,103 @@
-"""Choosing a token from logits with a request's sampling parameters."""
+"""Choosing a token from logits with a request's sampling parameters.
+
+The order is OpenAI's: logit biases and the presence and frequency penalties (over the
+tokens this request generated so far) shape the full distribution, then temperature, top-k
+and top-p choose from it. Any temperature > 0 and any top_p > 0 is valid, however small: the
+scores are shifted by their maximum before they are scaled, so nothing overflows to NaN, and
+the likeliest token always survives top-p.
+"""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from prepos.backends.base import Dist
 from prepos.core import SamplingParams
 
+SEED_MOD = 2**64
 
-def generator_for(params: SamplingParams) -> torch.Generator | None:
-    if params.greedy:
-        return None
+
+class SamplerState:
+    """A request's sampling state when its logits are shaped: the random generator (None
+    at temperature 0) and how often each token was generated so far (the penalties')."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+        self.counts: Counter[int] = Counter()
+
+
+def _generator(params: SamplingParams) -> torch.Generator:
     gen = torch.Generator()
     if params.seed is not None:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(params.seed % SEED_MOD)  # any int64 or uint64 seed
     else:
         gen.seed()
     return gen
 
 
+def generator_for(params: SamplingParams) -> torch.Generator | SamplerState | None:
+    """A request's random state: None for greedy decoding, a `SamplerState` when penalties
+    or biases shape the logits (it counts the generated tokens), else a generator."""
+    if params.shaped:
+        return SamplerState(None if params.temperature == 0 else _generator(params))
+    if params.greedy:
+        return None
+    return _generator(params)
+
+
+def shape(logits: torch.Tensor, params: SamplingParams,
+          counts: Counter[int] | None = None) -> torch.Tensor:
+    """The logits after logit_bias and the presence and frequency penalties (float32)."""
+    scores = logits.float().clone()
+    n = scores.shape[-1]
+    for tok, bias in params.logit_bias:
+        if tok < n:
+            scores[tok] += bias
+    if counts and (params.presence_penalty or params.frequency_penalty):
+        ids = torch.tensor([t for t in counts if 0 <= t < n], dtype=torch.long)
+        freq = torch.tensor([float(counts[t]) for t in ids.tolist()])
+        scores[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    return scores
+
+
 def sample(logits: torch.Tensor | Dist, params: SamplingParams,
-           gen: torch.Generator | None) -> int:
+           gen: torch.Generator | SamplerState | None) -> int:
     """A token from full logits, or from a top-k Dist (a remote back end's logprobs: the
     distribution renormalized over its top-k, which `Engine` allows only by option)."""
+    if isinstance(gen, SamplerState):
+        tok = _sample(logits, params, gen.generator, gen.counts)
+        gen.counts[tok] += 1
+        return tok
+    return _sample(logits, params, gen, None)
+
+
+def _sample(logits: torch.Tensor | Dist, params: SamplingParams,
+            gen: torch.Generator | None, counts: Counter[int] | None) -> int:
     if isinstance(logits, Dist):
         if params.greedy or logits.logits is None and len(logits.top_ids) == 1:
             return logits.top_ids[0]
         if logits.logits is not None:
-            return sample(logits.logits, params, gen)
-        top = torch.tensor(logits.top_logprobs)
-        return logits.top_ids[sample(top, params, gen)]
+            return _sample(logits.logits, params, gen, counts)
+        ids = list(logits.top_ids)
+        top = torch.tensor(logits.top_logprobs, dtype=torch.float32)
+        if params.shaped:  # biases and penalties apply to the tokens the Dist holds
+            bias = dict(params.logit_bias)
+            counts = counts or Counter()
+            top += torch.tensor([bias.get(t, 0.0) - params.frequency_penalty * counts[t]
+                                 - (params.presence_penalty if counts[t] else 0.0)
+                                 for t in ids])
+        plain = SamplingParams(max_tokens=1, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p)
+        return ids[_sample(top, plain, gen, None)]
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature
+    scores = shape(logits, params, counts) if params.shaped else logits.float()
+    if params.temperature == 0:  # greedy over the shaped logits
+        return int(torch.argmax(scores))
+    # shifted to <= 0 and scaled in float64: no overflow to inf - inf at any temperature
+    scores = (scores - scores.max()).double() / params.temperature
     if params.top_k:
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -41,6 +106,7 @@ def sample(logits: torch.Tensor | Dist, params: SamplingParams,
         probs = torch.softmax(sorted_scores, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always the first token)
         drop = torch.cumsum(probs, dim=-1) - probs >= params.top_p
+        drop[0] = False
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)

@@ -227,6 +227,8 @@ class Session:
         with self.mutex:
             first = self._first_data()
             data = len(self.snap.messages) - first
+            if data < 1:
+                raise InvalidInput(f"session {self.id} holds no data to shift")
             if drop is None:
                 msgs = self._shifted(list(self.snap.messages))
             else:
@@ -241,6 +243,8 @@ class Session:
                 kept = f"{min(self.history)}..{max(self.history)}"
                 raise VersionNotFound(f"session {self.id} has no version {version!r} "
                                       f"(versions kept: {kept})")
+            if version == self.snap.version:  # already there: nothing to commit
+                return self.snap, None
             old = self.history[version]
             if not isinstance(old, Snapshot):  # restored from a journal: render it now
                 old = self.history[version] = self._snapshot(version, old)
@@ -253,8 +257,9 @@ class Session:
         before anything changes and may refuse by raising."""
         self.require(AGENTIC)
         role = message.get("role")
-        if role not in ("user", "assistant", "tool"):
-            raise InvalidInput(f"message role must be user, assistant or tool, got {role!r}")
+        if role not in ("system", "user", "assistant", "tool"):  # system: where the template
+            raise InvalidInput(f"message role must be system, user, assistant or tool, got "
+                               f"{role!r}")  # allows it (it refuses when rendering)
         _check_text(message.get("content", ""), role, allow_empty=role == "assistant")
         with self.mutex:
             if expected_version is not None and self.snap.version != expected_version:
@@ -262,7 +267,7 @@ class Session:
                                f"expected {expected_version})")
             if role == "tool" and not self.awaiting_tool:
                 raise NoToolResultAwaited(f"session {self.id} is not awaiting a tool result")
-            if role == "user" and self.awaiting_tool:
+            if role in ("user", "assistant", "system") and self.awaiting_tool:
                 raise ToolResultAwaited(f"session {self.id} awaits a tool result first")
             msgs = [*self.snap.messages, dict(message)]
             text, tokens = self._render(msgs)

@@ -19,11 +19,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
 from starlette.responses import Response
 
 from prepos.config import BudgetConfig, EngineConfig
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors
+from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
 from prepos.server.openai import routes as openai_routes
@@ -50,7 +53,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
         str(err.status), err.code).inc())
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         eng = state.loaded
         if eng is None or state.status != "ready":
             body = {"status": state.status, "model": state.model_name}
@@ -58,9 +61,12 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
                 body["error"] = state.error
             return Response(json.dumps(body), 503, media_type="application/json",
                             headers={"Retry-After": "1"})
-        return {"status": "ok", "model": state.model_name,
+        body = {"status": "ok", "model": state.model_name,
                 "sessions": state.persistent_sessions(eng), "restored": state.restored,
-                "journal": str(config.journal) if config.journal else None}
+                "journal": config.journal is not None}
+        if config.journal is not None and state.keys.admits(request):  # the path: keys only
+            body["journal_path"] = str(config.journal)
+        return body
 
     @app.get("/metrics")
     async def metrics():
@@ -70,6 +76,12 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
     api.routes = [*sessions_routes.routes, *openai_routes.routes]
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes)
+    if config.allowed_origins:  # browser clients: preflight answered, responses allowed
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Prepos-Path", "X-Prepos-Match",
+                                           "X-Prepos-Version", "X-Prepos-Session",
+                                           "Server-Timing"], max_age=600)
     return app
 
 
@@ -126,6 +138,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true")
+    p.add_argument("--allowed-origins", default="",
+                   help="CORS: comma-separated browser origins allowed to call the API "
+                   "('*' for any; default: none, no CORS headers)")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send one whole request (headers and "
+                   "body); slower ones are closed (default %(default)s)")
+    p.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
+                   help="most bytes of a request's line and headers (431 beyond; default "
+                   "%(default)s)")
+    p.add_argument("--keep-alive", type=float, default=60.0,
+                   help="seconds an idle keep-alive connection stays open")
     return p.parse_args(argv)
 
 
@@ -147,9 +170,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                     max_sessions_per_key=args.max_sessions_per_key, max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_input_tokens=args.max_input_tokens, max_queue=args.max_queue)
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerConfig(model=args.model, engine=engine, journal=journal,
                         api_keys=load_keys(args.api_key, args.api_keys_file),
-                        served_model_name=args.served_model_name, limits=limits)
+                        served_model_name=args.served_model_name, limits=limits,
+                        allowed_origins=origins, request_timeout=args.request_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     app = create_app(config)
     state: ServerState = app.state.prepos
+    # h11 (not httptools): it bounds a request's head, and the guard adds a deadline for
+    # the whole request, so half-sent requests and huge headers cannot hold the server
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=args.access_log, timeout_graceful_shutdown=5,
-                        timeout_keep_alive=60)
+                        timeout_keep_alive=args.keep_alive,
+                        http=guarded_protocol(args.request_timeout, args.max_header_bytes),
+                        h11_max_incomplete_event_size=h11_buffer(args.max_header_bytes))
     server = _Server(uv, state, args.port_file)
     state.on_failure = server.fail
     print(f"prepos: serving {config.model} on http://{args.host}:{args.port} (journal: "

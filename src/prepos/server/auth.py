@@ -56,3 +56,11 @@ class Keys:
             raise ApiError(401, "invalid_api_key", "the API key is not valid",
                            headers={"WWW-Authenticate": "Bearer"})
         return owner
+
+    def admits(self, request: Request) -> bool:
+        """Whether the request may see what only key holders see (always, with keys off)."""
+        try:
+            self.owner(request)
+        except ApiError:
+            return False
+        return True

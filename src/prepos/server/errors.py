@@ -22,8 +22,10 @@ from prepos.errors import PreposError
 log = logging.getLogger("prepos.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
-         422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+         404: "invalid_request_error", 405: "invalid_request_error",
+         408: "invalid_request_error", 409: "conflict_error", 413: "request_too_large",
+         422: "invalid_request_error", 429: "rate_limit_error",
+         431: "invalid_request_error", 503: "service_unavailable"}
 
 
 class ApiError(Exception):

@@ -27,7 +27,9 @@ class Limits:
     def sampling(self, max_tokens: int | None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop=None, param: str = "max_tokens",
-                 top_logprobs: int = 0) -> SamplingParams:
+                 top_logprobs: int = 0, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None,
+                 logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
         n = self.default_max_tokens if max_tokens is None else max_tokens
         if isinstance(n, int) and n > self.max_tokens:
             raise ApiError(400, "max_tokens_limit",
@@ -38,11 +40,20 @@ class Limits:
         if stop is not None and len(stop) > 16:
             raise ApiError(400, "invalid_sampling", "at most 16 stop sequences", "stop")
         if temperature is not None and temperature > 100:
-            raise InvalidSampling(f"temperature must be <= 100, got {temperature}")
-        return SamplingParams(max_tokens=n,
-                              temperature=0.0 if temperature is None else float(temperature),
-                              top_k=top_k or 0, top_p=1.0 if top_p is None else float(top_p),
-                              seed=seed, stop=tuple(stop or ()), top_logprobs=top_logprobs)
+            raise ApiError(400, "invalid_sampling",
+                           f"temperature must be <= 100, got {temperature}", "temperature")
+        try:
+            return SamplingParams(
+                max_tokens=n, temperature=0.0 if temperature is None else float(temperature),
+                top_k=top_k or 0, top_p=1.0 if top_p is None else float(top_p), seed=seed,
+                stop=tuple(stop or ()), top_logprobs=top_logprobs,
+                presence_penalty=float(presence_penalty or 0.0),
+                frequency_penalty=float(frequency_penalty or 0.0), logit_bias=logit_bias)
+        except InvalidSampling as exc:  # the field it names is the param
+            first = str(exc).split(" ", 1)[0]
+            name = param if first == "max_tokens" else first
+            raise ApiError(400, "invalid_sampling", str(exc).replace("max_tokens", param, 1),
+                           name if name.isidentifier() else None) from None
 
     def check_input(self, engine, text: str, what: str) -> None:
         """At most `max_input_tokens` tokens. A byte-level token covers at least one byte,

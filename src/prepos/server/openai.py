@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models and
+/v1/models/{id}.
 
 Without `session_id` a request is stateless: the server makes a session for it (agentic for
 chat, with the request's tools; streaming for completions), answers on the cold path, and
@@ -27,42 +28,79 @@ that session's query.
 
 from __future__ import annotations
 
-import time
+import re
 
 from starlette.requests import Request
 
 from prepos.conversation import normalize
+from prepos.errors import PreposError
 from prepos.server.errors import ApiError
+from prepos.server.journal import EPHEMERAL
 from prepos.server.openai_checks import chat_sampling, completion_input, tool_specs
-from prepos.server.openai_flow import ChatCall, complete
+from prepos.server.openai_flow import ChatCall, complete, prompt_text
 from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
 from prepos.session import STREAMING
 
+EPHEMERAL_ID = re.compile(r"session " + re.escape(EPHEMERAL) + r"\S+")
+
 routes = Routes()
+
+
+def _model(state) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "prepos", "root": str(state.config.model),
+            "max_model_len": state.engine.max_context}
+
+
+def _context_errors(fn):
+    """A request over the context or a session's budget is OpenAI's 400
+    `context_length_exceeded` (clients that trim and retry look for it), naming no
+    internal session."""
+
+    async def route(request: Request):
+        try:
+            return await fn(request)
+        except (PreposError, ApiError) as exc:
+            if getattr(exc, "code", None) not in ("over_budget", "context_length_exceeded"):
+                raise
+            message = EPHEMERAL_ID.sub("the conversation", str(exc))
+            raise ApiError(400, "context_length_exceeded", message,
+                           getattr(exc, "param", None) or "messages") from None
+
+    route.__name__ = fn.__name__
+    route.__doc__ = fn.__doc__
+    return route
 
 
 @routes.add("GET", "/v1/models", 60)
 async def models(request: Request):
     state = ServerState.of(request)
     state.owner(request)
-    eng = state.engine
-    return json_response({"object": "list", "data": [
-        {"id": state.model_name, "object": "model", "created": int(time.time()),
-         "owned_by": "prepos", "root": str(state.config.model),
-         "max_model_len": eng.max_context}]})
+    return json_response({"object": "list", "data": [_model(state)]})
+
+
+@routes.add("GET", "/v1/models/{model_id:path}", 60)
+async def model(request: Request, model_id: str):
+    state = ServerState.of(request)
+    state.owner(request)
+    if model_id != state.model_name:
+        raise ApiError(404, "model_not_found", f"model {model_id!r} is not served here; this "
+                       f"server serves {state.model_name!r}", "model")
+    return json_response(_model(state))
 
 
 @routes.add("POST", "/v1/chat/completions", 5)
+@_context_errors
 async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
     sampling = chat_sampling(state, body)
     msgs = normalize(body.messages)
     for i, m in enumerate(msgs):
-        state.limits.check_input(eng, m["content"], f"messages[{i}].content")
+        await state.check_input(eng, m["content"], f"messages[{i}].content")
     tools = tool_specs(body)
     call = ChatCall(state, body, sampling, request.receive)
     if body.session_id is None:
@@ -77,9 +115,14 @@ async def chat_completions(request: Request):
 
 
 @routes.add("POST", "/v1/completions", 6)
+@_context_errors
 async def completions(request: Request):
     c = await ServerState.open(request, Completion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
-    prompt, sampling = completion_input(state, body)
-    state.limits.check_input(eng, prompt, "prompt")
-    return await complete(state, request.receive, eng, owner, body, prompt, sampling)
+    prompts, sampling = completion_input(state, body)
+    texts = []
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        texts.append(prompt_text(eng, p, where))
+        await state.check_input(eng, texts[-1], where)
+    return await complete(state, request.receive, eng, owner, body, texts, sampling)

@@ -8,20 +8,59 @@ from prepos.core import SamplingParams
 from prepos.server.errors import ApiError
 from prepos.server.schemas import ChatCompletion, Completion, OpenAISampling
 
+MAX_N = 16  # choices (or prompts times choices) per request
+
+
+def logit_bias(engine, raw: dict | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) of this model's vocabulary, each
+    to a bias in [-100, 100]."""
+    if not raw:
+        return ()
+    vocab = engine.backend.vocab_size
+    out = []
+    for key, bias in raw.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            tok = -1
+        if not 0 <= tok < vocab or str(tok) != key.strip():
+            raise ApiError(400, "invalid_request", f"logit_bias keys must be token ids in "
+                           f"[0, {vocab}), got {key!r}", "logit_bias")
+        if not -100.0 <= bias <= 100.0:  # NaN fails too
+            raise ApiError(400, "invalid_request", f"logit_bias values must be in [-100, "
+                           f"100], got {bias} for token {tok}", "logit_bias")
+        out.append((tok, float(bias)))
+    return tuple(out)
+
 
 def check_common(state, body: OpenAISampling) -> None:
     if body.model != state.model_name:
         raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; this "
                        f"server serves {state.model_name!r}", "model")
-    if body.n not in (None, 1):
-        raise ApiError(400, "unsupported", f"n must be 1, got {body.n}", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise ApiError(400, "invalid_request", f"n must be in [1, {MAX_N}], got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise ApiError(400, "unsupported", f"{name} is not supported (must be 0)", name)
-    if body.logit_bias:
-        raise ApiError(400, "unsupported", "logit_bias is not supported", "logit_bias")
+        v = getattr(body, name)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ApiError(400, "invalid_request", f"{name} must be in [-2, 2], got {v}", name)
+    shaped = body.logit_bias or body.presence_penalty or body.frequency_penalty
+    if shaped and state.engine.backend.streams_answers:
+        raise ApiError(400, "unsupported", f"the {state.engine.backend.name} back end samples "
+                       "on the remote engine: logit_bias and penalties are not supported there",
+                       "logit_bias" if body.logit_bias else "presence_penalty")
     if body.stop is not None and not isinstance(body.stop, str) and len(body.stop) > 4:
         raise ApiError(400, "invalid_request", "at most 4 stop sequences", "stop")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "invalid_request", "stream_options is only allowed with stream: "
+                       "true", "stream_options")
+
+
+def _sampling(state, body: OpenAISampling, max_tokens, param: str, top: int):
+    return state.limits.sampling(
+        max_tokens, body.temperature, body.top_k, body.top_p, body.seed, body.stop,
+        param=param, top_logprobs=top, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=logit_bias(state.engine, body.logit_bias))
 
 
 def chat_sampling(state, body: ChatCompletion) -> SamplingParams:
@@ -29,11 +68,10 @@ def chat_sampling(state, body: ChatCompletion) -> SamplingParams:
     check_common(state, body)
     response_format = body.response_format
     if response_format and response_format.get("type") not in (None, "text"):
-        raise ApiError(400, "unsupported", "response_format must be text", "response_format")
-    if body.tool_choice not in (None, "auto") and not (body.tool_choice == "none"
-                                                        and not body.tools):
-        raise ApiError(400, "unsupported", "tool_choice must be 'auto' (the model decides)",
-                       "tool_choice")
+        raise ApiError(400, "unsupported", "response_format must be text (json_object and "
+                       "json_schema need constrained decoding, which prepos does not have "
+                       "yet)", "response_format")
+    tool_choice(body)
     top = body.top_logprobs
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, "invalid_request", f"top_logprobs must be in [0, 20], got {top}",
@@ -41,12 +79,34 @@ def chat_sampling(state, body: ChatCompletion) -> SamplingParams:
     if top and not body.logprobs:
         raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true",
                        "top_logprobs")
-    limit_name = "max_completion_tokens" if body.max_completion_tokens is not None else \
-        "max_tokens"
-    return state.limits.sampling(
-        body.max_completion_tokens if body.max_completion_tokens is not None else
-        body.max_tokens, body.temperature, body.top_k, body.top_p, body.seed, body.stop,
-        param=limit_name, top_logprobs=top or 0)
+    if body.max_completion_tokens is not None:
+        return _sampling(state, body, body.max_completion_tokens, "max_completion_tokens",
+                         top or 0)
+    return _sampling(state, body, body.max_tokens, "max_tokens", top or 0)
+
+
+def tool_choice(body: ChatCompletion) -> str | None:
+    """The request's tool choice: "auto", "none", "required", or the name of the function
+    it must call."""
+    choice = body.tool_choice
+    names = [t["function"]["name"] for t in tool_specs(body)]
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required":
+        if not names:
+            raise ApiError(400, "invalid_request", "tool_choice 'required' needs tools",
+                           "tool_choice")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or choice.get("type", "function") != "function":
+        raise ApiError(400, "invalid_request", "tool_choice must be 'auto', 'none', "
+                       "'required' or {'type': 'function', 'function': {'name': ...}}",
+                       "tool_choice")
+    if name not in names:
+        raise ApiError(400, "invalid_request", f"tool_choice names function {name!r}, which "
+                       f"is not among the request's tools {names}", "tool_choice")
+    return name
 
 
 def tool_specs(body: ChatCompletion) -> list[dict]:
@@ -60,26 +120,39 @@ def tool_specs(body: ChatCompletion) -> list[dict]:
     return list(tools)
 
 
-def completion_input(state, body: Completion) -> tuple[str, SamplingParams]:
-    """The prompt and sampling of a completions request, after its options are checked."""
+def completion_input(state, body: Completion) -> tuple[list[str | list[int]],
+                                                     SamplingParams]:
+    """The prompts (text, or token ids) and sampling of a completions request, after its
+    options are checked."""
     check_common(state, body)
-    if body.echo:
-        raise ApiError(400, "unsupported", "echo is not supported", "echo")
-    if body.best_of not in (None, 1):
-        raise ApiError(400, "unsupported", "best_of must be 1", "best_of")
+    if body.best_of not in (None, 1) and body.best_of != body.n:
+        raise ApiError(400, "unsupported", f"best_of must be 1 (or equal n): prepos returns "
+                       f"every choice it generates, got best_of {body.best_of}", "best_of")
     if body.suffix:
         raise ApiError(400, "unsupported", "suffix is not supported", "suffix")
     prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(400, "unsupported", "prompt must be one string", "prompt")
-        prompt = prompt[0]
-    if not prompt.strip():
-        raise ApiError(400, "invalid_request", "prompt must not be empty", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or len(prompts) > MAX_N:
+        raise ApiError(400, "invalid_request", f"prompt must be a string, a list of token ids, "
+                       f"or a list of 1 to {MAX_N} of those", "prompt")
+    vocab = state.engine.backend.vocab_size
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p.strip():
+                raise ApiError(400, "invalid_request", f"{where} must not be empty", where)
+            continue
+        if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                        for t in p):
+            raise ApiError(400, "invalid_request", f"{where}: token ids must be a non-empty "
+                           f"list of integers in [0, {vocab})", where)
+    if len(prompts) * (body.n or 1) > MAX_N:
+        raise ApiError(400, "invalid_request", f"prompts times n must be at most {MAX_N}", "n")
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise ApiError(400, "invalid_request", f"logprobs must be in [0, 5], got "
                        f"{body.logprobs}", "logprobs")
-    sampling = state.limits.sampling(body.max_tokens, body.temperature, body.top_k,
-                                     body.top_p, body.seed, body.stop,
-                                     top_logprobs=body.logprobs or 0)
-    return prompt, sampling
+    return prompts, _sampling(state, body, body.max_tokens, "max_tokens", body.logprobs or 0)

@@ -5,19 +5,67 @@ answer), a streaming session's query (one user message), or an agentic session's
 the conversation is matched against the session's (`prepos.conversation`), only the delta
 is committed, and an empty delta after a committed user or tool message is the exact fast
 path. Completions: a streaming session's query, or a raw completion on an ephemeral session.
+
+A stateless conversation that ends with an assistant message is continued (the message's
+text is the start of the answer, which returns what follows it); `tool_choice` "required"
+or a named function is the same continuation after the opening of a tool call, as the chat
+template writes one. `n` choices are n requests: on a streaming session each is answered
+from the same ready distribution when one is cached (n answers, one cache); an agentic
+session commits one answer per turn, so it takes n = 1 only.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from starlette.responses import Response
 
 from prepos.conversation import check_order, resume
+from prepos.core import SamplingParams
+from prepos.entries import SENTINEL
 from prepos.errors import InvalidInput
 from prepos.server.errors import ApiError
+from prepos.server.openai_checks import tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
 from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
+
+
+def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: its own seed (seed + i), so seeded choices differ and reproduce."""
+    if i == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + i) % 2**64)
+
+
+def _continuation_prompt(fmt, text: str) -> str:
+    """A rendered conversation as a raw prompt: without the BOS text the tokenizer adds to a
+    raw prompt itself, so it is not there twice."""
+    bos = getattr(fmt.tokenizer, "bos_token", None)
+    if bos and text.startswith(bos):
+        ids = fmt.encode_prompt("x")
+        if ids and ids != fmt.encode("x"):
+            return text[len(bos):]
+    return text
+
+
+def tool_opening(fmt, msgs: list[dict], tools: list[dict], name: str | None) -> str:
+    """How the template opens an assistant tool call after `msgs`: up to the function's
+    name, or with `name`, up to its arguments."""
+    base = fmt.render(msgs, tools, generation_prompt=True)
+    call = {"type": "function", "function": {"name": SENTINEL, "arguments": {}}}
+    text = fmt.render([*msgs, {"role": "assistant", "content": "", "tool_calls": [call]}], tools)
+    at = text.find(SENTINEL, len(base) if text.startswith(base) else 0)
+    args = text.find("{}", at)
+    if not text.startswith(base) or at < 0 or args < 0:
+        raise ApiError(400, "unsupported", "this model's chat template does not write tool "
+                       "calls in a form prepos can start: tool_choice must be 'auto' or 'none'",
+                       "tool_choice")
+    opening = text[len(base):at]
+    if name is None:
+        return opening
+    return opening + name + text[at + len(SENTINEL):args]
 
 
 class ChatCall:
@@ -27,24 +75,96 @@ class ChatCall:
         self.body = body
         self.sampling = sampling
         self.logprobs = bool(body.logprobs)
+        self.n = body.n or 1
+        self.choice = tool_choice(body)
 
-    async def _respond(self, stream, sid: str | None, agentic: bool, tools: bool,
-                       cleanup=None) -> Response:
-        reply = ChatReply(self.state, self.body, sid, agentic, tools)
-        return await respond(reply, self.state, self.receive, stream, cleanup)
+    def _reply(self, sid: str | None, agentic: bool, tools: bool, prefix: str = "",
+               forced: str | None = None) -> ChatReply:
+        return ChatReply(self.state, self.body, sid, agentic, tools, prefix=prefix,
+                         forced=forced, parallel=self.body.parallel_tool_calls is not False)
+
+    async def _respond(self, streams, sid: str | None, agentic: bool, tools: bool,
+                       cleanup=None, **kw) -> Response:
+        reply = self._reply(sid, agentic, tools, **kw)
+        return await respond(reply, self.state, self.receive, streams, cleanup)
 
     async def stateless(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
+        continued = msgs[-1]["role"] == "assistant"
+        check_order([], msgs, 0, continue_final=True)
+        if self.choice == "none":
+            tools = []  # the model is not told of them, and nothing is parsed as a call
+        if continued or self.choice not in ("auto", "none"):
+            return await self._continue(eng, owner, msgs, tools)
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
-        rest = msgs[1:] if system is not None else msgs
-        check_order([], rest, 1 if system is not None else 0)
         self.state.backpressure(eng)
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)
+        sids, streams = [], []
+        try:
+            for i in range(self.n):
+                sampling = choice_sampling(self.sampling, i)
+                sid, stream = await self.state.run(
+                    self.state.start_ephemeral, eng, spec,
+                    lambda sid, sp=sampling: eng.turn_stream(sid, None, sp, "off",
+                                                             self.logprobs, owner), [(0, msgs)])
+                sids.append(sid)
+                streams.append(stream)
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            self._close_all(streams, sids)
+            raise
+        return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
+                                   cleanup=lambda: self._close_all(streams, sids))
 
-        sid, stream = await self.state.run(self.state.start_ephemeral, eng, spec, lambda sid:
-                                           eng.turn_stream(sid, None, self.sampling, "off",
-                                                           self.logprobs, owner), [(0, msgs)])
-        return await self._respond(stream, None, agentic=True, tools=bool(tools),
-                                   cleanup=lambda: self.state.close_after(stream, sid))
+    def _close_all(self, streams, sids) -> None:
+        for stream, sid in zip(streams, sids):
+            self.state.close_after(stream, sid)
+
+    async def _continue(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
+        """The continuation of the final assistant message, or of a tool call's opening
+        (tool_choice required or named): a raw completion of the rendered conversation."""
+        fmt = eng.fmt
+        for i, m in enumerate(msgs):
+            fmt.check_text(m["content"], f"messages[{i}].content")
+        forced = None
+        try:
+            if msgs[-1]["role"] == "assistant":
+                if self.choice not in ("auto", "none"):
+                    raise ApiError(400, "invalid_request", "a conversation that ends with an "
+                                   "assistant message is continued: tool_choice must be "
+                                   "'auto' or 'none'", "tool_choice")
+                full = fmt.render(msgs, tools)
+                content = msgs[-1]["content"]
+                content = content.strip() if fmt.trims_content else content
+                at = full.rfind(content) if content else -1
+                if at < 0:  # nothing to continue: answer after the conversation so far
+                    text = fmt.render(msgs[:-1], tools, generation_prompt=True)
+                else:
+                    text = full[:at + len(content)]
+                prefix = ""
+            else:
+                forced = None if self.choice == "required" else self.choice
+                if self.choice == "required" and len(tools) == 1:
+                    forced = tools[0]["function"]["name"]
+                prefix = tool_opening(fmt, msgs, tools, forced)
+                text = fmt.render(msgs, tools, generation_prompt=True) + prefix
+        except InvalidInput as exc:
+            raise ApiError(400, "invalid_input", str(exc), "messages") from None
+        prompt = _continuation_prompt(fmt, text)
+        self.state.backpressure(eng)
+        spec = SessionSpec(AGENTIC, None, (), (), "off", False, None, owner=owner)
+        streams: list = []
+
+        def start(sid):
+            for i in range(self.n):
+                streams.append(eng.complete_stream(sid, prompt, choice_sampling(self.sampling, i),
+                                                   self.logprobs, owner))
+            return streams[-1]
+
+        sid, _ = await self.state.run(self.state.start_ephemeral, eng, spec, start)
+        return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
+                                   cleanup=lambda: self.state.close_after(streams[-1], sid),
+                                   prefix=prefix, forced=forced)
 
     async def streaming(self, eng, owner, s, msgs: list[dict]) -> Response:
         """A streaming session's query, asked as one user message."""
@@ -56,15 +176,44 @@ class ChatCall:
         if msgs[0]["role"] == "system" and msgs[0]["content"] != (s.spec.system or ""):
             raise ApiError(409, "conversation_diverged", f"the system message differs from "
                            f"session {s.id}'s", "messages[0]")
+        if self.choice not in ("auto", "none"):
+            raise ApiError(400, "invalid_request", f"session {s.id} is a streaming session: it "
+                           "has no tools to call", "tool_choice")
         question = asked[0]["content"]
         mode = self.body.fast_path
-        stream = self.state.start_exact(
-            eng, s.id, query_key(question), mode, self.sampling,
-            lambda: eng.query_stream(s.id, question, self.sampling, mode, self.logprobs, owner))
-        return await self._respond(stream, s.id, agentic=False, tools=False)
+        streams = []
+        for i in range(self.n):  # each from the same ready distribution when one is cached
+            sampling = choice_sampling(self.sampling, i)
+            streams.append(await self.state.start_exact(
+                eng, s.id, query_key(question), mode, sampling,
+                lambda sp=sampling: eng.query_stream(s.id, question, sp, mode, self.logprobs,
+                                                     owner), len(question)))
+        return await self._respond(streams, s.id, agentic=False, tools=False)
+
+    def _session_sampling(self, eng, s) -> SamplingParams:
+        """An agentic session's sampling with its tool choice: 'none' forbids the token that
+        opens a tool call (a logit bias, so the cached distribution obeys it too)."""
+        if self.n != 1:
+            raise ApiError(400, "invalid_request", f"session {s.id} commits one answer per "
+                           "turn: n must be 1 (n > 1 works statelessly and on streaming "
+                           "sessions)", "n")
+        if self.choice == "auto" or not s.spec.tools:
+            return self.sampling
+        if self.choice == "none":
+            held = list(eng.snapshot(s.id).messages)
+            opening = tool_opening(eng.fmt, held, list(s.spec.tools), None)
+            ids = eng.fmt.encode(opening.strip())
+            if ids:
+                bias = dict(self.sampling.logit_bias)
+                bias[ids[0]] = -100.0
+                return replace(self.sampling, logit_bias=tuple(bias.items()))
+        raise ApiError(400, "invalid_request", "on an agentic session tool_choice must be "
+                       "'auto' or 'none' (the session commits the answer as generated); "
+                       "'required' and named functions work statelessly", "tool_choice")
 
     async def agentic(self, eng, owner, s, msgs: list[dict]) -> Response:
         """Delta-only: commit what the session lacks, then answer."""
+        self.sampling = sampling = self._session_sampling(eng, s)
         snap = eng.snapshot(s.id)
         rollback = self.body.on_divergence == "rollback"
         r = resume(s.id, snap.version, snap.messages, msgs,
@@ -72,36 +221,37 @@ class ChatCall:
         target, held, delta = r.rollback_to, r.held, r.delta
         check_order(held, delta, len(held))
         mode = self.body.fast_path
-        tools = bool(s.spec.tools)
+        tools = bool(s.spec.tools) and self.choice != "none"
         if target is None and not delta:
-            if self.state.will_be_fast(eng, s.id, TURN, mode, self.sampling):
-                stream = eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs, owner)
-                return await self._respond(stream, s.id, agentic=True, tools=tools)
+            if self.state.will_be_fast(eng, s.id, TURN, mode, sampling):
+                stream = eng.turn_stream(s.id, None, sampling, mode, self.logprobs, owner)
+                return await self._respond([stream], s.id, agentic=True, tools=tools)
             if self.body.stream and eng.serves_exact(s.id, TURN, mode):
                 # a streamed exact turn that decodes on: its first token is out at once
-                stream = eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs, owner)
-                return await self._respond(stream, s.id, agentic=True, tools=tools)
+                stream = eng.turn_stream(s.id, None, sampling, mode, self.logprobs, owner)
+                return await self._respond([stream], s.id, agentic=True, tools=tools)
         self.state.backpressure(eng)
-        if target is not None or len(delta) > 1:
-            self._check_fits(eng, s, held + delta)
 
         def start():
+            if target is not None or len(delta) > 1:
+                self._check_fits(eng, s, held + delta)
             if target is not None:
                 eng.rollback(s.id, target, wait=False, owner=owner)
-            for m in delta[:-1]:
+            last = delta[-1] if delta else None
+            if last is not None and last["role"] not in ("user", "tool"):
+                last = None  # a system message alone: committed, then the turn
+            for m in delta[:-1] if last is not None else delta:
                 eng.add_message(s.id, m["role"], m["content"], m.get("tool_calls"),
                                 wait=False, owner=owner)
-            last = delta[-1] if delta else None
             if last is None:
-                return eng.turn_stream(s.id, None, self.sampling, mode, self.logprobs, owner)
+                return eng.turn_stream(s.id, None, sampling, mode, self.logprobs, owner)
             if last["role"] == "tool":
-                return eng.tool_result_stream(s.id, last["content"], self.sampling, mode,
+                return eng.tool_result_stream(s.id, last["content"], sampling, mode,
                                               self.logprobs, owner)
-            return eng.turn_stream(s.id, last["content"], self.sampling, mode, self.logprobs,
-                                   owner)
+            return eng.turn_stream(s.id, last["content"], sampling, mode, self.logprobs, owner)
 
         stream = await self.state.run(start)
-        return await self._respond(stream, s.id, agentic=True, tools=tools)
+        return await self._respond([stream], s.id, agentic=True, tools=tools)
 
     def _check_fits(self, eng, s, msgs: list[dict]) -> None:
         """A multi-message delta is committed message by message: check the whole of it
@@ -114,27 +264,83 @@ class ChatCall:
         room = min(eng.max_context, s.budget(eng.config.budget.session_cells))
         need = n + max(self.sampling.max_tokens, eng.config.reserve_tokens)
         if need > room:
-            raise ApiError(413, "over_budget", f"the conversation is {n} tokens; with "
-                           f"max_tokens {self.sampling.max_tokens} it needs {need} of the "
+            raise ApiError(400, "context_length_exceeded", f"the conversation is {n} tokens; "
+                           f"with max_tokens {self.sampling.max_tokens} it needs {need} of the "
                            f"{room} this session can hold", "messages")
 
 
-async def complete(state: ServerState, receive, eng, owner, body: Completion, prompt: str,
-                   sampling) -> Response:
+def prompt_text(eng, prompt: str | list[int], where: str) -> str:
+    """A completions prompt as text: token ids are taken where they are the tokenizer's own
+    encoding of their text (a leading BOS may be left out)."""
+    if isinstance(prompt, str):
+        return prompt
+    fmt = eng.fmt
+    try:
+        text = fmt.tokenizer.decode(list(prompt), skip_special_tokens=False)
+        back = fmt.encode_prompt(text)
+    except Exception as exc:
+        raise ApiError(400, "invalid_request", f"{where}: token ids the tokenizer cannot "
+                       f"decode: {exc}", where) from None
+    if list(prompt) != back and [*back[:1], *prompt] != back:
+        bos = getattr(fmt.tokenizer, "bos_token", None)
+        stripped = text[len(bos):] if bos and text.startswith(bos) else None
+        if stripped is None or fmt.encode_prompt(stripped) != list(prompt):
+            raise ApiError(400, "invalid_request", f"{where}: these token ids are not the "
+                           "tokenizer's encoding of their text, so prepos cannot continue them "
+                           "exactly; send the text", where)
+        text = stripped
+    return text
+
+
+async def complete(state: ServerState, receive, eng, owner, body: Completion,
+                   prompts: list[str], sampling) -> Response:
     want_lp = body.logprobs is not None
+    n = body.n or 1
+    if body.echo and want_lp:
+        raise ApiError(400, "unsupported", "echo with logprobs is not supported (the prompt's "
+                       "own logprobs are not computed)", "echo")
+    echo = prompts if body.echo else None
     if body.session_id is not None:
         s = state.session(eng, body.session_id, owner, "session_id")
         if s.kind != STREAMING:
             raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
                            "with /v1/chat/completions", "session_id")
-        stream = state.start_exact(
-            eng, s.id, query_key(prompt), body.fast_path, sampling,
-            lambda: eng.query_stream(s.id, prompt, sampling, body.fast_path, want_lp, owner))
-        return await respond(CompletionReply(state, body, s.id), state, receive, stream)
+        streams = []
+        for prompt in prompts:
+            for i in range(n):
+                sp = choice_sampling(sampling, i)
+                streams.append(await state.start_exact(
+                    eng, s.id, query_key(prompt), body.fast_path, sp,
+                    lambda p=prompt, sp=sp: eng.query_stream(s.id, p, sp, body.fast_path,
+                                                             want_lp, owner), len(prompt)))
+        return await respond(CompletionReply(state, body, s.id, echo, n), state, receive,
+                             streams)
     state.backpressure(eng)
     # stateless: the prompt is continued as given, no chat template (a raw completion)
     spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
-    sid, stream = await state.run(state.start_ephemeral, eng, spec, lambda sid:
-                                  eng.complete_stream(sid, prompt, sampling, want_lp, owner))
-    return await respond(CompletionReply(state, body, None), state, receive, stream,
-                         cleanup=lambda: state.close_after(stream, sid))
+    sids, streams = [], []
+
+    def start_all(prompt):
+        def start(sid):
+            for i in range(n):
+                streams.append(eng.complete_stream(sid, prompt, choice_sampling(sampling, i),
+                                                   want_lp, owner))
+            return streams[-1]
+        return start
+
+    def cleanup():
+        for k, sid in enumerate(sids):
+            state.close_after(streams[(k + 1) * n - 1], sid)
+
+    try:
+        for prompt in prompts:
+            sid, _ = await state.run(state.start_ephemeral, eng, spec, start_all(prompt))
+            sids.append(sid)
+    except BaseException:
+        for s in streams:
+            s.cancel()
+        cleanup()
+        raise
+    return await respond(CompletionReply(state, body, None, echo, n), state, receive, streams,
+                         cleanup=cleanup)
+

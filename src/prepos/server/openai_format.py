@@ -5,6 +5,7 @@ answer while they may be a tool call's markup."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -15,7 +16,8 @@ from prepos.core import Result
 from prepos.entries import ChatFormat, parse_tool_calls
 from prepos.server import results, streaming
 from prepos.server.schemas import ChatCompletion, Completion
-from prepos.server.sse import event
+from prepos.server.sse import HEADERS as SSE_HEADERS
+from prepos.server.sse import EventStream, event
 from prepos.stream import Stream
 
 TOOL_MARKS = ("<tool_call>",)
@@ -31,17 +33,36 @@ def _token_lp(chat_format: ChatFormat, token: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def message(res: Result, agentic: bool) -> tuple[dict, str]:
-    """The assistant message of a chat answer, and its finish reason."""
-    content, calls = parse_tool_calls(res.text) if agentic else (res.text, [])
+def message(res: Result, agentic: bool, prefix: str = "", forced: str | None = None,
+            parallel: bool = True) -> tuple[dict, str]:
+    """The assistant message of a chat answer, and its finish reason. `prefix`: the text the
+    answer continued (a tool call's opening); `forced`: the function it must call (its
+    arguments are the generated JSON object, or the text if it is none)."""
+    text = prefix + res.text
+    content, calls = parse_tool_calls(text) if agentic else (res.text, [])
+    if forced is not None and not calls:
+        raw = res.text.lstrip()
+        try:
+            args, _ = json.JSONDecoder().raw_decode(raw)
+        except ValueError:
+            args = None
+        content = ""
+        calls = [{"function": {"name": forced,
+                               "arguments": args if isinstance(args, dict) else raw}}]
+    if not parallel:
+        calls = calls[:1]
     msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         msg["tool_calls"] = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                               "function": {"name": c["function"]["name"],
-                                           "arguments": json.dumps(c["function"]["arguments"])}}
+                                           "arguments": _arguments(c["function"]["arguments"])}}
                              for c in calls]
         return msg, "tool_calls"
     return msg, finish_reason(res)
+
+
+def _arguments(args) -> str:
+    return args if isinstance(args, str) else json.dumps(args)
 
 
 def safe_prefix(text: str) -> int:
@@ -62,7 +83,8 @@ def safe_prefix(text: str) -> int:
 
 
 class Reply:
-    """What every response of one request shares: its id, creation time and model."""
+    """What every response of one request shares: its id, creation time and model; `index`
+    is the choice a copy of it writes."""
 
     def __init__(self, state, request: ChatCompletion | Completion, sid: str | None,
                  prefix: str, obj: str, chunk_obj: str):
@@ -75,60 +97,120 @@ class Reply:
         self.object = obj
         self.chunk_object = chunk_obj
         self.chat_format: ChatFormat = state.engine.fmt
+        self.index = 0
+        self.per_prompt = 1  # choices per prompt (completions: n)
+
+    def at(self, index: int) -> Reply:
+        other = copy.copy(self)
+        other.index = index
+        return other
 
     def body(self, chunk: bool = False, **fields) -> dict:
         return {"id": self.id, "object": self.chunk_object if chunk else self.object,
                 "created": self.created, "model": self.model, **fields}
 
-    def usage_chunk(self, res: Result) -> bytes:
-        return event(self.body(True, choices=[], usage=results.usage(res)))
+    def usage(self, results_: list[Result]) -> dict:
+        """Usage of all choices: each prompt counted once, every choice's completion."""
+        prompts = results_[::self.per_prompt]
+        out = {"prompt_tokens": sum(r.prompt_tokens for r in prompts),
+               "completion_tokens": sum(len(r.tokens) for r in results_)}
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+        cached = sum(results.cached_prompt_tokens(r) for r in prompts)
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
-    def whole(self, res: Result) -> Response:
+    def usage_chunk(self, results_: list[Result]) -> bytes:
+        return event(self.body(True, choices=[], usage=self.usage(results_)))
+
+    def choice(self, res: Result) -> dict:
         raise NotImplementedError
 
     def chunks(self, stream: Stream) -> streaming.Chunks:
         raise NotImplementedError
 
+    def whole(self, results_: list[Result]) -> Response:
+        first = results_[0]
+        out = self.body(choices=[self.at(i).choice(r) for i, r in enumerate(results_)],
+                        usage=self.usage(results_), prepos=results.extension(first, self.sid))
+        if self.object == "chat.completion":
+            out["system_fingerprint"] = None
+        if len(results_) > 1:
+            out["prepos"]["choices"] = [results.extension(r, self.sid) for r in results_]
+        return results.json_response(out, headers=results.headers(first, self.sid))
 
-async def respond(reply: Reply, state, receive, stream: Stream, cleanup=None,
+
+async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=None,
 ) -> Response:
-    """The answer: one JSON body, or chunks (`stream: true`) ending in `[DONE]`."""
+    """The answer: one JSON body, or chunks (`stream: true`) ending in `[DONE]`; one choice
+    per stream."""
     if not reply.request.stream:
-        return reply.whole(await streaming.result(state, stream, receive, cleanup))
-    chunks = streaming.guarded(reply.chunks(stream), cleanup, last=DONE)
-    return await streaming.stream_response(stream, chunks, reply.sid)
+        try:
+            done = [await state.result(s, receive) for s in streams]
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        finally:
+            if cleanup is not None:
+                cleanup()
+        return reply.whole(done)
+    if len(streams) == 1:
+        chunks = streaming.guarded(reply.chunks(streams[0]), cleanup, last=DONE)
+        return await streaming.stream_response(streams[0], chunks, reply.sid)
+
+    async def each(_source):  # the choices one after the other, each with its index
+        for i, stream in enumerate(streams):
+            one = reply.at(i)
+            one.include_usage = False  # once, for all the choices, at the end
+            async for c in one.chunks(stream)(stream.aiter()):
+                yield c
+        if reply.include_usage:
+            yield reply.usage_chunk([s.result() for s in streams])
+
+    def cancel_all():
+        for s in streams:
+            s.cancel()
+
+    chunks = streaming.guarded(each, cleanup, last=DONE)
+    return EventStream(chunks(None), headers={**results.pending_headers(reply.sid),
+                                              **SSE_HEADERS}, on_disconnect=cancel_all)
 
 
 # -- chat ---------------------------------------------------------------------------------
 class ChatReply(Reply):
     def __init__(self, state, body: ChatCompletion, sid: str | None, agentic: bool,
-                 tools: bool):
+                 tools: bool, prefix: str = "", forced: str | None = None,
+                 parallel: bool = True):
         super().__init__(state, body, sid, "chatcmpl-", "chat.completion",
                          "chat.completion.chunk")
         self.agentic = agentic
         self.tools = tools
+        self.prefix = prefix  # the tool call's opening the answer continues
+        self.forced = forced
+        self.parallel = parallel
         self.logprobs = bool(body.logprobs)
         self.top = body.top_logprobs or 0
 
-    def whole(self, res: Result) -> Response:
-        msg, finish = message(res, self.agentic)
-        choice = {"index": 0, "message": msg, "finish_reason": finish,
-                  "logprobs": {"content": self._logprobs(res)} if self.logprobs else None}
-        out = self.body(choices=[choice], usage=results.usage(res), system_fingerprint=None,
-                        prepos=results.extension(res, self.sid))
-        return results.json_response(out, headers=results.headers(res, self.sid))
+    def message(self, res: Result) -> tuple[dict, str]:
+        return message(res, self.agentic, self.prefix, self.forced, self.parallel)
+
+    def choice(self, res: Result) -> dict:
+        msg, finish = self.message(res)
+        return {"index": self.index, "message": msg, "finish_reason": finish,
+                "logprobs": {"content": self._logprobs(res)} if self.logprobs else None}
 
     def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish}
         return event(self.body(True, system_fingerprint=None, choices=[choice], **extra))
 
     def chunks(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
-            first = True
-            held = ""  # text withheld while it may be a tool call's markup
+            # the first chunk carries the role only, as OpenAI's does; then the content
+            yield self._chunk({"role": "assistant", "content": ""})
+            held = self.prefix  # text withheld while it may be a tool call's markup
             sent = ""
             async for ev in source:
-                delta: dict = {"role": "assistant"} if first else {}
                 text = ev.text
                 if self.tools:
                     held += text
@@ -137,15 +219,13 @@ class ChatReply(Reply):
                 lp = None
                 if self.logprobs and ev.token >= 0 and ev.logprob is not None:
                     lp = {"content": [self._entry(ev.token, ev.logprob, ev.top)]}
-                if not text and lp is None and not first:
+                if not text and lp is None:
                     continue
-                delta["content"] = text
                 sent += text
-                first = False
-                yield self._chunk(delta, logprobs=lp)
+                yield self._chunk({"content": text}, logprobs=lp)
             res = stream.result()
-            msg, finish = message(res, self.agentic)
-            final: dict = {"role": "assistant"} if first else {}
+            msg, finish = self.message(res)
+            final: dict = {}
             content = msg.get("content") or ""
             if content.startswith(sent) and len(content) > len(sent):
                 final["content"] = content[len(sent):]
@@ -154,7 +234,7 @@ class ChatReply(Reply):
                                        for i, c in enumerate(msg["tool_calls"])]
             yield self._chunk(final, finish, prepos=results.extension(res, self.sid))
             if self.include_usage:
-                yield self.usage_chunk(res)
+                yield self.usage_chunk([res])
 
         return run
 
@@ -172,10 +252,16 @@ class ChatReply(Reply):
 
 # -- completions --------------------------------------------------------------------------
 class CompletionReply(Reply):
-    def __init__(self, state, body: Completion, sid: str | None):
+    def __init__(self, state, body: Completion, sid: str | None,
+                 echo: list[str] | None = None, per_prompt: int = 1):
         super().__init__(state, body, sid, "cmpl-", "text_completion", "text_completion")
         self.want_lp = body.logprobs is not None
         self.top = body.logprobs or 0
+        self.echo = echo  # the prompts, when they are echoed before each completion
+        self.per_prompt = per_prompt
+
+    def _echoed(self) -> str:
+        return self.echo[self.index // self.per_prompt] if self.echo else ""
 
     def _lp_block(self, tokens, lps, tops, offset0: int) -> dict:
         fmt = self.chat_format
@@ -195,21 +281,22 @@ class CompletionReply(Reply):
         return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": listed,
                 "text_offset": offsets}
 
-    def whole(self, res: Result) -> Response:
-        choice = {"index": 0, "text": res.text, "finish_reason": finish_reason(res),
-                  "logprobs": self._lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
-                  if self.want_lp else None}
-        out = self.body(choices=[choice], usage=results.usage(res),
-                        prepos=results.extension(res, self.sid))
-        return results.json_response(out, headers=results.headers(res, self.sid))
+    def choice(self, res: Result) -> dict:
+        return {"index": self.index, "text": self._echoed() + res.text,
+                "finish_reason": finish_reason(res),
+                "logprobs": self._lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
+                if self.want_lp else None}
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": self.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish}
         return event(self.body(True, choices=[choice], **extra))
 
     def chunks(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
             at = 0
+            if self.echo:
+                yield self._chunk(self._echoed())
             async for ev in source:
                 lp = None
                 if self.want_lp and ev.token >= 0 and ev.logprob is not None:
@@ -221,6 +308,6 @@ class CompletionReply(Reply):
             res = stream.result()
             yield self._chunk("", finish_reason(res), prepos=results.extension(res, self.sid))
             if self.include_usage:
-                yield self.usage_chunk(res)
+                yield self.usage_chunk([res])
 
         return run

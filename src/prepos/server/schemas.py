@@ -26,6 +26,9 @@ class SamplingFields(Strict):
     top_logprobs: StrictInt = 0  # the k likeliest tokens at each step, 0 to 20
     fast_path: FastMode | None = None
     stream: StrictBool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
 
 
 # -- session API ------------------------------------------------------------------------
@@ -124,7 +127,7 @@ class ChatCompletion(OpenAISampling):
 
 
 class Completion(OpenAISampling):
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]]
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None

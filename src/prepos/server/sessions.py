@@ -21,6 +21,7 @@ from prepos.entries import parse_tool_calls
 from prepos.server import results, streaming
 from prepos.server.errors import ApiError
 from prepos.server.journal import is_ephemeral
+from prepos.server.openai_checks import logit_bias
 from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.schemas import (
@@ -44,7 +45,10 @@ routes = Routes()
 def _sampling(c: Call) -> SamplingParams:
     b = c.body
     return c.state.limits.sampling(b.max_tokens, b.temperature, b.top_k, b.top_p, b.seed,
-                                   b.stop, top_logprobs=b.top_logprobs)
+                                   b.stop, top_logprobs=b.top_logprobs,
+                                   presence_penalty=b.presence_penalty,
+                                   frequency_penalty=b.frequency_penalty,
+                                   logit_bias=logit_bias(c.engine, b.logit_bias))
 
 
 async def _commit(c: Call, fn, *args) -> Response:
@@ -67,27 +71,35 @@ async def create_session(request: Request):
     if not 1 <= body.push_max_tokens <= lim.max_tokens:
         raise ApiError(400, "invalid_request", f"push_max_tokens must be in [1, "
                        f"{lim.max_tokens}], got {body.push_max_tokens}", "push_max_tokens")
+    cells = body.budget_cells
+    if cells is not None and not 1 <= cells <= eng.pool.engine_cells:
+        raise ApiError(400, "invalid_input", f"budget_cells must be in [1, "
+                       f"{eng.pool.engine_cells}] (the engine's KV budget), got {cells}",
+                       "budget_cells")
+    if body.tools and body.kind != AGENTIC:
+        raise ApiError(409, "wrong_session_kind", "tools belong to agentic sessions; a "
+                       "streaming session never calls one", "tools")
     if body.system is not None:
-        lim.check_input(eng, body.system, "system")
+        await state.check_input(eng, body.system, "system")
     for q in body.standing_queries:
-        lim.check_input(eng, q, "standing_queries")
-    lim.check_input(eng, json.dumps(body.tools), "tools")
-    state.check_new_session(eng, owner)
+        await state.check_input(eng, q, "standing_queries")
+    await state.check_input(eng, json.dumps(body.tools), "tools")
     spec = SessionSpec(body.kind, body.system, tuple(body.tools),
                        tuple(body.standing_queries), body.fast_path, body.preposition,
                        body.budget_cells, owner=owner)
     spec.validate()
-    sid = eng.sessions.new_id()
-    state.hub.push_tokens[sid] = body.push_max_tokens
-    if state.journal is not None:
-        state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
-    try:
-        await state.run(eng.restore_session, sid, spec)
-    except BaseException:
-        state.hub.push_tokens.pop(sid, None)
+    with state.new_session(eng, owner):
+        sid = eng.sessions.new_id()
+        state.hub.push_tokens[sid] = body.push_max_tokens
         if state.journal is not None:
-            state.journal.extras.pop(sid, None)
-        raise
+            state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
+        try:
+            await state.run(eng.restore_session, sid, spec)
+        except BaseException:
+            state.hub.push_tokens.pop(sid, None)
+            if state.journal is not None:
+                state.journal.extras.pop(sid, None)
+            raise
     return json_response(_info(state, eng, sid, owner), 201, {"Location": f"/sessions/{sid}"})
 
 
@@ -165,13 +177,17 @@ async def close_session(sid: str, request: Request):
 @routes.add("POST", "/sessions/{sid}/append", 14)
 async def append(sid: str, request: Request):
     c = await ServerState.open(request, Append, sid, STREAMING)
-    c.check_input(c.body.data, "data")
+    await c.check_input(c.body.data, "data")
     return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait, c.owner)
 
 
 @routes.add("POST", "/sessions/{sid}/rollback", 50)
 async def rollback(sid: str, request: Request):
     c = await ServerState.open(request, Rollback, sid)
+    if c.body.version == c.session.version:  # already there: no new version
+        snap = c.engine.snapshot(sid)
+        return json_response({"session_id": sid, "version": snap.version,
+                              "tokens": len(snap.tokens), "messages": len(snap.messages)})
     return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait, c.owner)
 
 
@@ -185,7 +201,7 @@ async def shift(sid: str, request: Request):
 async def add_message(sid: str, request: Request):
     c = await ServerState.open(request, AddMessage, sid, AGENTIC)
     b = c.body
-    c.check_input(b.content, "content")
+    await c.check_input(b.content, "content")
     return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait,
                          c.owner)
 
@@ -196,10 +212,11 @@ async def query(sid: str, request: Request):
     c = await ServerState.open(request, Query, sid, STREAMING)
     eng, b = c.engine, c.body
     sampling = _sampling(c)
-    c.check_input(b.question, "question")
-    stream = c.state.start_exact(
+    await c.check_input(b.question, "question")
+    stream = await c.state.start_exact(
         eng, sid, query_key(b.question), b.fast_path, sampling,
-        lambda: eng.query_stream(sid, b.question, sampling, b.fast_path, b.logprobs, c.owner))
+        lambda: eng.query_stream(sid, b.question, sampling, b.fast_path, b.logprobs, c.owner),
+        len(b.question))
     return await respond(c, request, stream, agentic=False)
 
 
@@ -209,7 +226,7 @@ async def turn(sid: str, request: Request):
     eng, b = c.engine, c.body
     sampling = _sampling(c)
     if b.user is None:
-        stream = c.state.start_exact(
+        stream = await c.state.start_exact(
             eng, sid, TURN, b.fast_path, sampling,
             lambda: eng.turn_stream(sid, None, sampling, b.fast_path, b.logprobs, c.owner))
     else:
@@ -227,7 +244,7 @@ async def tool_result(sid: str, request: Request):
 
 async def _committing(c: Call, start, text: str, what: str, sampling: SamplingParams):
     """An agentic request that commits `text` first: behind backpressure, off the loop."""
-    c.check_input(text, what)
+    await c.check_input(text, what)
     c.state.backpressure(c.engine)
     b = c.body
     return await c.state.run(start, c.sid, text, sampling, b.fast_path, b.logprobs, c.owner)

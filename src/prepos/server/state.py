@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from prepos.stream import Stream
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
+INLINE_BYTES = 16384  # text or bodies up to this size are handled on the event loop
 
 
 @dataclass
@@ -44,6 +46,9 @@ class ServerConfig:
     served_model_name: str | None = None
     limits: Limits = field(default_factory=Limits)
     threads: int = 256  # threads that wait on engine work for the event loop
+    cpu_threads: int = 2  # threads that tokenize and parse large inputs off the event loop
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
+    request_timeout: float = 30.0  # seconds a client may take to send one whole request
 
 
 @dataclass
@@ -61,8 +66,8 @@ class Call:
     def sid(self) -> str:
         return self.session.id
 
-    def check_input(self, text: str, what: str) -> None:
-        self.state.limits.check_input(self.engine, text, what)
+    async def check_input(self, text: str, what: str) -> None:
+        await self.state.check_input(self.engine, text, what)
 
 
 class ServerState:
@@ -80,9 +85,15 @@ class ServerState:
         self.error: str | None = None
         self.restored = 0
         self.ephemeral = 0  # live sessions made for one stateless request
+        self.created = int(time.time())  # the model's "created" time in /v1/models
+        self.creating: dict[str | None, int] = {}  # sessions being created, by owner
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
                                            thread_name_prefix="prepos-wait")
+        # CPU work a request brings (tokenizing, parsing a large body) runs here, off the
+        # event loop and bounded: at most `cpu_threads` such jobs at once
+        self.cpu = ThreadPoolExecutor(max_workers=config.cpu_threads,
+                                      thread_name_prefix="prepos-cpu")
         self._factory = engine_factory or _load_engine
         self._loader: threading.Thread | None = None
         self.on_failure: Callable[[], None] | None = None
@@ -147,6 +158,7 @@ class ServerState:
         if self.journal is not None:
             self.journal.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.cpu.shutdown(wait=False, cancel_futures=True)
 
     # -- per request -----------------------------------------------------------------------
     @staticmethod
@@ -198,12 +210,24 @@ class ServerState:
             raise ApiError(400, "missing_body", f"this endpoint needs a JSON body "
                            f"({model.__name__})")
         try:
-            return model.model_validate_json(raw)
+            if len(raw) <= INLINE_BYTES:
+                return model.model_validate_json(raw)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.cpu, model.model_validate_json, raw)
         except ValidationError as exc:
             err = validation_error(exc)
             if err.code == "invalid_request" and raw.lstrip()[:1] != b"{":
                 err = ApiError(400, "invalid_request", "the body must be a JSON object")
             raise err from None
+
+    async def check_input(self, engine: Engine, text: str, what: str) -> None:
+        """`Limits.check_input`: text short enough is never tokenized; longer text is
+        tokenized off the event loop, in the bounded CPU pool."""
+        if len(text) <= self.limits.max_input_tokens and \
+                len(text.encode()) <= self.limits.max_input_tokens:
+            return
+        await asyncio.get_running_loop().run_in_executor(
+            self.cpu, self.limits.check_input, engine, text, what)
 
     async def run(self, fn, *args):
         """Run blocking engine work (rendering, waiting for the worker) off the loop."""
@@ -231,13 +255,18 @@ class ServerState:
         one-token exact match): such requests are never refused for backpressure."""
         return sampling.max_tokens == 1 and engine.serves_exact(sid, key, mode)
 
-    def start_exact(self, engine: Engine, sid: str, key: tuple, mode: str | None,
-                    sampling: SamplingParams, start: Callable[[], Stream]) -> Stream:
+    async def start_exact(self, engine: Engine, sid: str, key: tuple, mode: str | None,
+                          sampling: SamplingParams, start: Callable[[], Stream],
+                          size: int = 0) -> Stream:
         """`start()` a request for entry `key`: refused for backpressure unless it will be a
-        one-token exact match."""
+        one-token exact match. It runs on the event loop (no thread hop: a fast answer is
+        written at once) unless its text, `size` characters, is long enough that tokenizing
+        it would hold the loop up."""
         if not self.will_be_fast(engine, sid, key, mode, sampling):
             self.backpressure(engine)
-        return start()
+        if size <= INLINE_BYTES:
+            return start()
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, start)
 
     def backpressure(self, engine: Engine) -> None:
         try:
@@ -249,15 +278,31 @@ class ServerState:
     def persistent_sessions(self, engine: Engine) -> int:
         return len(engine.sessions) - self.ephemeral
 
+    @contextmanager
+    def new_session(self, engine: Engine, owner: str | None):
+        """Check the session limits and hold a place for the session being created until
+        the block ends: concurrent creations at the limit never overshoot it (the check and
+        the reservation happen on the event loop, with no await between them)."""
+        self.check_new_session(engine, owner)
+        self.creating[owner] = self.creating.get(owner, 0) + 1
+        try:
+            yield
+        finally:
+            self.creating[owner] -= 1
+            if not self.creating[owner]:
+                del self.creating[owner]
+
     def check_new_session(self, engine: Engine, owner: str | None) -> None:
         lim = self.limits
-        if self.persistent_sessions(engine) >= lim.max_sessions:
+        pending = sum(self.creating.values())
+        if self.persistent_sessions(engine) + pending >= lim.max_sessions:
             self.metrics.rejected.labels("sessions").inc()
             raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
                            f"{lim.max_sessions} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
-            mine = sum(1 for s in engine.sessions.all() if s.spec.owner == owner)
+            mine = sum(1 for s in engine.sessions.all() if s.spec.owner == owner) + \
+                self.creating.get(owner, 0)
             if mine >= lim.max_sessions_per_key:
                 self.metrics.rejected.labels("sessions_per_key").inc()
                 raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
