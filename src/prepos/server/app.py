@@ -75,7 +75,8 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
     api = Routes()
     api.routes = [*sessions_routes.routes, *openai_routes.routes]
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
-    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,
+                       max_header_bytes=config.limits.max_header_bytes)
     if config.allowed_origins:  # browser clients: preflight answered, responses allowed
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"],
@@ -169,7 +170,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
                     max_sessions_per_key=args.max_sessions_per_key, max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
-                    max_input_tokens=args.max_input_tokens, max_queue=args.max_queue)
+                    max_input_tokens=args.max_input_tokens, max_queue=args.max_queue,
+                    max_header_bytes=args.max_header_bytes)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerConfig(model=args.model, engine=engine, journal=journal,
                         api_keys=load_keys(args.api_key, args.api_keys_file),

@@ -23,6 +23,7 @@ class Limits:
     default_max_tokens: int = 64
     max_input_tokens: int = 8192  # tokens of input text per request
     max_queue: int = 256  # foreground tasks queued on the model worker before 429
+    max_header_bytes: int = 64 * 1024  # a request's line and headers (431 beyond)
 
     def sampling(self, max_tokens: int | None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None,
@@ -77,16 +78,24 @@ class Limits:
 
 
 class BodyLimit:
-    """Refuse bodies over `max_bytes` with 413, by Content-Length when sent and by counting
-    otherwise (chunked uploads)."""
+    """Refuse headers over `max_header_bytes` with 431 (the HTTP protocol's guard bounds
+    them while they arrive; this counts a head that came whole), and bodies over `max_bytes`
+    with 413, by Content-Length when sent and by counting otherwise (chunked uploads)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, max_header_bytes: int = 64 * 1024):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + \
+            sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        if head > self.max_header_bytes:
+            return await _refuse(send, 431, "headers_too_large",
+                                 f"the request line and headers are {head} bytes, over this "
+                                 f"server's limit of {self.max_header_bytes} bytes")
         limit = self.max_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length":

@@ -14,7 +14,6 @@ from starlette.routing import Route
 
 from prepos.server.errors import ApiError
 
-
 EVERY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 

@@ -88,8 +88,7 @@ async def create_session(request: Request):
                        tuple(body.standing_queries), body.fast_path, body.preposition,
                        body.budget_cells, owner=owner)
     spec.validate()
-    with state.new_session(eng, owner):
-        sid = eng.sessions.new_id()
+    with state.new_session(eng, owner) as sid:
         state.hub.push_tokens[sid] = body.push_max_tokens
         if state.journal is not None:
             state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}

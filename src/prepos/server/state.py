@@ -86,7 +86,7 @@ class ServerState:
         self.restored = 0
         self.ephemeral = 0  # live sessions made for one stateless request
         self.created = int(time.time())  # the model's "created" time in /v1/models
-        self.creating: dict[str | None, int] = {}  # sessions being created, by owner
+        self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
                                            thread_name_prefix="prepos-wait")
@@ -280,29 +280,33 @@ class ServerState:
 
     @contextmanager
     def new_session(self, engine: Engine, owner: str | None):
-        """Check the session limits and hold a place for the session being created until
-        the block ends: concurrent creations at the limit never overshoot it (the check and
-        the reservation happen on the event loop, with no await between them)."""
+        """Check the session limits and hold a place for the session being created (its id
+        is yielded) until the block ends: concurrent creations at the limit never overshoot
+        it (the check and the reservation happen on the event loop, with no await between
+        them)."""
         self.check_new_session(engine, owner)
-        self.creating[owner] = self.creating.get(owner, 0) + 1
+        sid = engine.sessions.new_id()
+        self.creating[sid] = owner
         try:
-            yield
+            yield sid
         finally:
-            self.creating[owner] -= 1
-            if not self.creating[owner]:
-                del self.creating[owner]
+            del self.creating[sid]
+
+    def _pending(self, engine: Engine, owner: str | None = None, mine: bool = False) -> int:
+        """Sessions being created and not yet in the engine's store."""
+        return sum(1 for sid, o in list(self.creating.items())
+                   if (not mine or o == owner) and engine.sessions.find(sid) is None)
 
     def check_new_session(self, engine: Engine, owner: str | None) -> None:
         lim = self.limits
-        pending = sum(self.creating.values())
-        if self.persistent_sessions(engine) + pending >= lim.max_sessions:
+        if self.persistent_sessions(engine) + self._pending(engine) >= lim.max_sessions:
             self.metrics.rejected.labels("sessions").inc()
             raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
                            f"{lim.max_sessions} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
             mine = sum(1 for s in engine.sessions.all() if s.spec.owner == owner) + \
-                self.creating.get(owner, 0)
+                self._pending(engine, owner, mine=True)
             if mine >= lim.max_sessions_per_key:
                 self.metrics.rejected.labels("sessions_per_key").inc()
                 raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
