@@ -33,9 +33,9 @@ import httpx
 
 from common import RESULTS, machine, summarize, timing_model_dir, write
 from prepos.backends.llama_server import LlamaServer, find_binary
-from prepos.remote_engine import remote_engine
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path, SamplingParams
+from prepos.remote_engine import remote_engine
 
 ONE = SamplingParams(max_tokens=1)
 STANDING = "Is it rising?"

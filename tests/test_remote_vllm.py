@@ -251,8 +251,8 @@ def test_background_priority_on_both_scheduling_policies(model, live):
     be = make_backend(model, [r.url for r in live], health_interval=None)
     try:
         for rep in be.replicas:
-            kv = be.new_kv(f"bg-{rep.url}")
-            kv.replica = rep  # pinned by hand: each replica once
+            key = next(k for k in (f"bg{i}" for i in range(1000)) if be.replica_for(k) is rep)
+            kv = be.new_kv(key)  # a session rendezvous puts on this replica
             with idle_work():
                 top = be._post(rep, kv, [5, 6, 7, 8], True)
                 streamed = list(be.stream_answer(kv, [5, 6, 7, 8], SamplingParams(), 2,
