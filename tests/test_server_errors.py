@@ -196,7 +196,7 @@ def cases(t):
          {"json": chat([*t["held"], {"role": "user", "content": medium},
                         {"role": "assistant", "content": "ok"},
                         {"role": "user", "content": "and?"}], session_id="{A}")},
-         413, "over_budget", "conversation"),
+         400, "context_length_exceeded", "conversation"),
         ("chat-tools-differ", "POST", "/v1/chat/completions",
          {"json": chat([*t["held"], {"role": "user", "content": "x"}], session_id="{A}",
                        tools=[{"type": "function", "function": {"name": "other"}}])},

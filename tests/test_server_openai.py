@@ -159,11 +159,11 @@ def test_streaming_session_via_completions_and_chat(oai, http, model_name):
     assert stateless.model_extra["prepos"]["session_id"] is None
 
 
-def test_unsupported_options_are_refused_by_name(oai, model_name):
+def test_unsupported_or_out_of_range_options_are_refused_by_name(oai, model_name):
     msgs = [{"role": "user", "content": "hi"}]
-    cases = [({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
-             ({"logit_bias": {"1": 2.0}}, "logit_bias"),
-             ({"top_logprobs": 3}, "top_logprobs")]
+    cases = [({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+             ({"logit_bias": {"x": 2.0}}, "logit_bias"), ({"top_logprobs": 3}, "top_logprobs"),
+             ({"response_format": {"type": "json_object"}}, "response_format")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(model=model_name, messages=msgs, **extra)

@@ -88,13 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prepos demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--url", help="replay against a running server instead of in process")
+    ap.add_argument("--api-key", help="with --url: the server's Bearer key")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--updates", type=int, default=6)
     args = ap.parse_args(argv)
     if args.url:
         from prepos.lab.demo_client import main as client_main
 
-        return int(client_main(["--url", args.url]) or 0)
+        forwarded = ["--url", args.url, "--seed", str(args.seed), "--updates",
+                     str(args.updates)]
+        if args.api_key:
+            forwarded += ["--api-key", args.api_key]
+        return int(client_main(forwarded) or 0)
+    if args.api_key:
+        ap.error("--api-key goes with --url (the in-process demo has no server)")
     t0 = time.perf_counter()
     eng = Engine.from_pretrained(args.model, EngineConfig())
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f} s; gate tau="
