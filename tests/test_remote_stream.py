@@ -5,6 +5,7 @@ only where the engine accepts it, and the engine's own context length."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from remote_fakes import FakeCluster, hash_logits
@@ -221,4 +222,16 @@ def test_the_cache_report_is_read_before_the_last_token(kind):
     next(events)
     events.close()  # at the last token
     assert kv.last.cached_tokens == len(PROMPT)
+    be.close()
+
+
+def test_a_replica_added_later_with_a_smaller_context_lowers_it():
+    small = FakeCluster("vllm", hash_logits(), ["a"], max_context=300)
+    big = FakeCluster("vllm", hash_logits(), ["b"], max_context=900)
+    both = httpx.MockTransport(lambda r: (small if r.url.host == "a" else big).handle(r))
+    be = RemoteBackend(make_adapter("vllm"), ["http://b"], 50, top_k=4, transport=both,
+                       health_interval=None)
+    assert be.max_context == 900
+    be.add_replica("http://a")
+    assert be.max_context == 300
     be.close()

@@ -150,6 +150,8 @@ class RemoteBackend(Backend):
                 rep.close()
                 raise ValueError(f"replica {url} is already configured")
             self.replicas = [*self.replicas, rep]
+            if rep.max_context and getattr(self, "max_context", None):
+                self.max_context = min(self.max_context, rep.max_context)  # the smallest
         return rep
 
     def remove_replica(self, url: str) -> None:
