@@ -93,6 +93,10 @@ def test_relaxed_gate_fires_with_one_cached_token(make_engine, family):
     assert res.path is Path.FAST and res.match is Match.RELAXED
     assert res.tokens == [header.argmax] and res.gap == pytest.approx(header.gap)
     assert eng.paths["fast_relaxed"] == 1
+    # a logit_bias that bans the gate's token is honoured: no relaxed answer, a full one
+    banned = SamplingParams(max_tokens=1, logit_bias={header.argmax: -100.0})
+    res = eng.query(sid, "Is it rising?", banned)
+    assert res.match is not Match.RELAXED and res.tokens != [header.argmax]
 
 
 def test_relaxed_gate_miss_falls_through(make_engine, family):

@@ -158,7 +158,8 @@ class Engine:
     def rollback(self, sid: str, version: int, wait: bool = True, owner: str | None = None) -> int:
         s = self.sessions.get(sid, owner)
         snap, dropped = s.rollback(version)
-        self._committed(s, snap, dropped, wait)
+        if dropped is not None:  # None: it was at that version already, nothing committed
+            self._committed(s, snap, dropped, wait)
         return snap.version
 
     def shift(self, sid: str, drop: int | None = None, wait: bool = True,
@@ -232,7 +233,7 @@ class Engine:
             exact = ready.records.get(query_key(question))
             if exact is not None:  # realized entry == pre-positioned entry: zero added risk
                 return self.answers.exact(s, snap, ready, exact, sampling, logprobs, t0)
-            if mode == "relaxed" and header is not None:
+            if mode == "relaxed" and header is not None and not sampling.shaped:
                 if self.gate.fires(header):  # Eq. 12: one cached token, no scheduler
                     return self.answers.relaxed(ready, header, sampling, logprobs, t0)
                 self._count("gate_miss")
@@ -357,6 +358,9 @@ class Engine:
         return fast_path
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
+        if sampling.shaped and self.backend.streams_answers:
+            raise InvalidSampling(f"the {self.backend.name} back end samples answers itself: "
+                                  "penalties and logit_bias are not applied there")
         if (not sampling.greedy and not self.backend.full_distribution
                 and not self.backend.streams_answers and not self.config.topk_sampling):
             raise InvalidSampling(f"the {self.backend.name} back end returns top-k logprobs "
