@@ -290,12 +290,7 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     ax.set_title(f"Risk-coverage of the confidence gate ({results['n']} decision points; "
                  f"points with >= {MIN_SERVED} served)", fontsize=10)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    ax.grid(alpha=0.3)
-    p = out_dir / "risk_coverage.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, ax, out_dir / "risk_coverage.png"))
 
     # (b) coverage and false-accept vs tau
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
@@ -317,13 +312,18 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Coverage and false-accept rate vs tau")
     ax.legend(fontsize=7, loc="center right")
-    ax.grid(alpha=0.3)
-    p = out_dir / "coverage_vs_tau.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, ax, out_dir / "coverage_vs_tau.png"))
     return paths
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
