@@ -130,20 +130,7 @@ class Engine:
         return self.sessions.get(sid, owner)
 
     def info(self, sid: str, owner: str | None = None) -> dict:
-        s = self.sessions.get(sid, owner)
-        snap, ready = s.current()
-        return {
-            "id": s.id, "kind": s.kind, "version": snap.version, "tokens": len(snap.tokens),
-            "messages": len(snap.messages), "awaiting_tool_result": s.awaiting_tool,
-            "fast_path": s.spec.fast_path, "standing_queries": list(s.spec.standing),
-            "ready": {
-                "version": ready.version, "valid": ready.valid, "consumed": ready.consumed,
-                "done": ready.done,
-                "records": {":".join(map(str, k)): {"p": r.p, "gap": r.gap, "token": r.top_text,
-                                                    "entry_tokens": len(r.entry)}
-                            for k, r in ready.records.items()},
-            },
-        }
+        return self.sessions.get(sid, owner).info()
 
     # == mutations =========================================================================
     def append(self, sid: str, text: str, wait: bool = True, owner: str | None = None) -> int:

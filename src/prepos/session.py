@@ -155,6 +155,23 @@ class Session:
             kept = list(self.history.items())
         return {v: h.messages if isinstance(h, Snapshot) else tuple(h) for v, h in kept}
 
+    def info(self) -> dict:
+        """What the session is and what is ready in it, read together."""
+        snap, ready = self.current()
+        return {
+            "id": self.id, "kind": self.kind, "version": snap.version,
+            "tokens": len(snap.tokens), "messages": len(snap.messages),
+            "awaiting_tool_result": awaits_tool(snap.messages),
+            "fast_path": self.spec.fast_path, "standing_queries": list(self.spec.standing),
+            "ready": {
+                "version": ready.version, "valid": ready.valid, "consumed": ready.consumed,
+                "done": ready.done,
+                "records": {":".join(map(str, k)): {"p": r.p, "gap": r.gap, "token": r.top_text,
+                                                    "entry_tokens": len(r.entry)}
+                            for k, r in ready.records.items()},
+            },
+        }
+
     def record(self, ready: ReadySet, key: tuple, rec) -> bool:
         """Store a ready record, only if `ready` is still valid (its version current)."""
         with self.lock:
