@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[3]
+from prepos.paths import ROOT
 
 
 def find_binary() -> Path | None:

@@ -17,7 +17,7 @@ next replica in their ranking and rebuild there (the next request carries the fu
 so no answer is stale and no request is lost while any replica is up), and a replica that
 passes its health check again rejoins and wins its sessions back. A streamed answer whose
 replica fails before its first token moves the same way; one that fails after tokens were
-delivered raises `AnswerInterrupted` (a `BackendUnavailable`): never a silent splice of two
+delivered raises `AnswerInterrupted` (a `BackendUnavailable`): never a splice of two
 replicas' continuations.
 
 Sampling. Every token of an answer is the engine's own sampling over the full vocabulary
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -80,6 +81,7 @@ from prepos.backends.remote_protocol import (  # noqa: F401  (re-exported)
 )
 from prepos.backends.remote_replica import RemoteKV, Replica, _score
 
+log = logging.getLogger("prepos.remote")
 
 def _is_priority_refusal(exc: RemoteError) -> bool:
     return "priority" in str(exc).lower()
@@ -181,6 +183,8 @@ class RemoteBackend(Backend):
         return best
 
     def mark_down(self, rep: Replica, reason: str = "") -> None:
+        if rep.healthy:
+            log.warning("replica %s marked down: %s", rep.url, reason or "no reason given")
         with rep.lock:
             if rep.healthy:
                 rep.healthy = False
