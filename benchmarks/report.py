@@ -177,6 +177,31 @@ def native_table() -> str | None:
             f"{first['llama_cpp'].get('system_info', '')}\n\n" + "\n".join(lines))
 
 
+def remote_table() -> str | None:
+    """`benchmarks/remote_decode.py`: prepos in front of each engine vs the engine alone."""
+    r = load("remote_decode.json")
+    if not r:
+        return None
+    lines = ["| engine | decode per token after the first, P50 (prepos / engine) | "
+             "32-token answer end to end | engine's cached first token / prepos fast |",
+             "|---|---|---|---|"]
+    for name, e in r["engines"].items():
+        lat = e["latency"]
+        ver = r["versions"].get(name, "").splitlines()[0]
+        lines.append(
+            f"| {name} ({ver}) | **{e['decode_ratio_vs_engine']:.3f}x** "
+            f"({lat['prepos_decode']['p50_ms']:.1f} ms; target <= 1.1; P99 ratio "
+            f"{e['p99_ratios']['decode']:.2f}) | **{e['answer32_ratio_vs_engine']:.3f}x** "
+            f"(target <= 1.0; P99 ratio {e['p99_ratios']['answer32']:.2f}) | "
+            f"**{e['fast_over_engine_cached_first_token']:.0f}x** (target >= 20) |")
+    m = r["machine"]
+    return (f"prepos in front of each engine that runs here, one run, model {r['model']}, "
+            f"n={r['samples']} per figure, {r['max_tokens']}-token answers "
+            f"(`cd benchmarks && python remote_decode.py`; {m['date']}, load "
+            f"{m['loadavg_1m_at_start']}; at n={r['samples']} a P99 is the worst "
+            f"sample).\n\n" + "\n".join(lines))
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--gpu-summary"]:  # benchmarks/gpu.sh: its own table only
         root = Path(sys.argv[2])
@@ -356,6 +381,9 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 {ratios}
 ## Every token at the engine's speed (`benchmarks/native_decode.py`)
 {native_table() or "Not run yet."}
+
+## In front of real engines (`benchmarks/remote_decode.py`)
+{remote_table() or "Not run yet."}
 
 ## GPU run (`benchmarks/gpu.sh`)
 {gpu_md}
