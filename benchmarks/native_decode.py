@@ -182,10 +182,11 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
         fill(eng, sid, args.throughput_state, rng)
     ours, theirs = [], []
     batches = eng.scheduler.batches, eng.scheduler.batched_forwards
-    # as many HTTP threads as clients: llama-server streams one response per HTTP thread
+    # as many HTTP threads as clients (llama-server streams one response per HTTP thread);
+    # a context per slot: with --kv-unified this llama-server re-processed every slot's whole
+    # prompt instead of reusing its cache (seen in its log), which would slow it unfairly
     with LlamaServer(binary, gguf, slots=n, ctx_per_slot=args.throughput_state + 128,
-                     threads=args.threads,
-                     extra=("--kv-unified", "--threads-http", str(2 * n))) as srv:
+                     threads=args.threads, extra=("--threads-http", str(2 * n))) as srv:
         peer = Peer(srv.url)
         for r in range(args.rounds):
             # a new question each round on both sides: each prefills its entry, then decodes
