@@ -103,9 +103,10 @@ class Peer:
                                                 "cache_prompt": True, "id_slot": slot})
         r.raise_for_status()
 
-    def stream(self, ids: list[int], n: int, slot: int = 0) -> tuple[float, list[float], int]:
+    def stream(self, ids: list[int], n: int, slot: int = 0,
+               ignore_eos: bool = True) -> tuple[float, list[float], int]:
         body = {"prompt": ids, "n_predict": n, "stream": True, "cache_prompt": True,
-                "id_slot": slot, "ignore_eos": True, "temperature": 0.0}
+                "id_slot": slot, "ignore_eos": ignore_eos, "temperature": 0.0}
         t0 = time.perf_counter()
         stamps = []
         with self.http.stream("POST", "/completion", json=body) as r:
@@ -188,7 +189,8 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
     with LlamaServer(binary, gguf, slots=n, ctx_per_slot=args.throughput_state + 128,
                      threads=args.threads, extra=("--threads-http", str(2 * n))) as srv:
         peer = Peer(srv.url)
-        for r in range(args.rounds):
+        for r in range(args.rounds + 1):  # round 0 warms both up (prepos ingests the
+            # states there, as llama-server's slots were warmed) and is not counted
             # a new question each round on both sides: each prefills its entry, then decodes
             qs = [question(r * n + k) for k in range(n)]
             prompts = [entry_ids(eng, sid, q) for sid, q in zip(sids, qs)]
@@ -198,13 +200,15 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
                 streams.append(eng.query_stream(sid, q, SamplingParams(max_tokens=toks),
                                                 fast_path="off"))
             count = sum(len(s.result().tokens) for s in streams)
-            ours.append(count / (time.perf_counter() - t0))
+            if r:
+                ours.append(count / (time.perf_counter() - t0))
             for k in range(n):
                 peer.warm(prompts[k][:len(eng.session(sids[k]).snap.tokens)], slot=k)
             counts = [0] * n
 
-            def client(k: int) -> None:
-                counts[k] = peer.stream(prompts[k], toks, slot=k)[2]
+            def client(k: int) -> None:  # greedy answers that end where the model ends
+                # them, on both sides: the same workload
+                counts[k] = peer.stream(prompts[k], toks, slot=k, ignore_eos=False)[2]
 
             threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
             t0 = time.perf_counter()
@@ -212,7 +216,8 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
                 t.start()
             for t in threads:
                 t.join()
-            theirs.append(sum(counts) / (time.perf_counter() - t0))
+            if r:
+                theirs.append(sum(counts) / (time.perf_counter() - t0))
     for sid in sids:
         eng.close_session(sid)
     return {"prepos_tokens_s": ours, "peer_tokens_s": theirs,
