@@ -42,6 +42,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(proc: subprocess.Popen | None, url: str, wait: float, what: str,
+                    log: Path | None, interval: float) -> None:
+    """Until `url`/health answers 200; raise if the process exits or `wait` seconds pass."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}"
+                               + (f"; see {log}" if log else ""))
+        try:
+            if httpx.get(url + "/health", timeout=max(1.0, 4 * interval)).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"{what} on {url} not healthy after {wait}s")
+
+
 class LlamaServer:
     """One `llama-server` process on 127.0.0.1."""
 
@@ -73,18 +90,7 @@ class LlamaServer:
         return self
 
     def wait_healthy(self, wait: float) -> None:
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}"
-                                   + (f"; see {self.log}" if self.log else ""))
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"llama-server on {self.url} not healthy after {wait}s")
+        wait_for_health(self.proc, self.url, wait, "llama-server", self.log, 0.1)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
-
-from prepos.backends.llama_server import free_port
+from prepos.backends.llama_server import free_port, wait_for_health
 
 VERSION = "0.32.0"
 
@@ -74,18 +71,7 @@ class VLLMServer:
         return self
 
     def wait_healthy(self, wait: float) -> None:
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}"
-                                   + (f"; see {self.log}" if self.log else ""))
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM on {self.url} not healthy after {wait}s")
+        wait_for_health(self.proc, self.url, wait, "vLLM", self.log, 0.5)
 
     def _signal(self, sig: int, grace: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
