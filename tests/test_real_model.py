@@ -61,3 +61,17 @@ def test_the_next_turn_is_pre_positioned_and_served_from_the_cache(smollm2):
 
 
 Q4_TOLERANCE = 1.0  # measured up to 0.87 on this model between batch shapes (ARCHITECTURE.md)
+
+
+def test_served_by_name_through_the_openai_sdk(tmp_path):
+    """`prepos serve --model smollm2`, as the README shows it."""
+    from openai import OpenAI
+    from server_harness import ServerProc
+
+    with ServerProc("smollm2", tmp_path, "--kv-cells", "4096") as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        r = client.chat.completions.create(model="smollm2", max_tokens=24, messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content

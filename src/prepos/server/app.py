@@ -185,9 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                         "%(message)s")
-    if not (args.model / "config.json").is_file():
-        print(f"prepos serve: no model at {args.model} (no config.json). Train the bundled "
-              "model first (`prepos train`) or pass --model DIR.", file=sys.stderr)
+    from prepos.errors import InvalidInput
+    from prepos.loading import resolve_model
+
+    try:
+        resolve_model(args.model)
+    except InvalidInput as exc:
+        print(f"prepos serve: {exc}. Train the bundled model first (`prepos train`) or pass "
+              "--model DIR, FILE.gguf or smollm2.", file=sys.stderr)
         return 2
     config = config_from_args(args)
     # the model worker runs Python between its kernels; a request arriving then waits for the

@@ -76,7 +76,9 @@ class ServerState:
         self.config = config
         self.limits = config.limits
         self.keys = Keys(config.api_keys)
-        self.model_name = config.served_model_name or Path(config.model).name
+        model = Path(config.model)  # the directory's name, a GGUF file's stem, or `smollm2`
+        self.model_name = config.served_model_name or (
+            model.stem if model.suffix == ".gguf" else model.name)
         self.metrics = Metrics(self.model_name)
         self.hub = Hub(self.metrics)
         self.journal: Journal | None = None
