@@ -370,9 +370,17 @@ def test_failover_mid_answer_then_moves_then_rejoins(model, live):
         first = [next(events)[0] for _ in range(2)]
         assert kv.replica.url == victim.url and len(first) == 2
         victim.kill()
-        with pytest.raises(AnswerInterrupted):
-            for _ in events:
-                pass
+        # Whether the kill lands mid-answer depends on how far vLLM had got (a fast machine
+        # may have written the whole answer to the socket already): either the rest fails
+        # cleanly with AnswerInterrupted, or the answer that arrives is this replica's
+        # whole answer. The interruption itself is checked deterministically on fakes
+        # (test_remote_stream.py).
+        interrupted = False
+        try:
+            rest = [t for t, _ in events]
+            assert len(first) + len(rest) <= CONTEXT - len(prompt) - 1
+        except AnswerInterrupted:
+            interrupted = True
         sp = SamplingParams(max_tokens=4)
         for sid in on_victim:  # no request lost: each moves and rebuilds from the full prompt
             res = eng.query(sid, "What is the trend?", sp)
@@ -380,7 +388,7 @@ def test_failover_mid_answer_then_moves_then_rejoins(model, live):
             assert eng.pool.get(sid).handle.replica.url == survivor.url
         m = eng.backend.metrics()
         assert m["replicas"][victim.url]["failures"] >= 1
-        assert m["replicas"][victim.url]["interrupted"] == 1
+        assert m["replicas"][victim.url]["interrupted"] == int(interrupted)
         assert not m["replicas"][victim.url]["healthy"]
         assert m["moves"] >= len(on_victim)
         victim.start(wait=900)  # back on the same port: the health checker lets it rejoin
