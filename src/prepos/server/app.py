@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_model(args.model)
     except InvalidInput as exc:
-        print(f"prepos serve: {exc}. Train the bundled model first (`prepos train`) or pass "
-              "--model DIR, FILE.gguf or smollm2.", file=sys.stderr)
+        print(f"prepos serve: no model at {args.model}: {exc}. Train the bundled model first "
+              "(`prepos train`) or pass --model DIR, FILE.gguf or smollm2.", file=sys.stderr)
         return 2
     config = config_from_args(args)
     # the model worker runs Python between its kernels; a request arriving then waits for the
