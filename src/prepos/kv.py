@@ -47,12 +47,16 @@ class Forward:
     max_tokens: int | None = None
     preemptible: bool = True  # idle work only: may stop between layers for a waiting request
 
-    @property
-    def cost(self) -> int:
-        """Tokens this forward will run (its share of a batch)."""
-        start = min(self.kv.common_prefix(self.target), len(self.target) - 1)
-        n = len(self.target) - start
-        return n if self.max_tokens is None else min(n, self.max_tokens)
+    def plan(self) -> tuple[int, int, int]:
+        """(kept, start, stop): the target's prefix resident now, where the delta starts (a
+        target already fully resident re-runs its last token) and where it stops; the
+        forward runs `stop - start` tokens, its share of a batch."""
+        if not self.target:
+            raise ValueError("cannot advance to an empty sequence")
+        kept = self.kv.common_prefix(self.target)
+        start = min(kept, len(self.target) - 1)
+        n = len(self.target)
+        return kept, start, n if self.max_tokens is None else min(n, start + self.max_tokens)
 
 
 class KVSequence:
@@ -117,32 +121,28 @@ class KVSequence:
         self.tokens = []
 
 
-def run_forwards(backend: Backend, forwards: Sequence[Forward]) -> list[Advance]:
+def run_forwards(backend: Backend, forwards: Sequence[Forward],
+                 plans: Sequence[tuple[int, int, int]] | None = None) -> list[Advance]:
     """Run several tasks' forwards (distinct KVs) as one batched back-end call: restore each
     to its common prefix, then extend each by its delta. A target already fully resident
     re-runs its last token, since a cache holds keys and values, not the output
     distribution. On an exception (Preempted included) each KV's `tokens` still say what its
-    cache holds (the restored prefix)."""
+    cache holds (the restored prefix). `plans`: the forwards' `plan()`s, where the caller
+    has them already (the scheduler, which sized the batch with them)."""
     t0 = time.perf_counter()
-    steps, plans = [], []
-    for f in forwards:
-        if not f.target:
-            raise ValueError("cannot advance to an empty sequence")
-        kept = f.kv.common_prefix(f.target)
-        start = min(kept, len(f.target) - 1)
+    steps, done = [], []
+    for f, (kept, start, stop) in zip(forwards, plans or [f.plan() for f in forwards]):
         f.kv.crop(start)
-        stop = len(f.target) if f.max_tokens is None else min(len(f.target),
-                                                               start + f.max_tokens)
         chunk = list(f.target[start:stop])
         steps.append((f.kv.handle, f.kv.tokens, chunk))
-        plans.append((kept, chunk, stop == len(f.target)))
+        done.append((kept, chunk, stop == len(f.target)))
     t1 = time.perf_counter()
     outs = backend.extend_batch(steps)
     t2 = time.perf_counter()
     result = []
-    for f, (kept, chunk, done), out in zip(forwards, plans, outs):
+    for f, (kept, chunk, reached), out in zip(forwards, done, outs):
         f.kv._grow(chunk)
-        result.append(Advance(out if done else None, kept, len(chunk), t1 - t0, t2 - t1))
+        result.append(Advance(out if reached else None, kept, len(chunk), t1 - t0, t2 - t1))
     return result
 
 

@@ -187,14 +187,20 @@ class Scheduler:
             for task in batch:
                 if task.want is None and not self._step(task):
                     finished.add(task)
-            chosen, tokens = [], 0
+            chosen, plans, tokens = [], [], 0
             for task in batch:
                 if task.want is None:
                     continue
-                cost = task.want.cost
+                try:
+                    plan = task.want.plan()
+                except ValueError as exc:  # an empty target: the task's own error
+                    task.want, task.reply = None, exc
+                    continue
+                cost = plan[2] - plan[1]
                 if chosen and tokens + cost > self._max_batch_tokens:
                     continue
                 chosen.append(task)
+                plans.append(plan)
                 tokens += cost
             if not chosen:
                 return finished
@@ -202,7 +208,7 @@ class Scheduler:
             with idle_work(idle, self._fg_waiting if preemptible else None):
                 try:
                     advances = run_forwards(chosen[0].want.kv.backend,
-                                            [t.want for t in chosen])
+                                            [t.want for t in chosen], plans)
                 except BaseException as exc:  # each task of the batch gets the error
                     advances = [exc] * len(chosen)
         if not idle:
