@@ -121,25 +121,33 @@ def _llama_cpp(path: Path, config: EngineConfig) -> Backend:
                            max_sequences=config.max_sequences)
 
 
+def _cached(kind: str, name: str, sources: list[Path]) -> Path:
+    """Where a derived model is kept: $PREPOS_CACHE (default ~/.cache/prepos)/<kind>/, under
+    its name and a key of its sources' paths, sizes and times (a changed source builds anew)."""
+    parts = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sources]
+    key = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PREPOS_CACHE", Path.home() / ".cache" / "prepos")) / kind
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache / f"{name}-{key}"
+
+
+def _tmp(out: Path) -> Path:
+    """A build's scratch path beside `out`; renamed onto it when whole, so a concurrent
+    loader sees all of it or none."""
+    return out.with_name(f"{out.name}.{os.getpid()}.tmp")
+
+
 def exported_gguf(model_dir: Path) -> Path:
-    """The float32 GGUF of an HF directory, exported once into the cache
-    ($PREPOS_CACHE, default ~/.cache/prepos) under a name keyed by the weights' and
-    tokenizer's sizes and times."""
+    """The float32 GGUF of an HF directory, exported once into the cache."""
     from prepos.backends.gguf_export import export
 
-    parts = []
-    for f in sorted(model_dir.iterdir()):
-        if f.is_file():
-            st = f.stat()
-            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    key = hashlib.sha1(f"{model_dir.resolve()}|{'|'.join(parts)}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PREPOS_CACHE", Path.home() / ".cache" / "prepos")) / "gguf"
-    out = cache / f"{model_dir.name}-{key}.gguf"
+    files = sorted(f for f in model_dir.iterdir() if f.is_file())
+    out = _cached("gguf", model_dir.name, files)
+    out = out.with_name(out.name + ".gguf")  # not with_suffix: the name may hold dots
     if not out.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        tmp = _tmp(out)
         export(model_dir, tmp)
-        tmp.replace(out)  # atomic: a concurrent loader sees the whole file or none
+        tmp.replace(out)
     return out
 
 
@@ -152,10 +160,7 @@ def dequantized_dir(gguf: Path) -> Path:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     gguf = Path(gguf)
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    cache = Path(os.environ.get("PREPOS_CACHE", Path.home() / ".cache" / "prepos")) / "hf"
-    out = cache / f"{gguf.stem}-{key[:16]}"
+    out = _cached("hf", gguf.stem, [gguf])
     if (out / "config.json").is_file():
         return out
     cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -163,9 +168,8 @@ def dequantized_dir(gguf: Path) -> Path:
     sd = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
     model.load_state_dict(sd["tensors"], strict=False)  # an lm_head tied to the embedding
     model.tie_weights()
-    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    tmp = _tmp(out)
     model.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
     tmp.replace(out)
     return out
-
