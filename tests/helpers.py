@@ -1,5 +1,7 @@
 """Shared test helpers: a cold forward with no cache, and session state snapshots."""
 
+import threading
+
 import torch
 
 from prepos.backends.base import in_idle_work
@@ -60,3 +62,41 @@ def state(eng, sid):
 def query_entry(eng, sid, question):
     s = eng.session(sid)
     return tuple(eng.fmt.encode(eng.fmt.frame(s.entries().user, question)))
+
+
+def race_appends_with_queries(eng, sid, question, appends: int, sampling, reads_first: int = 2):
+    """Appends to a streaming session on one thread while another asks `question` until the
+    appends are done; the writer starts once `reads_first` answers are in, so the two do
+    overlap however fast the machine is. Returns every answer (errors re-raised)."""
+    results, errors = [], []
+    stop, ready = threading.Event(), threading.Event()
+
+    def writer():
+        try:
+            if not ready.wait(300):
+                raise TimeoutError("the reader got no answers")
+            for i in range(appends):
+                eng.append(sid, f"AAPL {102 + i}.{i}", wait=bool(i % 2))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def reader():
+        try:
+            while not stop.is_set():
+                results.append(eng.query(sid, question, sampling))
+                if len(results) >= reads_first:
+                    ready.set()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+            ready.set()
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    if errors:
+        raise errors[0]
+    return results

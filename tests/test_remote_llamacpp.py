@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from helpers import race_appends_with_queries
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.backends.remote import RemoteBackend
 from prepos.config import EngineConfig, GateConfig
@@ -224,31 +225,7 @@ def test_never_stale_under_concurrent_updates(model, live):
                                  standing=[q])
         eng.append(sid, "AAPL 101.2")
         eng.wait_idle()
-        results, errors = [], []
-        stop = threading.Event()
-
-        def writer():
-            try:
-                for i in range(12):
-                    eng.append(sid, f"AAPL {102 + i}.{i}", wait=bool(i % 2))
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-            finally:
-                stop.set()
-
-        def reader():
-            try:
-                while not stop.is_set():
-                    results.append(eng.query(sid, q, SamplingParams(max_tokens=2)))
-            except Exception as exc:  # pragma: no cover
-                errors.append(exc)
-
-        threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
+        results = race_appends_with_queries(eng, sid, q, 12, SamplingParams(max_tokens=2))
         eng.wait_idle()
         results.append(eng.query(sid, q, SamplingParams(max_tokens=2)))
         assert results[-1].path == Path.FAST

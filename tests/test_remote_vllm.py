@@ -10,13 +10,13 @@ the servers are module-scoped, waits are generous, and nothing asserts on speed.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import pytest
 import torch
 
+from helpers import race_appends_with_queries
 from prepos.backends.base import idle_work
 from prepos.backends.remote import AnswerInterrupted, RemoteBackend
 from prepos.backends.vllm_server import VLLMServer, find_python
@@ -310,31 +310,7 @@ def test_never_stale_under_concurrent_updates(model, live):
         sid = eng.create_session("streaming", system=SYSTEM, standing=[q])
         eng.append(sid, "AAPL 101.2")
         eng.wait_idle()
-        results, errors = [], []
-        stop = threading.Event()
-
-        def writer():
-            try:
-                for i in range(10):
-                    eng.append(sid, f"AAPL {102 + i}.{i}", wait=bool(i % 2))
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-            finally:
-                stop.set()
-
-        def reader():
-            try:
-                while not stop.is_set():
-                    results.append(eng.query(sid, q, SamplingParams(max_tokens=3)))
-            except Exception as exc:  # pragma: no cover
-                errors.append(exc)
-
-        threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=900)
-        assert not errors, errors
+        results = race_appends_with_queries(eng, sid, q, 10, SamplingParams(max_tokens=3))
         eng.wait_idle()
         results.append(eng.query(sid, q, SamplingParams(max_tokens=3)))
         assert results[-1].path == Path.FAST
