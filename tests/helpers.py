@@ -100,3 +100,16 @@ def race_appends_with_queries(eng, sid, question, appends: int, sampling, reads_
     if errors:
         raise errors[0]
     return results
+
+
+def fill_ids(obj, ids: dict):
+    """Put session ids into "{S}", "{A}", ... wherever they appear in a request body."""
+    if isinstance(obj, str):
+        for k, v in ids.items():
+            obj = obj.replace("{" + k + "}", v)
+        return obj
+    if isinstance(obj, dict):
+        return {k: fill_ids(v, ids) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [fill_ids(v, ids) for v in obj]
+    return obj

@@ -17,6 +17,8 @@ import pytest
 from server_harness import ServerProc, sse_events, state_of
 from transformers import AutoTokenizer
 
+from helpers import fill_ids
+
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"
 KEY = "key-a"
@@ -167,18 +169,6 @@ def cases(model: str, t: dict, long_text: str):
     ]
 
 
-def _fill(obj, ids):
-    if isinstance(obj, str):
-        for k, v in ids.items():
-            obj = obj.replace("{" + k + "}", v)
-        return obj
-    if isinstance(obj, dict):
-        return {k: _fill(v, ids) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, ids) for v in obj]
-    return obj
-
-
 def test_every_class_of_bad_input_is_a_named_4xx_and_changes_nothing(server, sessions, model,
                                                                      long_text):
     ids = {k: sessions[k] for k in ("S", "A", "T", "E")}
@@ -192,7 +182,7 @@ def test_every_class_of_bad_input_is_a_named_4xx_and_changes_nothing(server, ses
         count = len(c.get("/sessions").json()["data"])
         before = states()
         for name, method, path, kw, status, code, mention in table:
-            kw = _fill(dict(kw), ids)
+            kw = fill_ids(dict(kw), ids)
             with httpx.Client(base_url=server.url, timeout=120, headers=AUTH) as one:
                 r = one.request(method, path.format(**ids), **kw)
             try:

@@ -9,6 +9,8 @@ import pytest
 from server_harness import ServerProc, state_of
 from transformers import AutoTokenizer
 
+from helpers import fill_ids
+
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"
 KEY, OTHER = "key-a", "key-b"
@@ -239,19 +241,6 @@ def cases(t):
     ]
 
 
-def _fill(obj, ids):
-    """Put the session ids into "{S}", "{A}", "{T}" wherever they appear in a body."""
-    if isinstance(obj, str):
-        for k, v in ids.items():
-            obj = obj.replace("{" + k + "}", v)
-        return obj
-    if isinstance(obj, dict):
-        return {k: _fill(v, ids) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, ids) for v in obj]
-    return obj
-
-
 def test_every_bad_input_is_a_named_4xx_and_changes_nothing(server, sessions, texts):
     ids = {k: sessions[k] for k in ("S", "A", "T")}
     with httpx.Client(base_url=server.url, timeout=120,
@@ -271,7 +260,7 @@ def test_every_bad_input_is_a_named_4xx_and_changes_nothing(server, sessions, te
                 key = kw.pop("key")
                 headers["Authorization"] = f"Bearer {key}" if key else ""
             if "json" in kw:
-                kw["json"] = _fill(kw["json"], ids)
+                kw["json"] = fill_ids(kw["json"], ids)
             if "chunked" in kw:
                 data = kw.pop("chunked")
                 kw["content"] = iter([data[i:i + 4096] for i in range(0, len(data), 4096)])
