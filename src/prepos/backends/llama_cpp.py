@@ -65,8 +65,7 @@ class LlamaCppBackend(Backend):
     full_distribution = True
 
     def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
-                 n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05,
-                 unified: bool = True):
+                 n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05):
         if _ll is None:
             raise LlamaCppError(IMPORT_ERROR)
         if not Path(gguf).is_file():
@@ -88,9 +87,7 @@ class LlamaCppBackend(Backend):
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = self.n_seq
         cparams.n_threads = cparams.n_threads_batch = threads
-        # unified: one pool of cells shared by every sequence (any session may grow to
-        # n_ctx); otherwise each sequence has n_ctx / max_sequences cells of its own
-        cparams.kv_unified = unified
+        cparams.kv_unified = True  # one pool of cells shared by every sequence
         cparams.no_perf = True
         self.ctx = _ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
