@@ -23,7 +23,7 @@ import torch
 
 from common import machine, model_args, model_dir, model_label, summarize, write
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, SamplingParams
+from prepos.core import Path, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.session import HEADER, query_key
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # warm up every path
     for _ in range(5):
-        eng.query(sid, q, ONE, fast_path="off")
-        eng.query(sid_pp, q, ONE)
+        eng.query(sid, q, Request(ONE, fast_path="off")).result()
+        eng.query(sid_pp, q, Request(ONE)).result()
 
     # cold: the entry prefilled on arrival (speculative cells trimmed before each sample),
     # interleaved sample by sample with the bare transformers forward over the same entry
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(n):
         eng.trim(sid)
         t0 = time.perf_counter()
-        res = eng.query(sid, q, ONE, fast_path="off")
+        res = eng.query(sid, q, Request(ONE, fast_path="off")).result()
         cold.append(time.perf_counter() - t0)
         cold_internal.append(res.timing.ttft)
         assert res.path is Path.COLD and res.timing.prefill_tokens == ENTRY_TOKENS
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     fall0, restore = [], []
     for _ in range(n):
         t0 = time.perf_counter()
-        res = eng.query(sid_pp, q, ONE, fast_path="off")
+        res = eng.query(sid_pp, q, Request(ONE, fast_path="off")).result()
         fall0.append(time.perf_counter() - t0)
         restore.append(res.timing.restore)
         assert res.path is Path.FALL and res.timing.prefill_tokens == 1
@@ -187,20 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(n):
         run_on_worker(eng, lambda: eng.pool.get(sid).advance(hdr))
         t0 = time.perf_counter()
-        res = eng.query(sid, q, ONE, fast_path="off")
+        res = eng.query(sid, q, Request(ONE, fast_path="off")).result()
         fall_e.append(time.perf_counter() - t0)
         assert res.timing.prefill_tokens >= ENTRY_TOKENS - 1
     record("fall_delta_entry", fall_e)
 
     # exact-match fast path: first token from the cached logits
-    fast = timed(lambda: eng.query(sid_pp, q, ONE), n)
-    res = eng.query(sid_pp, q, ONE)
+    fast = timed(lambda: eng.query(sid_pp, q, Request(ONE)).result(), n)
+    res = eng.query(sid_pp, q, Request(ONE)).result()
     assert res.path is Path.FAST and res.match.value == "exact"
     record("fast_exact", fast)
 
     # relaxed fast path, the gate forced to fire
-    fast_r = timed(lambda: eng.query(sid_pp, "Is it rising?", ONE), n)
-    res = eng.query(sid_pp, "Is it rising?", ONE)
+    fast_r = timed(lambda: eng.query(sid_pp, "Is it rising?", Request(ONE)).result(), n)
+    res = eng.query(sid_pp, "Is it rising?", Request(ONE)).result()
     assert header_fires and res.path is Path.FAST and res.match.value == "relaxed", res
     record("fast_relaxed", fast_r)
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             eng.trim(sid)
             time.sleep(rng.uniform(0, args.update_ms / 1e3))
             t0 = time.perf_counter()
-            res = eng.query(sid, q, ONE, fast_path="off")
+            res = eng.query(sid, q, Request(ONE, fast_path="off")).result()
             lat.append(time.perf_counter() - t0)
             queue.append(res.timing.queue)
         stop.set()

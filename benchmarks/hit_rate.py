@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from common import machine, write  # noqa: E402
 from prepos.config import EngineConfig  # noqa: E402
-from prepos.core import SamplingParams  # noqa: E402
+from prepos.core import Request, SamplingParams  # noqa: E402
 from prepos.engine import Engine  # noqa: E402
 from prepos.lab.task import market  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
@@ -70,7 +70,7 @@ def trace_point(eng: Engine, rho: float, n_pp: int, update_s: float, seed: int) 
             updates += 1
             next_u += rng.expovariate(lam_u)
         else:
-            eng.query(sid, question, ONE)
+            eng.query(sid, question, Request(ONE)).result()
             queries += 1
             next_q += rng.expovariate(lam_q)
     eng.append(sid, next(msgs), wait=False)  # settle the last pre-position

@@ -43,7 +43,7 @@ from common import RESULTS, machine, summarize, timing_model_dir, write
 from prepos.backends import llama_cpp
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
-from prepos.core import SamplingParams
+from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
 from prepos.loading import dequantized_dir, exported_gguf, resolve_model
 
@@ -144,8 +144,8 @@ def measure_decode_and_entry(eng: Engine, peer: Peer, args, rng) -> dict:
         q = question(i)
         ids = entry_ids(eng, sid, q)
         entry_lens.append(len(ids) - len(eng.session(sid).snap.tokens))
-        first, gaps, _ = timed_stream(eng.query_stream(
-            sid, q, SamplingParams(max_tokens=args.answer), fast_path="off"))
+        cold = Request(SamplingParams(max_tokens=args.answer), fast_path="off")
+        first, gaps, _ = timed_stream(eng.query(sid, q, cold))
         ent_p.append(first)
         dec_p.extend(gaps)
         peer.warm(list(eng.session(sid).snap.tokens))  # its cache: the state alone
@@ -167,8 +167,8 @@ def measure_torch_decode(model_dir: Path, args, rng) -> dict:
         gaps_all: list[float] = []
         i = 0
         while len(gaps_all) < args.samples:
-            _, gaps, _ = timed_stream(eng.query_stream(
-                sid, question(i), SamplingParams(max_tokens=args.answer), fast_path="off"))
+            cold = Request(SamplingParams(max_tokens=args.answer), fast_path="off")
+            _, gaps, _ = timed_stream(eng.query(sid, question(i), cold))
             gaps_all.extend(gaps)
             i += 1
         return summarize(gaps_all)
@@ -197,8 +197,8 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
             streams = []
             t0 = time.perf_counter()
             for sid, q in zip(sids, qs):
-                streams.append(eng.query_stream(sid, q, SamplingParams(max_tokens=toks),
-                                                fast_path="off"))
+                streams.append(eng.query(sid, q,
+                                         Request(SamplingParams(max_tokens=toks), fast_path="off")))
             count = sum(len(s.result().tokens) for s in streams)
             if r:
                 ours.append(count / (time.perf_counter() - t0))
@@ -233,7 +233,7 @@ def measure_fast(eng: Engine, args, rng) -> dict:
     eng.wait_idle()
     out = []
     for _ in range(args.samples):
-        res = eng.query(sid, STANDING, SamplingParams(max_tokens=1))
+        res = eng.query(sid, STANDING, Request(SamplingParams(max_tokens=1))).result()
         assert res.path.value == "fast", res.path
         out.append(res.timing.ttft)
     eng.close_session(sid)
@@ -256,7 +256,8 @@ def measure_agentic(eng: Engine, peer: Peer, args, rng) -> dict:
         state = list(eng.session(sid).snap.tokens)
         sampling = SamplingParams(max_tokens=args.agentic_tokens)
         t0 = time.perf_counter()
-        res = eng.tool_result(sid, json.dumps({"ticker": "ACME", "price": 100 + i}), sampling)
+        res = eng.tool_result(sid, json.dumps({"ticker": "ACME", "price": 100 + i}),
+                              Request(sampling)).result()
         ours.append(time.perf_counter() - t0)
         n = len(res.tokens) or 1
         counts.append(n)
@@ -300,8 +301,8 @@ def measure_idle_wait(gguf: Path, args, rng) -> dict:
         try:
             for i in range(args.samples):
                 time.sleep(rng.uniform(0.005, 0.05))
-                res = eng.query(probe, question(i), SamplingParams(max_tokens=1),
-                                fast_path="off")
+                res = eng.query(probe, question(i),
+                                Request(SamplingParams(max_tokens=1), fast_path="off")).result()
                 waits.append(res.timing.queue)
         finally:
             stop.set()

@@ -41,7 +41,7 @@ from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.backends.remote_adapters import make_adapter
 from prepos.backends.vllm_server import VLLMServer, find_python
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import SamplingParams
+from prepos.core import Request, SamplingParams
 from prepos.remote_engine import remote_engine
 
 STANDING = "Describe every value of the series, one by one, in detail."
@@ -112,7 +112,7 @@ def run_engine(kind: str, url: str, model_dir: FsPath, args) -> dict:
             eng.append(sid, f"T {i} " + " ".join(str(rng.randint(0, 99)) for _ in range(3)))
             eng.wait_idle()
             t0 = time.perf_counter()
-            stream = eng.query_stream(sid, STANDING, SP)
+            stream = eng.query(sid, STANDING, Request(SP))
             times = [time.perf_counter() for _ in stream]
             res = stream.result()
             paths.add(res.path.value)

@@ -34,7 +34,7 @@ import httpx
 from common import RESULTS, machine, summarize, timing_model_dir, write
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, SamplingParams
+from prepos.core import Path, Request, SamplingParams
 from prepos.remote_engine import remote_engine
 
 ONE = SamplingParams(max_tokens=1)
@@ -93,7 +93,7 @@ def main() -> None:
             for name, sid, q in (("fast", warm, STANDING), ("fall", warm, QUESTION),
                                  ("cold", cold, QUESTION)):
                 t0 = time.perf_counter()
-                res = eng.query(sid, q, ONE)
+                res = eng.query(sid, q, Request(ONE)).result()
                 samples[name].append(time.perf_counter() - t0)
                 paths[name].add(res.path.value)
                 eng.wait_idle()

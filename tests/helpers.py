@@ -5,6 +5,7 @@ import threading
 import torch
 
 from prepos.backends.base import in_idle_work
+from prepos.core import Request
 from prepos.kv import Forward, KVSequence
 
 
@@ -85,7 +86,7 @@ def race_appends_with_queries(eng, sid, question, appends: int, sampling, reads_
     def reader():
         try:
             while not stop.is_set():
-                results.append(eng.query(sid, question, sampling))
+                results.append(eng.query(sid, question, Request(sampling)).result())
                 if len(results) >= reads_first:
                     ready.set()
         except Exception as exc:  # reported below

@@ -9,7 +9,7 @@ import pytest
 
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Path as ServePath
-from prepos.core import SamplingParams
+from prepos.core import Request, SamplingParams
 from prepos.lab.task.market import ANSWERS, SYSTEM_PROMPT, format_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,15 +69,16 @@ def test_default_model_answers_the_trend_on_the_fast_path(engine, series, trend)
         rec = engine.ready_header(sid)
         assert rec is not None and rec.top_text.strip() == trend
         assert rec.gap > engine.gate.tau
-        res = engine.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1))
+        res = engine.query(sid, "Which way is ACME moving?",
+                           Request(SamplingParams(max_tokens=1))).result()
         assert res.path == ServePath.FAST
         assert res.text.strip() == trend
         # the full path agrees, and answers a polar question in its own format
-        full = engine.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1),
-                            fast_path="off")
+        full = engine.query(sid, "Which way is ACME moving?",
+                            Request(SamplingParams(max_tokens=1), fast_path="off")).result()
         assert full.path != ServePath.FAST and full.text.strip() == trend
-        polar = engine.query(sid, "Is ACME rising?", SamplingParams(max_tokens=1),
-                             fast_path="off")
+        polar = engine.query(sid, "Is ACME rising?",
+                             Request(SamplingParams(max_tokens=1), fast_path="off")).result()
         assert polar.text.strip() in ("yes", "no")
     finally:
         engine.close_session(sid)
@@ -86,8 +87,8 @@ def test_default_model_answers_the_trend_on_the_fast_path(engine, series, trend)
 def test_default_model_full_path_ends_its_answer(engine):
     sid = _session(engine, "BOLT", RISING)
     try:
-        res = engine.query(sid, "What is the trend of BOLT?", SamplingParams(max_tokens=4),
-                           fast_path="off")
+        res = engine.query(sid, "What is the trend of BOLT?",
+                           Request(SamplingParams(max_tokens=4), fast_path="off")).result()
         assert res.text.strip() == "up" and res.finish_reason in ("eos", "stop")
     finally:
         engine.close_session(sid)
@@ -103,7 +104,8 @@ def test_weak_model_gate_does_not_fire():
             sid = _session(eng, "ACME", series)
             rec = eng.ready_header(sid)
             assert rec is not None and rec.gap < tau
-            res = eng.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1))
+            res = eng.query(sid, "Which way is ACME moving?",
+                            Request(SamplingParams(max_tokens=1))).result()
             assert res.path != ServePath.FAST
             assert res.text.strip() in ANSWERS
             eng.close_session(sid)
@@ -138,6 +140,6 @@ def test_training_is_seeded_and_saves_an_engine_loadable_model(tmp_path):
     assert GateConfig.load(tmp_path / "a" / "gate.json").answers == ANSWERS
     with Engine.from_pretrained(tmp_path / "a") as eng:
         sid = _session(eng, "ACME", RISING[:2])
-        res = eng.query(sid, "Which way is ACME moving?", SamplingParams(max_tokens=1),
-                        fast_path="off")
+        res = eng.query(sid, "Which way is ACME moving?",
+                        Request(SamplingParams(max_tokens=1), fast_path="off")).result()
         assert res.tokens and len(res.tokens) == 1

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from prepos.core import Match, Path, ReadyRecord, Result
 from prepos.lab import calibration as cal
 from prepos.lab.task.market import decision_points
+from prepos.stream import Stream
 
 # -- Wilson intervals ---------------------------------------------------------------------
 
@@ -185,11 +186,14 @@ class FakeEngine:
         return ReadyRecord(p=1, entry=(), logits=logits, top_ids=(self.ids[tok], 0),
                            top_logprobs=(0.0, -gap), gap=gap, version=1, top_text=tok)
 
-    def query(self, sid, question, sampling, fast_path=None, logprobs=False):
-        assert fast_path == "off" and sampling.max_tokens == 1
+    def query(self, sid, question, req):
+        assert req.fast_path == "off" and req.sampling.max_tokens == 1
         ans = self.full[self.sessions[sid][-1]]
-        return Result(Path.COLD, Match.NONE, tokens=[self.ids[ans]], text=ans,
-                      logprobs=[math.log(0.8)])
+        res = Result(Path.COLD, Match.NONE, tokens=[self.ids[ans]], text=ans,
+                     logprobs=[math.log(0.8)])
+        stream = Stream()
+        stream.finish(res)
+        return stream
 
     def close_session(self, sid):
         self.closed.append(sid)

@@ -4,7 +4,7 @@ import pytest
 
 from helpers import cold_logits, during_idle_forwards, greedy_agrees, query_entry, state, tolerance
 from prepos.config import BudgetConfig, GateConfig
-from prepos.core import Match, Path, SamplingParams
+from prepos.core import Match, Path, Request, SamplingParams
 from prepos.errors import (
     InvalidInput,
     InvalidSampling,
@@ -33,7 +33,7 @@ def streaming(eng, **kw):
 def test_cold_path_prefills_the_whole_entry(make_engine, family):
     eng = make_engine(family)
     sid = streaming(eng, preposition=False)
-    res = eng.query(sid, Q, GREEDY1)
+    res = eng.query(sid, Q, Request(GREEDY1)).result()
     entry = query_entry(eng, sid, Q)
     assert res.path is Path.COLD and res.match is Match.NONE
     assert res.timing.cached_tokens == 0 and res.timing.prefill_tokens == len(entry)
@@ -46,7 +46,7 @@ def test_fall_through_pays_only_the_delta(make_engine, family):
     s = eng.session(sid)
     prefix = eng.fmt.encode(s.entries().user.prefix)
     entry = query_entry(eng, sid, Q)
-    res = eng.query(sid, Q, GREEDY1)
+    res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert res.path is Path.FALL
     assert res.timing.cached_tokens == len(prefix)
     assert res.timing.prefill_tokens == len(entry) - len(prefix)
@@ -61,7 +61,7 @@ def test_exact_match_serves_the_cached_distribution(make_engine, family):
     rec = s.ready.records[query_key(Q)]
     seq = s.snap.tokens + rec.entry
     assert rec.p == len(seq) and rec.version == s.version
-    res = eng.query(sid, Q, SamplingParams(max_tokens=4))
+    res = eng.query(sid, Q, Request(SamplingParams(max_tokens=4))).result()
     assert res.path is Path.FAST and res.match is Match.EXACT
     assert res.tokens[0] == rec.argmax
     assert greedy_agrees(eng, seq, res.tokens[0])
@@ -89,13 +89,13 @@ def test_relaxed_gate_fires_with_one_cached_token(make_engine, family):
     eng.set_gate(GateConfig(tau=header.gap - 1e-3, answers=(header.top_text,)))
     if header.argmax not in eng.gate.answer_ids:
         pytest.skip("the random model's argmax is not a whole-word token")
-    res = eng.query(sid, "Is it rising?", SamplingParams(max_tokens=8))
+    res = eng.query(sid, "Is it rising?", Request(SamplingParams(max_tokens=8))).result()
     assert res.path is Path.FAST and res.match is Match.RELAXED
     assert res.tokens == [header.argmax] and res.gap == pytest.approx(header.gap)
     assert eng.paths["fast_relaxed"] == 1
     # a logit_bias that bans the gate's token is honoured: no relaxed answer, a full one
     banned = SamplingParams(max_tokens=1, logit_bias={header.argmax: -100.0})
-    res = eng.query(sid, "Is it rising?", banned)
+    res = eng.query(sid, "Is it rising?", Request(banned)).result()
     assert res.match is not Match.RELAXED and res.tokens != [header.argmax]
 
 
@@ -104,11 +104,11 @@ def test_relaxed_gate_miss_falls_through(make_engine, family):
     sid = streaming(eng, fast_path="relaxed")
     header = eng.ready_header(sid)
     eng.set_gate(GateConfig(tau=header.gap + 1.0, answers=(header.top_text,)))
-    res = eng.query(sid, "Is it rising?", GREEDY1)
+    res = eng.query(sid, "Is it rising?", Request(GREEDY1)).result()
     assert res.path is Path.FALL and res.gap == pytest.approx(header.gap)
     assert eng.paths["gate_miss"] == 1
     # a session whose fast path is off never consults the cached distribution
-    res = eng.query(sid, "Is it rising?", GREEDY1, fast_path="off")
+    res = eng.query(sid, "Is it rising?", Request(GREEDY1, fast_path="off")).result()
     assert res.path is Path.FALL and eng.paths["gate_miss"] == 1
 
 
@@ -123,7 +123,7 @@ def test_every_mutation_invalidates_and_bumps_the_version(make_engine):
     assert not old.valid and s.version == v + 1 and s.ready.version == v + 1
     eng.wait_idle()
     assert s.ready.records[query_key(Q)].version == s.version
-    res = eng.query(sid, Q, GREEDY1)
+    res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert res.version == s.version
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
     assert eng.prepos.counters.invalidated >= 1
@@ -137,7 +137,7 @@ def test_rollback_restores_an_earlier_version(make_engine):
     new = eng.rollback(sid, 1)
     assert new == 3 and s.snap.tokens == v1_tokens
     eng.wait_idle()
-    res = eng.query(sid, Q, GREEDY1)
+    res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert res.path is Path.FAST and res.version == 3
     assert greedy_agrees(eng, v1_tokens + query_entry(eng, sid, Q), res.tokens[0])
     before = state(eng, sid)
@@ -157,7 +157,7 @@ def test_window_shift_keeps_the_system_region_and_positions(make_engine, family)
     assert msgs[1]["content"] == "AAPL 104.0 104.4"
     assert s.snap.tokens == tuple(eng.fmt.encode(eng.fmt.render(msgs)))
     eng.wait_idle()
-    res = eng.query(sid, Q, GREEDY1)
+    res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
     before = state(eng, sid)
     with pytest.raises(InvalidInput):
@@ -174,7 +174,7 @@ def test_automatic_shift_near_the_context_limit(make_engine):
     assert len(s.snap.tokens) + 32 <= 256
     assert s.snap.messages[0]["content"] == SYSTEM
     assert s.snap.messages[-1]["content"] == "AAPL 139.5 140.25"
-    res = eng.query(sid, Q, GREEDY1)
+    res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
 
 
@@ -198,7 +198,7 @@ def test_agentic_envelope_is_pre_positioned_and_resumed_delta_only(make_engine, 
     prefix = eng.fmt.encode(env.prefix)
     assert s.awaiting_tool and ("envelope",) in s.ready.records
     base = s.snap.tokens
-    res = eng.tool_result(sid, "AAPL 187.3", SamplingParams(max_tokens=3))
+    res = eng.tool_result(sid, "AAPL 187.3", Request(SamplingParams(max_tokens=3))).result()
     assert res.path is Path.FALL and res.timing.cached_tokens == len(prefix)
     realized = eng.fmt.encode(eng.fmt.frame(env, "AAPL 187.3"))
     assert greedy_agrees(eng, base + tuple(realized), res.tokens[0])
@@ -215,7 +215,7 @@ def test_agentic_generation_prompt_is_an_exact_match(make_engine, family):
     s = eng.session(sid)
     rec = s.ready.records[TURN]
     seq = s.snap.tokens + rec.entry
-    res = eng.turn(sid, None, SamplingParams(max_tokens=2))
+    res = eng.turn(sid, None, Request(SamplingParams(max_tokens=2))).result()
     assert res.path is Path.FAST and res.match is Match.EXACT
     assert greedy_agrees(eng, seq, res.tokens[0])
 
@@ -225,11 +225,11 @@ def test_agentic_misuse_leaves_the_session_unchanged(make_engine):
     sid = eng.create_session("agentic", system="You call tools.", tools=TOOLS)
     before = state(eng, sid)
     with pytest.raises(NoToolResultAwaited):
-        eng.tool_result(sid, "stray result")
+        eng.tool_result(sid, "stray result").result()
     with pytest.raises(WrongSessionKind):
         eng.append(sid, "data")
     with pytest.raises(WrongSessionKind):
-        eng.query(sid, Q)
+        eng.query(sid, Q).result()
     with pytest.raises(InvalidInput):
         eng.add_message(sid, "user", "   ")
     with pytest.raises(InvalidInput):
@@ -238,9 +238,9 @@ def test_agentic_misuse_leaves_the_session_unchanged(make_engine):
     sid2 = awaiting_session(eng)
     before = state(eng, sid2)
     with pytest.raises(ToolResultAwaited):
-        eng.turn(sid2, "another question")
+        eng.turn(sid2, "another question").result()
     with pytest.raises(InvalidInput):
-        eng.turn(sid2, None)
+        eng.turn(sid2, None).result()
     assert state(eng, sid2) == before
 
 
@@ -249,21 +249,21 @@ def test_streaming_misuse_leaves_the_session_unchanged(make_engine):
     sid = streaming(eng)
     before = state(eng, sid)
     with pytest.raises(InvalidInput):
-        eng.query(sid, "")
+        eng.query(sid, "").result()
     with pytest.raises(InvalidInput):
-        eng.query(sid, Q, fast_path="sometimes")
+        eng.query(sid, Q, Request(fast_path="sometimes")).result()
     with pytest.raises(InvalidInput):
         eng.append(sid, 42)
     with pytest.raises(OverBudget):
-        eng.query(sid, Q, SamplingParams(max_tokens=10_000))
+        eng.query(sid, Q, Request(SamplingParams(max_tokens=10_000))).result()
     with pytest.raises(OverBudget):
         eng.append(sid, "x " * 2000)
     with pytest.raises(SessionNotFound):
-        eng.query("no-such-session", Q)
+        eng.query("no-such-session", Q).result()
     assert state(eng, sid) == before
     eng.close_session(sid)
     with pytest.raises(SessionNotFound):
-        eng.query(sid, Q)
+        eng.query(sid, Q).result()
     with pytest.raises(InvalidInput):
         eng.create_session("batch")
 
@@ -300,14 +300,14 @@ def test_engine_budget_skips_pre_positions_and_protects_live_state(make_engine):
     assert eng.pool.get(sid).tokens == list(s.snap.tokens)
     # a request that cannot fit even after reclaiming speculative cells is refused
     with pytest.raises(OverBudget):
-        eng.query(sid, Q, GREEDY1)
+        eng.query(sid, Q, Request(GREEDY1)).result()
     assert eng.pool.get(sid).tokens == list(s.snap.tokens)
 
 
 def test_streaming_iterator_yields_tokens_as_produced(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng)
-    stream = eng.query_stream(sid, Q, SamplingParams(max_tokens=6))
+    stream = eng.query(sid, Q, Request(SamplingParams(max_tokens=6)))
     events = list(stream)
     res = stream.result()
     assert [e.token for e in events if e.token >= 0] == res.tokens
@@ -318,11 +318,11 @@ def test_streaming_iterator_yields_tokens_as_produced(make_engine):
 def test_stop_sequence_truncates(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng)
-    full = eng.query(sid, Q, SamplingParams(max_tokens=8))
+    full = eng.query(sid, Q, Request(SamplingParams(max_tokens=8))).result()
     if len(full.text) < 3:
         pytest.skip("the random model's answer is too short to cut")
     stop = full.text[1:3]
-    res = eng.query(sid, Q, SamplingParams(max_tokens=8, stop=(stop,)))
+    res = eng.query(sid, Q, Request(SamplingParams(max_tokens=8, stop=(stop,)))).result()
     assert res.finish_reason == "stop" and res.text == full.text[: full.text.find(stop)]
 
 
@@ -330,11 +330,12 @@ def test_seeded_sampling_is_reproducible(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng, standing=[Q])
     p = SamplingParams(max_tokens=5, temperature=1.5, top_p=0.9, seed=7)
-    a = eng.query(sid, Q, p)
-    b = eng.query(sid, Q, p)
+    a = eng.query(sid, Q, Request(p)).result()
+    b = eng.query(sid, Q, Request(p)).result()
     assert a.path is Path.FAST and a.tokens == b.tokens
-    greedy = eng.query(sid, Q, SamplingParams(max_tokens=5))
-    top1 = eng.query(sid, Q, SamplingParams(max_tokens=5, temperature=0.7, top_k=1, seed=3))
+    greedy = eng.query(sid, Q, Request(SamplingParams(max_tokens=5))).result()
+    top1 = SamplingParams(max_tokens=5, temperature=0.7, top_k=1, seed=3)
+    top1 = eng.query(sid, Q, Request(top1)).result()
     assert top1.tokens == greedy.tokens
 
 
@@ -342,7 +343,7 @@ def test_hit_rate_counts_consumed_and_wasted(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng)  # two appends: the first pre-position may be wasted
     c0 = eng.prepos.counters.as_dict()
-    eng.query(sid, Q, GREEDY1)  # consumes the current one
+    eng.query(sid, Q, Request(GREEDY1)).result()  # consumes the current one
     eng.append(sid, "AAPL 104")
     eng.wait_idle()
     eng.append(sid, "AAPL 105")  # the previous was never used: wasted
@@ -360,7 +361,7 @@ def test_request_waits_at_most_one_idle_chunk(make_engine):
     other = streaming(eng)
     for i in range(5):
         eng.append(sid, f"AAPL {100 + i}.25 {101 + i}.75", wait=False)
-        eng.query(other, Q, GREEDY1)  # arrives while pre-positions run in chunks
+        eng.query(other, Q, Request(GREEDY1)).result()  # arrives while pre-positions run in chunks
     eng.wait_idle()
     waits = list(eng.scheduler.fg_waits)
     assert waits and max(chunks for _, chunks in waits) <= 1
@@ -374,7 +375,7 @@ def test_async_iteration_streams_tokens(make_engine):
     sid = streaming(eng)
 
     async def collect():
-        stream = eng.query_stream(sid, Q, SamplingParams(max_tokens=5))
+        stream = eng.query(sid, Q, Request(SamplingParams(max_tokens=5)))
         return [ev async for ev in stream.aiter()], stream.result()
 
     events, res = asyncio.run(collect())
@@ -403,7 +404,7 @@ def test_agentic_session_without_a_system_prompt(make_engine, family):
     eng = make_engine(family)
     sid = eng.create_session("agentic")
     eng.wait_idle()
-    res = eng.turn(sid, "Hello there", SamplingParams(max_tokens=2))
+    res = eng.turn(sid, "Hello there", Request(SamplingParams(max_tokens=2))).result()
     assert res.path in (Path.FALL, Path.COLD)
     assert eng.session(sid).snap.messages[0] == {"role": "user", "content": "Hello there"}
 
@@ -419,7 +420,7 @@ def test_expected_version_refuses_a_stale_commit(make_engine):
     with pytest.raises(Conflict):
         eng.add_message(sid, "user", "second", expected_version=v)
     with pytest.raises(Conflict):
-        eng.turn(sid, "third", expected_version=v)
+        eng.turn(sid, "third", Request(expected_version=v)).result()
     assert state(eng, sid) == before
 
 
@@ -442,7 +443,7 @@ def test_a_cancelled_request_does_no_model_work(make_engine):
     sid = streaming(eng, preposition=False)
     paths = dict(eng.paths)
     gate = _hold_worker(eng)
-    stream = eng.query_stream(sid, Q, SamplingParams(max_tokens=8), fast_path="off")
+    stream = eng.query(sid, Q, Request(SamplingParams(max_tokens=8), fast_path="off"))
     stream.cancel()  # the client left while the request waited for the worker
     gate.set()
     res = stream.result(timeout=30)
@@ -454,7 +455,7 @@ def test_a_cancelled_turn_commits_no_assistant_message(make_engine):
     eng = make_engine()
     sid = eng.create_session("agentic", system=SYSTEM)
     gate = _hold_worker(eng)
-    stream = eng.turn_stream(sid, "What is the trend?", SamplingParams(max_tokens=8))
+    stream = eng.turn(sid, "What is the trend?", Request(SamplingParams(max_tokens=8)))
     user_version = eng.session(sid).snap.version  # the user's message is committed
     stream.cancel()
     gate.set()
@@ -462,7 +463,7 @@ def test_a_cancelled_turn_commits_no_assistant_message(make_engine):
     eng.wait_idle()
     snap = eng.session(sid).snap
     assert snap.version == user_version and snap.messages[-1]["role"] == "user"
-    res = eng.turn(sid, None, SamplingParams(max_tokens=2))  # the session goes on
+    res = eng.turn(sid, None, Request(SamplingParams(max_tokens=2))).result()  # the session goes on
     assert eng.session(sid).snap.messages[-1]["role"] == "assistant", res
 
 
@@ -497,7 +498,7 @@ def test_a_waiting_request_stops_an_idle_chunk_between_layers(make_engine, famil
     for key, rec in s.ready.records.items():
         ref = cold_logits(eng, s.snap.tokens + rec.entry)
         assert float((rec.logits - ref).abs().max()) < tolerance(eng), key
-    res = eng.query(sid, "Is it falling?", GREEDY1)
+    res = eng.query(sid, "Is it falling?", Request(GREEDY1)).result()
     assert res.path is Path.FALL
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, "Is it falling?"),
                          res.tokens[0])
@@ -521,12 +522,12 @@ def test_control_tokens_in_text_are_refused_and_change_nothing(make_engine, fami
     with pytest.raises(InvalidInput, match="data contains"):
         eng.append(sid, "AAPL 101 " + bad)
     with pytest.raises(InvalidInput, match="question contains"):
-        eng.query(sid, "Is it " + bad, GREEDY1)
+        eng.query(sid, "Is it " + bad, Request(GREEDY1)).result()
     assert state(eng, sid) == before
     aid = eng.create_session("agentic", system=SYSTEM, tools=TOOLS)
     before = state(eng, aid)
     with pytest.raises(InvalidInput, match="user contains"):
-        eng.turn(aid, bad, GREEDY1)
+        eng.turn(aid, bad, Request(GREEDY1)).result()
     with pytest.raises(InvalidInput, match="content contains"):
         eng.add_message(aid, "user", bad)
     call = {"function": {"name": "get_price", "arguments": {"ticker": bad}}}
@@ -547,7 +548,7 @@ def test_top_logprobs_are_the_cold_forward_s_top_k(make_engine, family):
                                         + query_entry(eng, sid, Q)), dim=-1)
     vals, ids = torch.topk(ref, 3)
     for fast_path in ("exact", "off"):  # the cached distribution, and a fresh forward
-        res = eng.query(sid, Q, top3, fast_path=fast_path)
+        res = eng.query(sid, Q, Request(top3, fast_path=fast_path)).result()
         (top,) = res.top_logprobs
         assert [i for i, _ in top] == ids.tolist(), fast_path
         assert max(abs(lp - v) for (_, lp), v in zip(top, vals.tolist())) < tolerance(eng)

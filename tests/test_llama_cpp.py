@@ -11,7 +11,7 @@ from helpers import greedy_agrees, query_entry
 from prepos.backends import llama_cpp
 from prepos.backends.base import Preempted, idle_work
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import SamplingParams
+from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
 from prepos.errors import OverBudget
 from prepos.loading import exported_gguf
@@ -125,7 +125,7 @@ def test_concurrent_answers_are_batched_and_each_is_its_greedy_answer(model_dirs
             yield
 
         eng.scheduler.submit(blocker())
-        streams = {sid: eng.query_stream(sid, Q, SamplingParams(max_tokens=8), fast_path="off")
+        streams = {sid: eng.query(sid, Q, Request(SamplingParams(max_tokens=8), fast_path="off"))
                    for sid in sids}
         gate.set()
         answers = {sid: st.result(timeout=60).tokens for sid, st in streams.items()}

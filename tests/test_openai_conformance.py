@@ -11,7 +11,7 @@ from server_harness import ServerProc
 from transformers import AutoTokenizer
 
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import SamplingParams
+from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
 
 SYSTEM = "Live price feed. Answer in one word."
@@ -213,5 +213,5 @@ def test_readme_python_snippet_is_served_from_the_cache(model_dirs):
                                  fast_path="relaxed")
         eng.append(sid, "ACME 41 43 44 47 48 50")
         eng.wait_idle()
-        res = eng.query(sid, Q, SamplingParams(max_tokens=1))
+        res = eng.query(sid, Q, Request(SamplingParams(max_tokens=1))).result()
         assert res.path.value == "fast" and res.match.value == "exact"

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from helpers import cold_logits, greedy_agrees, tolerance
 from prepos.backends import llama_cpp
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
-from prepos.core import Match, Path, SamplingParams
+from prepos.core import Match, Path, Request, SamplingParams
 from prepos.engine import Engine
 
 Q = "What is the trend?"
@@ -96,7 +96,8 @@ def run_machine(engine):
                 return
             env = s.entries().tool
             seq = s.snap.tokens + tuple(self.eng.fmt.encode(self.eng.fmt.frame(env, text)))
-            res = self.eng.tool_result(self.agent, text, SamplingParams(max_tokens=1))
+            res = self.eng.tool_result(self.agent, text,
+                                       Request(SamplingParams(max_tokens=1))).result()
             assert res.path in (Path.FALL, Path.COLD)
             assert greedy_agrees(self.eng, seq, res.tokens[0]) if res.tokens else True
 
@@ -107,7 +108,7 @@ def run_machine(engine):
             s = self.eng.session(self.agent)
             seq = s.snap.tokens + s.entries().header
             version = s.version
-            res = self.eng.turn(self.agent, None, SamplingParams(max_tokens=1))
+            res = self.eng.turn(self.agent, None, Request(SamplingParams(max_tokens=1))).result()
             if res.path is Path.FAST:
                 assert res.match is Match.EXACT and res.version == version  # (b)
             if res.tokens:
@@ -119,7 +120,8 @@ def run_machine(engine):
             s = self.eng.session(self.stream)
             version, committed = s.version, s.snap.tokens
             entry = tuple(self.eng.fmt.encode(self.eng.fmt.frame(s.entries().user, Q)))
-            res = self.eng.query(self.stream, Q, SamplingParams(max_tokens=n), fast_path="exact")
+            res = self.eng.query(self.stream, Q,
+                                 Request(SamplingParams(max_tokens=n), fast_path="exact")).result()
             assert res.version == version  # (b)
             seq = list(committed + entry)
             for tok in res.tokens:  # (a), the first token and every one decoded after it
@@ -131,7 +133,8 @@ def run_machine(engine):
             s = self.eng.session(self.stream)
             version, committed = s.version, s.snap.tokens
             header = s.entries().header
-            res = self.eng.query(self.stream, "Is it rising?", SamplingParams(max_tokens=1))
+            res = self.eng.query(self.stream, "Is it rising?",
+                                 Request(SamplingParams(max_tokens=1))).result()
             if res.match is Match.RELAXED:
                 assert res.version == version  # (b): only a current record is served
                 ref = cold_logits(self.eng, committed + header)
@@ -143,7 +146,8 @@ def run_machine(engine):
             version, committed = s.version, s.snap.tokens
             q = "Is it rising?"
             entry = tuple(self.eng.fmt.encode(self.eng.fmt.frame(s.entries().user, q)))
-            res = self.eng.query(self.stream, q, SamplingParams(max_tokens=1), fast_path="off")
+            res = self.eng.query(self.stream, q,
+                                 Request(SamplingParams(max_tokens=1), fast_path="off")).result()
             assert res.path in (Path.FALL, Path.COLD) and res.version == version
             assert greedy_agrees(self.eng, committed + entry, res.tokens[0])
 

@@ -10,7 +10,7 @@ from conftest import NO_LLAMA_CPP
 from helpers import greedy_agrees
 from prepos.backends import llama_cpp
 from prepos.config import EngineConfig
-from prepos.core import Path, SamplingParams
+from prepos.core import Path, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.errors import InvalidInput
 from prepos.loading import resolve_model
@@ -41,7 +41,7 @@ def test_a_real_question_gets_a_real_answer(smollm2):
     assert "<|im_start|>" in smollm2.fmt.tokenizer.chat_template  # from the GGUF metadata
     sid = smollm2.create_session("agentic", system="You are a helpful assistant.")
     res = smollm2.turn(sid, "What is the capital of France? Answer in one sentence.",
-                       SamplingParams(max_tokens=24))
+                       Request(SamplingParams(max_tokens=24))).result()
     assert "Paris" in res.text, res.text
     assert res.finish_reason == "stop"
 
@@ -55,7 +55,7 @@ def test_the_next_turn_is_pre_positioned_and_served_from_the_cache(smollm2):
     smollm2.wait_idle()
     s = smollm2.session(sid)
     seq = s.snap.tokens + s.entries().header
-    res = smollm2.turn(sid, None, SamplingParams(max_tokens=4))
+    res = smollm2.turn(sid, None, Request(SamplingParams(max_tokens=4))).result()
     assert res.path is Path.FAST and res.tokens
     assert greedy_agrees(smollm2, seq, res.tokens[0], tol=Q4_TOLERANCE)
 

@@ -19,7 +19,7 @@ from prepos.backends.remote import (
     make_adapter,
 )
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, SamplingParams
+from prepos.core import Path, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.kv import KVSequence
 
@@ -214,8 +214,8 @@ def test_engine_paths_and_greedy_equality(kind, model_dirs, make_engine, torch_m
             eng.append(sid, "AAPL 101.2 101.5 101.9")
             eng.wait_idle()
             sp = SamplingParams(max_tokens=6)
-            fast = eng.query(sid, "Is it rising?", sp)
-            fall = eng.query(sid, "What is the trend?", sp)
+            fast = eng.query(sid, "Is it rising?", Request(sp)).result()
+            fall = eng.query(sid, "What is the trend?", Request(sp)).result()
             eng.append(sid, "MSFT 310.0 309.2", wait=False)
             answers[name] = (fast, fall)
         (rf, rl), (lf, ll) = answers["remote"], answers["local"]
@@ -224,7 +224,7 @@ def test_engine_paths_and_greedy_equality(kind, model_dirs, make_engine, torch_m
         # sampling is the engine's own over the full vocabulary, seeded: reproducible
         sid = remote.sessions.all()[0].id
         hot = SamplingParams(temperature=1.0, seed=3, max_tokens=5)
-        a, b = (remote.query(sid, "Is it up?", hot) for _ in range(2))
+        a, b = (remote.query(sid, "Is it up?", Request(hot)).result() for _ in range(2))
         assert a.tokens == b.tokens and len(a.tokens) >= 1
     finally:
         remote.close()
@@ -237,7 +237,7 @@ def test_engine_cold_path_and_prefix_cache_on_remote(model_dirs, torch_model):
     try:
         sid = eng.create_session("streaming", system="You are a market analyst.")
         eng.append(sid, "AAPL 101.2 101.5 101.9")
-        res = eng.query(sid, "What is the trend?", SamplingParams(max_tokens=3))
+        res = eng.query(sid, "What is the trend?", Request(SamplingParams(max_tokens=3))).result()
         assert res.path == Path.FALL or res.path == Path.COLD
         assert eng.backend.metrics()["replicas"]["http://a"]["cached_tokens"] > 0
     finally:
@@ -262,7 +262,7 @@ def test_engine_marks_prepositions_as_background_work(model_dirs, torch_model):
         eng.wait_idle()
         assert eng.backend.metrics()["replicas"]["http://a"]["background"] > 0
         assert any(r.get("priority") == 7 for r in cl.replicas["a"].requests)
-        eng.query(sid, "What is the trend?", SamplingParams(max_tokens=1))
+        eng.query(sid, "What is the trend?", Request(SamplingParams(max_tokens=1))).result()
         assert "priority" not in cl.replicas["a"].requests[-1]  # foreground
     finally:
         eng.close()

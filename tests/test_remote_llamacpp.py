@@ -15,7 +15,7 @@ from helpers import race_appends_with_queries
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.backends.remote import RemoteBackend
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, SamplingParams
+from prepos.core import Path, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.entries import ChatFormat
 
@@ -124,13 +124,13 @@ def test_paths_and_greedy_equality(model, live):
         eng.wait_idle()
         sp = SamplingParams(max_tokens=8)
         s = eng.session(sid)
-        fast = eng.query(sid, "Is it rising?", sp)
+        fast = eng.query(sid, "Is it rising?", Request(sp)).result()
         assert fast.path == Path.FAST
-        fall = eng.query(sid, "What is the trend?", sp)
+        fall = eng.query(sid, "What is the trend?", Request(sp)).result()
         assert fall.path == Path.FALL and fall.cached_prompt_tokens > 0
         cold_sid = eng.create_session("streaming", system="You are a market analyst.",
                                       preposition=False)
-        cold = eng.query(cold_sid, "What is the trend?", sp)
+        cold = eng.query(cold_sid, "What is the trend?", Request(sp)).result()
         assert cold.path == Path.COLD
         for res, question in ((fast, "Is it rising?"), (fall, "What is the trend?")):
             snap = s.history[res.version]
@@ -159,7 +159,7 @@ def test_pinning_spreads_sessions_and_keeps_each_on_one_replica(model, live):
             homes = {sid: eng.pool.get(sid).handle.replica.url for sid in sids}
         assert len(set(homes.values())) == 2  # both replicas serve sessions
         for sid in sids:
-            eng.query(sid, "What is the trend?", SamplingParams(max_tokens=2))
+            eng.query(sid, "What is the trend?", Request(SamplingParams(max_tokens=2))).result()
             eng.append(sid, "MSFT 310.0")
         eng.wait_idle()
         assert {sid: eng.pool.get(sid).handle.replica.url for sid in sids} == homes
@@ -188,7 +188,7 @@ def test_failover_when_a_replica_is_killed_then_rejoin(model, live):
         victim.kill()
         sp = SamplingParams(max_tokens=4)
         for sid in on_victim:  # no request lost: each moves and rebuilds from the full prompt
-            res = eng.query(sid, "What is the trend?", sp)
+            res = eng.query(sid, "What is the trend?", Request(sp)).result()
             s = eng.session(sid)
             snap = s.history[res.version]
             prompt = snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(s.entries(snap).user,
@@ -205,7 +205,7 @@ def test_failover_when_a_replica_is_killed_then_rejoin(model, live):
                 break
             threading.Event().wait(0.1)
         assert eng.backend.metrics()["replicas"][victim.url]["healthy"]
-        res = eng.query(on_victim[0], "Is it rising?", sp)
+        res = eng.query(on_victim[0], "Is it rising?", Request(sp)).result()
         assert res.tokens
         assert eng.pool.get(on_victim[0]).handle.replica.url == victim.url
     finally:
@@ -227,7 +227,7 @@ def test_never_stale_under_concurrent_updates(model, live):
         eng.wait_idle()
         results = race_appends_with_queries(eng, sid, q, 12, SamplingParams(max_tokens=2))
         eng.wait_idle()
-        results.append(eng.query(sid, q, SamplingParams(max_tokens=2)))
+        results.append(eng.query(sid, q, Request(SamplingParams(max_tokens=2))).result())
         assert results[-1].path == Path.FAST
         s = eng.session(sid)
         for res in results:

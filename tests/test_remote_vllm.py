@@ -21,7 +21,7 @@ from prepos.backends.base import idle_work
 from prepos.backends.remote import AnswerInterrupted, RemoteBackend
 from prepos.backends.vllm_server import VLLMServer, find_python
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, SamplingParams
+from prepos.core import Path, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.entries import ChatFormat
 
@@ -149,10 +149,10 @@ def test_three_paths_greedy_equal_to_in_process(model, live):
             sid = eng.create_session("streaming", system=SYSTEM, standing=["Is it rising?"])
             eng.append(sid, "AAPL 101.2 101.5 101.9 102.4")
             eng.wait_idle()
-            fast = eng.query(sid, "Is it rising?", sp)
-            fall = eng.query(sid, "What is the trend?", sp)
+            fast = eng.query(sid, "Is it rising?", Request(sp)).result()
+            fall = eng.query(sid, "What is the trend?", Request(sp)).result()
             cold_sid = eng.create_session("streaming", system=SYSTEM, preposition=False)
-            cold = eng.query(cold_sid, "What is the trend?", sp)
+            cold = eng.query(cold_sid, "What is the trend?", Request(sp)).result()
             out[name] = (eng, sid, cold_sid, fast, fall, cold)
         eng, sid, cold_sid, fast, fall, cold = out["remote"]
         assert (fast.path, fall.path, cold.path) == (Path.FAST, Path.FALL, Path.COLD)
@@ -272,7 +272,8 @@ def test_engine_prepositions_run_in_the_background(model, live):
         eng.wait_idle()
         m = eng.backend.metrics()["replicas"][live[0].url]
         assert m["background"] > 0 and m["priority"] is True
-        assert eng.query(sid, "Is it rising?", SamplingParams(max_tokens=2)).path == Path.FAST
+        assert eng.query(sid, "Is it rising?",
+                         Request(SamplingParams(max_tokens=2))).result().path == Path.FAST
     finally:
         eng.close()
         eng.backend.close()
@@ -292,7 +293,7 @@ def test_pinning_spreads_sessions_and_keeps_each_on_one_replica(model, live):
             homes = {sid: eng.pool.get(sid).handle.replica.url for sid in sids}
         assert len(set(homes.values())) == 2
         for sid in sids:
-            eng.query(sid, "What is the trend?", SamplingParams(max_tokens=2))
+            eng.query(sid, "What is the trend?", Request(SamplingParams(max_tokens=2))).result()
             eng.append(sid, "MSFT 310.0")
         eng.wait_idle()
         assert {sid: eng.pool.get(sid).handle.replica.url for sid in sids} == homes
@@ -312,7 +313,7 @@ def test_never_stale_under_concurrent_updates(model, live):
         eng.wait_idle()
         results = race_appends_with_queries(eng, sid, q, 10, SamplingParams(max_tokens=3))
         eng.wait_idle()
-        results.append(eng.query(sid, q, SamplingParams(max_tokens=3)))
+        results.append(eng.query(sid, q, Request(SamplingParams(max_tokens=3))).result())
         assert results[-1].path == Path.FAST
         for res in results:  # each answer is the greedy answer of the version it reports
             greedy_check(lm, prompt_of(eng, sid, res, q), res.tokens)
@@ -359,7 +360,7 @@ def test_failover_mid_answer_then_moves_then_rejoins(model, live):
             interrupted = True
         sp = SamplingParams(max_tokens=4)
         for sid in on_victim:  # no request lost: each moves and rebuilds from the full prompt
-            res = eng.query(sid, "What is the trend?", sp)
+            res = eng.query(sid, "What is the trend?", Request(sp)).result()
             greedy_check(lm, prompt_of(eng, sid, res, "What is the trend?"), res.tokens)
             assert eng.pool.get(sid).handle.replica.url == survivor.url
         m = eng.backend.metrics()
@@ -373,7 +374,7 @@ def test_failover_mid_answer_then_moves_then_rejoins(model, live):
                 not eng.backend.metrics()["replicas"][victim.url]["healthy"]:
             time.sleep(0.2)
         assert eng.backend.metrics()["replicas"][victim.url]["rejoins"] >= 1
-        res = eng.query(on_victim[0], "Is it rising?", sp)
+        res = eng.query(on_victim[0], "Is it rising?", Request(sp)).result()
         assert res.tokens and eng.pool.get(on_victim[0]).handle.replica.url == victim.url
     finally:
         eng.close()

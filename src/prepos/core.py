@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prepos.errors import InvalidSampling
+from prepos.errors import InvalidInput, InvalidSampling
 
 
 class Path(str, enum.Enum):
@@ -80,6 +80,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         """The raw argmax is the choice: temperature 0 and nothing shaping the logits."""
         return self.temperature == 0.0 and not self.shaped
+
+
+FAST_MODES = ("exact", "relaxed", "off")
+
+
+@dataclass(frozen=True)
+class Request:
+    """How a caller wants one answer served, apart from the text it sends: the engine's
+    request methods (`query`, `turn`, `tool_result`, `complete`) each take one."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    fast_path: str | None = None  # one of FAST_MODES; None: the session's own
+    logprobs: bool = False  # report the chosen token's logprob with each token
+    expected_version: int | None = None  # refuse (Conflict) unless the session is there
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidSampling(f"sampling must be SamplingParams, got "
+                                  f"{type(self.sampling).__name__}")
+        if self.fast_path is not None and self.fast_path not in FAST_MODES:
+            raise InvalidInput(f"fast_path must be one of {FAST_MODES}, got "
+                               f"{self.fast_path!r}")
 
 
 @dataclass(frozen=True)

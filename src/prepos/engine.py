@@ -1,4 +1,4 @@
-"""The facade: sessions, requests, metrics. `query_stream` reads as Algorithm 2."""
+"""The facade: sessions, requests, metrics. `query` reads as Algorithm 2."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from prepos.answers import Answers
 from prepos.backends.base import Backend
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import ReadyRecord, Result, SamplingParams
+from prepos.core import ReadyRecord, Request, Result, SamplingParams
 from prepos.entries import ChatFormat, normalize_tool_call, parse_tool_calls
 from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
@@ -21,7 +21,6 @@ from prepos.prepositioner import Prepositioner
 from prepos.scheduler import Scheduler
 from prepos.session import (
     AGENTIC,
-    FAST_MODES,
     HEADER,
     STREAMING,
     TURN,
@@ -34,7 +33,7 @@ from prepos.session import (
 )
 from prepos.stream import Stream
 
-DEFAULT_SAMPLING = SamplingParams()
+DEFAULT = Request()
 
 
 class Engine:
@@ -76,6 +75,8 @@ class Engine:
                        standing: Sequence[str] = (), fast_path: str = "exact",
                        preposition: bool = True, budget_cells: int | None = None,
                        owner: str | None = None) -> str:
+        """A new session; `owner` tags it with the API key that made it (kept and journalled;
+        the server checks it, the engine does not)."""
         spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
                            budget_cells, owner=owner)
         return self.restore_session(self.sessions.new_id(), spec)
@@ -104,8 +105,8 @@ class Engine:
         self._committed(s, s.snap, None, wait=False)
         return s.id
 
-    def close_session(self, sid: str, owner: str | None = None) -> None:
-        s = self.sessions.remove(sid, owner)
+    def close_session(self, sid: str) -> None:
+        s = self.sessions.remove(sid)
         s.invalidate()
         self._emit("close", s, None)
 
@@ -115,10 +116,10 @@ class Engine:
 
         self.scheduler.submit(drop(), key=s.id)
 
-    def trim(self, sid: str, owner: str | None = None) -> None:
+    def trim(self, sid: str) -> None:
         """Drop the session's speculative KV cells (pre-paid entries, past answers), keeping
         its committed state; its ready records stay valid. Waits until done."""
-        s = self.sessions.get(sid, owner)
+        s = self.sessions.get(sid)
 
         def crop():
             self.pool.get(s.id).crop(len(s.snap.tokens))
@@ -126,42 +127,41 @@ class Engine:
 
         self._call(crop(), key=s.id)
 
-    def session(self, sid: str, owner: str | None = None) -> Session:
-        return self.sessions.get(sid, owner)
+    def session(self, sid: str) -> Session:
+        return self.sessions.get(sid)
 
-    def info(self, sid: str, owner: str | None = None) -> dict:
-        return self.sessions.get(sid, owner).info()
+    def info(self, sid: str) -> dict:
+        return self.sessions.get(sid).info()
 
     # == mutations =========================================================================
-    def append(self, sid: str, text: str, wait: bool = True, owner: str | None = None) -> int:
+    def append(self, sid: str, text: str, wait: bool = True) -> int:
         """Streaming: commit a data message (shifting the window when the context is full);
         with `wait`, return once it is in the KV cache."""
-        s = self.sessions.get(sid, owner)
+        s = self.sessions.get(sid)
         self.fmt.check_text(text, "data")
         snap, dropped = s.append(text)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def rollback(self, sid: str, version: int, wait: bool = True, owner: str | None = None) -> int:
-        s = self.sessions.get(sid, owner)
+    def rollback(self, sid: str, version: int, wait: bool = True) -> int:
+        s = self.sessions.get(sid)
         snap, dropped = s.rollback(version)
         if dropped is not None:  # None: it was at that version already, nothing committed
             self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def shift(self, sid: str, drop: int | None = None, wait: bool = True,
-              owner: str | None = None) -> int:
-        s = self.sessions.get(sid, owner)
+    def shift(self, sid: str, drop: int | None = None, wait: bool = True) -> int:
+        s = self.sessions.get(sid)
         snap, dropped = s.shift(drop)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
     def add_message(self, sid: str, role: str, content: str,
                     tool_calls: Sequence[dict] | None = None, wait: bool = True,
-                    owner: str | None = None, expected_version: int | None = None) -> int:
+                    expected_version: int | None = None) -> int:
         """Agentic: commit a message without generating: a user message, a tool result, or
         an assistant message the client already has (an OpenAI-style history)."""
-        s = self.sessions.get(sid, owner)
+        s = self.sessions.get(sid)
         self.fmt.check_text(content, "content")
         msg: dict = {"role": role, "content": content}
         if tool_calls:
@@ -196,90 +196,61 @@ class Engine:
             yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
-    def query(self, sid: str, question: str, sampling: SamplingParams | None = None,
-              fast_path: str | None = None, logprobs: bool = False,
-              owner: str | None = None) -> Result:
-        return self.query_stream(sid, question, sampling, fast_path, logprobs, owner).result()
-
-    def query_stream(self, sid: str, question: str, sampling: SamplingParams | None = None,
-                     fast_path: str | None = None, logprobs: bool = False,
-                     owner: str | None = None) -> Stream:
+    # Each returns the answer's Stream at once (iterate it, or `.result()` for the Result).
+    def query(self, sid: str, question: str, req: Request = DEFAULT) -> Stream:
         """Streaming: answer an ad-hoc or standing query. Never blocks on model work."""
         t0 = time.perf_counter()
-        sampling = sampling or DEFAULT_SAMPLING
-        self._check_sampling(sampling)
-        s = self.sessions.get(sid, owner)
+        sampling = self._check(req)
+        s = self.sessions.get(sid)
         s.require(STREAMING)
         if not isinstance(question, str) or not question.strip():
             raise InvalidInput("question must be a non-empty string")
         self.fmt.check_text(question, "question")
-        mode = self._mode(s, fast_path)
+        mode = req.fast_path or s.spec.fast_path
         snap, ready = s.current()
         header = ready.records.get(HEADER)
         if mode != "off":
             exact = ready.records.get(query_key(question))
             if exact is not None:  # realized entry == pre-positioned entry: zero added risk
-                return self.answers.exact(s, snap, ready, exact, sampling, logprobs, t0)
+                return self.answers.exact(s, snap, ready, exact, sampling, req.logprobs, t0)
             if mode == "relaxed" and header is not None and not sampling.shaped:
                 if self.gate.fires(header):  # Eq. 12: one cached token, no scheduler
-                    return self.answers.relaxed(ready, header, sampling, logprobs, t0)
+                    return self.answers.relaxed(ready, header, sampling, req.logprobs, t0)
                 self._count("gate_miss")
         ent = s.entries(snap)
         entry = self.fmt.encode(self.fmt.frame(ent.user, question))
         return self.answers.prefill(s, snap.tokens + tuple(entry), len(snap.tokens),
-                                    snap.version, ready, sampling, logprobs, t0,
+                                    snap.version, ready, sampling, req.logprobs, t0,
                                     gap=header.gap if header is not None else None)
 
-    def turn(self, sid: str, user: str | None = None, sampling: SamplingParams | None = None,
-             fast_path: str | None = None, logprobs: bool = False,
-             owner: str | None = None, expected_version: int | None = None) -> Result:
-        return self.turn_stream(sid, user, sampling, fast_path, logprobs, owner,
-                                expected_version).result()
-
-    def turn_stream(self, sid: str, user: str | None = None,
-                    sampling: SamplingParams | None = None, fast_path: str | None = None,
-                    logprobs: bool = False, owner: str | None = None,
-                    expected_version: int | None = None) -> Stream:
+    def turn(self, sid: str, user: str | None = None, req: Request = DEFAULT) -> Stream:
         """Agentic: commit `user` (if given), generate the assistant turn, commit it. A turn
         that ends in a tool call leaves the session awaiting a tool result. With
-        `expected_version`, refuse (Conflict) if the session is at another version."""
+        `req.expected_version`, refuse (Conflict) if the session is at another version."""
         return self._agentic(sid, {"role": "user", "content": user} if user is not None else None,
-                             sampling, fast_path, logprobs, owner, expected_version)
+                             req)
 
-    def tool_result(self, sid: str, content: str, sampling: SamplingParams | None = None,
-                    fast_path: str | None = None, logprobs: bool = False,
-                    owner: str | None = None, expected_version: int | None = None) -> Result:
-        return self.tool_result_stream(sid, content, sampling, fast_path, logprobs,
-                                       owner, expected_version).result()
-
-    def tool_result_stream(self, sid: str, content: str, sampling: SamplingParams | None = None,
-                           fast_path: str | None = None, logprobs: bool = False,
-                           owner: str | None = None,
-                           expected_version: int | None = None) -> Stream:
+    def tool_result(self, sid: str, content: str, req: Request = DEFAULT) -> Stream:
         """Agentic: commit a tool result and resume the next turn delta-only from the
         pre-positioned envelope."""
-        return self._agentic(sid, {"role": "tool", "content": content}, sampling, fast_path,
-                             logprobs, owner, expected_version)
+        return self._agentic(sid, {"role": "tool", "content": content}, req)
 
-    def _agentic(self, sid: str, message: dict | None, sampling: SamplingParams | None,
-                 fast_path: str | None, logprobs: bool, owner: str | None,
-                 expected_version: int | None = None) -> Stream:
+    def _agentic(self, sid: str, message: dict | None, req: Request) -> Stream:
         t0 = time.perf_counter()
-        sampling = sampling or DEFAULT_SAMPLING
-        self._check_sampling(sampling)
-        s = self.sessions.get(sid, owner)
+        sampling = self._check(req)
+        s = self.sessions.get(sid)
         s.require(AGENTIC)
-        mode = self._mode(s, fast_path)
+        mode = req.fast_path or s.spec.fast_path
         base, ready = s.current()
-        if expected_version is not None and base.version != expected_version:
+        if req.expected_version is not None and base.version != req.expected_version:
             raise Conflict(f"session {s.id} is at version {base.version}, not "
-                           f"{expected_version}")
+                           f"{req.expected_version}")
         if message is None:
             if s.awaiting_tool:
                 raise InvalidInput(f"session {s.id} awaits a tool result, not a new turn")
             turn = ready.records.get(TURN)
             if mode != "off" and turn is not None:
-                return self.answers.exact(s, base, ready, turn, sampling, logprobs, t0,
+                return self.answers.exact(s, base, ready, turn, sampling, req.logprobs, t0,
                                           on_finish=self._commit_answer(s, base.version))
             snap, dropped = base, None
         else:
@@ -287,13 +258,14 @@ class Engine:
                                 else "content")
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
-                message, expected_version=expected_version,
+                message, expected_version=req.expected_version,
                 check=lambda n: self._check_room(s, n + n_header, sampling))
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
                                     dropped if dropped is not None else ready, sampling,
-                                    logprobs, t0, on_finish=self._commit_answer(s, snap.version),
+                                    req.logprobs, t0,
+                                    on_finish=self._commit_answer(s, snap.version),
                                     settle_dropped=dropped is not None)
 
     def _commit_answer(self, s: Session, version: int) -> Callable[[Result], None]:
@@ -310,20 +282,18 @@ class Engine:
 
         return commit
 
-    def complete_stream(self, sid: str, prompt: str, sampling: SamplingParams | None = None,
-                        logprobs: bool = False, owner: str | None = None) -> Stream:
+    def complete(self, sid: str, prompt: str, req: Request = DEFAULT) -> Stream:
         """Raw completion: continue `prompt` exactly as given (no chat template) on the
         session's KV, without touching its conversation. The stateless /v1/completions."""
         t0 = time.perf_counter()
-        sampling = sampling or DEFAULT_SAMPLING
-        self._check_sampling(sampling)
-        s = self.sessions.get(sid, owner)
+        sampling = self._check(req)
+        s = self.sessions.get(sid)
         if not isinstance(prompt, str) or not prompt:
             raise InvalidInput("prompt must be a non-empty string")
         snap, ready = s.current()
         seq = tuple(self.fmt.encode_prompt(prompt))
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
-                                    logprobs, t0)
+                                    req.logprobs, t0)
 
     # == helpers ===========================================================================
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
@@ -337,22 +307,21 @@ class Engine:
         if kv is not None:
             cancel(kv.handle)
 
-    def _mode(self, s: Session, fast_path: str | None) -> str:
-        if fast_path is None:
-            return s.spec.fast_path
-        if fast_path not in FAST_MODES:
-            raise InvalidInput(f"fast_path must be one of {FAST_MODES}, got {fast_path!r}")
-        return fast_path
-
-    def _check_sampling(self, sampling: SamplingParams) -> None:
+    def _check(self, req: Request) -> SamplingParams:
+        """The request's sampling, refused where this back end cannot honour it."""
+        if not isinstance(req, Request):
+            raise InvalidInput(f"expected a prepos.core.Request, got {type(req).__name__}")
+        sampling = req.sampling
         if sampling.shaped and self.backend.streams_answers:
             raise InvalidSampling(f"the {self.backend.name} back end samples answers itself: "
-                                  "penalties and logit_bias are not applied there")
+                                  "penalties, logit_bias and response_format are not "
+                                  "applied there")
         if (not sampling.greedy and not self.backend.full_distribution
                 and not self.backend.streams_answers and not self.config.topk_sampling):
             raise InvalidSampling(f"the {self.backend.name} back end returns top-k logprobs "
                                   "only: it serves greedy decoding (temperature 0) unless "
                                   "topk_sampling is enabled")
+        return sampling
 
     def _check_room(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
         need = prompt_len + sampling.max_tokens
@@ -404,9 +373,9 @@ class Engine:
         """Load a (re)calibrated gate; it applies to the next request."""
         self.gate = Gate(config, self.fmt)
 
-    def ready_header(self, sid: str, owner: str | None = None) -> ReadyRecord | None:
+    def ready_header(self, sid: str) -> ReadyRecord | None:
         """The question-independent ready record of a streaming session, if recorded."""
-        s = self.sessions.get(sid, owner)
+        s = self.sessions.get(sid)
         return s.ready_records().get(HEADER)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -427,7 +396,6 @@ class Engine:
         }
 
     # == for the server (read-only views) ==================================================
-    # No owner checks: the caller has looked the session up with its key already.
     def serves_exact(self, sid: str, key: tuple, fast_path: str | None = None) -> bool:
         """Whether a request for entry `key` would be an exact match now: its fast path (the
         request's, else the session's) is on and a valid ready record holds the entry."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from prepos.conversation import awaits_tool
-from prepos.core import ReadyRecord
+from prepos.core import FAST_MODES, ReadyRecord
 from prepos.entries import ChatFormat, Split
 from prepos.errors import (
     Conflict,
@@ -29,7 +29,6 @@ from prepos.errors import (
 STREAMING = "streaming"
 AGENTIC = "agentic"
 KINDS = (STREAMING, AGENTIC)
-FAST_MODES = ("exact", "relaxed", "off")
 
 HEADER = ("header",)  # the question-independent assistant header (streaming, relaxed match)
 TURN = ("turn",)  # the generation prompt of an agentic session (exact match)
@@ -82,7 +81,7 @@ class SessionSpec:
     fast_path: str = "exact"
     preposition: bool = True
     budget_cells: int | None = None  # per-session KV budget (default: the engine's)
-    owner: str | None = None
+    owner: str | None = None  # the API key that created it: the server checks it, not us
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -376,15 +375,15 @@ class SessionStore:
         """The session, open or not yet removed, without the access checks of `get`."""
         return self._sessions.get(sid)
 
-    def get(self, sid: str, owner: str | None = None) -> Session:
+    def get(self, sid: str) -> Session:
         s = self._sessions.get(sid)
-        if s is None or s.closed or (owner is not None and s.spec.owner != owner):
+        if s is None or s.closed:
             raise SessionNotFound(f"no session {sid!r}")
         return s
 
-    def remove(self, sid: str, owner: str | None = None) -> Session:
+    def remove(self, sid: str) -> Session:
         with self._lock:
-            s = self.get(sid, owner)
+            s = self.get(sid)
             s.closed = True
             del self._sessions[sid]
             return s

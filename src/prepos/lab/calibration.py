@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from prepos.config import GateConfig
+from prepos.core import Request
 from prepos.lab.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
 from prepos.sim.model import wilson
 
@@ -185,7 +186,8 @@ def measure(engine, points: Sequence[DecisionPoint], system: str = SYSTEM_PROMPT
                 engine.append(sid, msg)
             engine.wait_idle()
             rec = engine.ready_header(sid)
-            res = engine.query(sid, dp.query.text, greedy, fast_path="off", logprobs=True)
+            res = engine.query(sid, dp.query.text,
+                               Request(greedy, fast_path="off", logprobs=True)).result()
         finally:
             engine.close_session(sid)
         if rec is None:  # skipped pre-position: the gate cannot fire

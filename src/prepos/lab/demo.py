@@ -11,7 +11,7 @@ import random
 import time
 
 from prepos.config import EngineConfig
-from prepos.core import Result, SamplingParams
+from prepos.core import Request, Result, SamplingParams
 from prepos.engine import Engine
 from prepos.lab.task import market
 from prepos.paths import DEFAULT_MODEL
@@ -50,15 +50,16 @@ def streaming_demo(eng: Engine, seed: int, updates: int) -> None:
         truth = stream.trend_after(i)
         rising = "yes" if truth == "up" else "no"
         print(f"-- update {i}: {msg}")
-        print(row(f"standing: {standing}", eng.query(live, standing, ONE), truth))
+        print(row(f"standing: {standing}", eng.query(live, standing, Request(ONE)).result(), truth))
         # an ad-hoc trend question in other words: the gate may answer it from the header
-        print(row(f"ad-hoc:   {adhoc}", eng.query(live, adhoc, ONE), truth))
+        print(row(f"ad-hoc:   {adhoc}", eng.query(live, adhoc, Request(ONE)).result(), truth))
         # a polar question: its answer is not the question-independent token, so it is
         # asked with the gate off and falls through (served relaxed, it would be a false
         # accept: the pre-commitment divergence the calibration measures)
         print(row(f"ad-hoc:   Is {t} rising? (gate off)",
-                  eng.query(live, f"Is {t} rising?", ONE, fast_path="off"), rising))
-        print(row(f"cold:     {standing}", eng.query(cold, standing, ONE), truth))
+                  eng.query(live, f"Is {t} rising?",
+                            Request(ONE, fast_path="off")).result(), rising))
+        print(row(f"cold:     {standing}", eng.query(cold, standing, Request(ONE)).result(), truth))
 
 
 def agentic_demo(eng: Engine) -> None:
@@ -75,13 +76,13 @@ def agentic_demo(eng: Engine) -> None:
     eng.add_message(sid, "assistant", "", tool_calls=[call])  # issued by the agent client
     eng.wait_idle()  # the tool's round trip: the envelope is pre-positioned meanwhile
     result = market.format_data("ACME", [41, 43, 44, 47, 48, 50])
-    print(row("tool result -> next turn", eng.tool_result(sid, result, ONE)))
+    print(row("tool result -> next turn", eng.tool_result(sid, result, Request(ONE)).result()))
     eng.add_message(sid, "user", "And BOLT?")
     eng.add_message(sid, "assistant", "", tool_calls=[
         {"type": "function", "function": {"name": "get_prices", "arguments": {"ticker": "BOLT"}}}])
     eng.add_message(sid, "tool", market.format_data("BOLT", [60, 58, 57, 55, 52, 50]))
     eng.wait_idle()  # the result is committed; the next turn's header is pre-positioned
-    print(row("next turn after a committed result", eng.turn(sid, None, ONE)))
+    print(row("next turn after a committed result", eng.turn(sid, None, Request(ONE)).result()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,11 +107,11 @@ async def chat_completions(request: Request):
         return await call.stateless(eng, owner, msgs, tools)
     s = state.session(eng, body.session_id, owner, "session_id")
     if s.kind == STREAMING:
-        return await call.streaming(eng, owner, s, msgs)
+        return await call.streaming(eng, s, msgs)
     if body.tools is not None and tools != list(s.spec.tools):
         raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
                        f"{s.id} was created with; send the same tools or none", "tools")
-    return await call.agentic(eng, owner, s, msgs)
+    return await call.agentic(eng, s, msgs)
 
 
 @routes.add("POST", "/v1/completions", 6)

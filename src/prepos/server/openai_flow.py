@@ -21,6 +21,7 @@ from dataclasses import replace
 from starlette.responses import Response
 
 from prepos.conversation import check_order, resume
+from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.entries import SENTINEL
 from prepos.errors import InvalidInput
@@ -78,6 +79,9 @@ class ChatCall:
         self.n = body.n or 1
         self.choice = tool_choice(body)
 
+    def _req(self, sampling: SamplingParams, fast_path: str | None = None) -> EngineRequest:
+        return EngineRequest(sampling, fast_path, self.logprobs)
+
     def _reply(self, sid: str | None, agentic: bool, tools: bool, prefix: str = "",
                forced: str | None = None) -> ChatReply:
         return ChatReply(self.state, self.body, sid, agentic, tools, prefix=prefix,
@@ -104,8 +108,8 @@ class ChatCall:
                 sampling = choice_sampling(self.sampling, i)
                 sid, stream = await self.state.run(
                     self.state.start_ephemeral, eng, spec,
-                    lambda sid, sp=sampling: eng.turn_stream(sid, None, sp, "off",
-                                                             self.logprobs, owner), [(0, msgs)])
+                    lambda sid, sp=sampling: eng.turn(sid, None, self._req(sp, "off")),
+                    [(0, msgs)])
                 sids.append(sid)
                 streams.append(stream)
         except BaseException:
@@ -157,8 +161,8 @@ class ChatCall:
 
         def start(sid):
             for i in range(self.n):
-                streams.append(eng.complete_stream(sid, prompt, choice_sampling(self.sampling, i),
-                                                   self.logprobs, owner))
+                streams.append(eng.complete(sid, prompt,
+                                            self._req(choice_sampling(self.sampling, i))))
             return streams[-1]
 
         sid, _ = await self.state.run(self.state.start_ephemeral, eng, spec, start)
@@ -166,7 +170,7 @@ class ChatCall:
                                    cleanup=lambda: self.state.close_after(streams[-1], sid),
                                    prefix=prefix, forced=forced)
 
-    async def streaming(self, eng, owner, s, msgs: list[dict]) -> Response:
+    async def streaming(self, eng, s, msgs: list[dict]) -> Response:
         """A streaming session's query, asked as one user message."""
         asked = [m for m in msgs if m["role"] != "system"]
         if len(asked) != 1 or asked[0]["role"] != "user":
@@ -183,11 +187,10 @@ class ChatCall:
         mode = self.body.fast_path
         streams = []
         for i in range(self.n):  # each from the same ready distribution when one is cached
-            sampling = choice_sampling(self.sampling, i)
+            req = self._req(choice_sampling(self.sampling, i), mode)
             streams.append(await self.state.start_exact(
-                eng, s.id, query_key(question), mode, sampling,
-                lambda sp=sampling: eng.query_stream(s.id, question, sp, mode, self.logprobs,
-                                                     owner), len(question)))
+                eng, s.id, query_key(question), req,
+                lambda req=req: eng.query(s.id, question, req), len(question)))
         return await self._respond(streams, s.id, agentic=False, tools=False)
 
     def _session_sampling(self, eng, s) -> SamplingParams:
@@ -211,7 +214,7 @@ class ChatCall:
                        "'auto' or 'none' (the session commits the answer as generated); "
                        "'required' and named functions work statelessly", "tool_choice")
 
-    async def agentic(self, eng, owner, s, msgs: list[dict]) -> Response:
+    async def agentic(self, eng, s, msgs: list[dict]) -> Response:
         """Delta-only: commit what the session lacks, then answer."""
         self.sampling = sampling = self._session_sampling(eng, s)
         snap = eng.snapshot(s.id)
@@ -220,35 +223,31 @@ class ChatCall:
                    (lambda: eng.versions(s.id)) if rollback else None)
         target, held, delta = r.rollback_to, r.held, r.delta
         check_order(held, delta, len(held))
-        mode = self.body.fast_path
+        req = self._req(sampling, self.body.fast_path)
         tools = bool(s.spec.tools) and self.choice != "none"
-        if target is None and not delta:
-            if self.state.will_be_fast(eng, s.id, TURN, mode, sampling):
-                stream = eng.turn_stream(s.id, None, sampling, mode, self.logprobs, owner)
-                return await self._respond([stream], s.id, agentic=True, tools=tools)
-            if self.body.stream and eng.serves_exact(s.id, TURN, mode):
+        if target is None and not delta and (
+                self.state.will_be_fast(eng, s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
-                stream = eng.turn_stream(s.id, None, sampling, mode, self.logprobs, owner)
-                return await self._respond([stream], s.id, agentic=True, tools=tools)
+                or self.body.stream and eng.serves_exact(s.id, TURN, req.fast_path)):
+            return await self._respond([eng.turn(s.id, None, req)], s.id, agentic=True,
+                                       tools=tools)
         self.state.backpressure(eng)
 
         def start():
             if target is not None or len(delta) > 1:
                 self._check_fits(eng, s, held + delta)
             if target is not None:
-                eng.rollback(s.id, target, wait=False, owner=owner)
+                eng.rollback(s.id, target, wait=False)
             last = delta[-1] if delta else None
             if last is not None and last["role"] not in ("user", "tool"):
                 last = None  # a system message alone: committed, then the turn
             for m in delta[:-1] if last is not None else delta:
-                eng.add_message(s.id, m["role"], m["content"], m.get("tool_calls"),
-                                wait=False, owner=owner)
+                eng.add_message(s.id, m["role"], m["content"], m.get("tool_calls"), wait=False)
             if last is None:
-                return eng.turn_stream(s.id, None, sampling, mode, self.logprobs, owner)
+                return eng.turn(s.id, None, req)
             if last["role"] == "tool":
-                return eng.tool_result_stream(s.id, last["content"], sampling, mode,
-                                              self.logprobs, owner)
-            return eng.turn_stream(s.id, last["content"], sampling, mode, self.logprobs, owner)
+                return eng.tool_result(s.id, last["content"], req)
+            return eng.turn(s.id, last["content"], req)
 
         stream = await self.state.run(start)
         return await self._respond([stream], s.id, agentic=True, tools=tools)
@@ -308,11 +307,10 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
         streams = []
         for prompt in prompts:
             for i in range(n):
-                sp = choice_sampling(sampling, i)
+                req = EngineRequest(choice_sampling(sampling, i), body.fast_path, want_lp)
                 streams.append(await state.start_exact(
-                    eng, s.id, query_key(prompt), body.fast_path, sp,
-                    lambda p=prompt, sp=sp: eng.query_stream(s.id, p, sp, body.fast_path,
-                                                             want_lp, owner), len(prompt)))
+                    eng, s.id, query_key(prompt), req,
+                    lambda p=prompt, req=req: eng.query(s.id, p, req), len(prompt)))
         return await respond(CompletionReply(state, body, s.id, echo, n), state, receive,
                              streams)
     state.backpressure(eng)
@@ -323,8 +321,8 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
     def start_all(prompt):
         def start(sid):
             for i in range(n):
-                streams.append(eng.complete_stream(sid, prompt, choice_sampling(sampling, i),
-                                                   want_lp, owner))
+                req = EngineRequest(choice_sampling(sampling, i), None, want_lp)
+                streams.append(eng.complete(sid, prompt, req))
             return streams[-1]
         return start
 

@@ -16,11 +16,10 @@ import math
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from prepos.core import SamplingParams
+from prepos.core import Request as EngineRequest
 from prepos.entries import parse_tool_calls
 from prepos.server import results, streaming
 from prepos.server.errors import ApiError
-from prepos.server.journal import is_ephemeral
 from prepos.server.openai_checks import logit_bias
 from prepos.server.results import json_response
 from prepos.server.routing import Routes
@@ -42,13 +41,15 @@ from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 routes = Routes()
 
 
-def _sampling(c: Call) -> SamplingParams:
+def _request(c: Call) -> EngineRequest:
+    """The engine request of a /query, /turn or /tool_result body."""
     b = c.body
-    return c.state.limits.sampling(b.max_tokens, b.temperature, b.top_k, b.top_p, b.seed,
-                                   b.stop, top_logprobs=b.top_logprobs,
-                                   presence_penalty=b.presence_penalty,
-                                   frequency_penalty=b.frequency_penalty,
-                                   logit_bias=logit_bias(c.engine, b.logit_bias))
+    sampling = c.state.limits.sampling(b.max_tokens, b.temperature, b.top_k, b.top_p, b.seed,
+                                       b.stop, top_logprobs=b.top_logprobs,
+                                       presence_penalty=b.presence_penalty,
+                                       frequency_penalty=b.frequency_penalty,
+                                       logit_bias=logit_bias(c.engine, b.logit_bias))
+    return EngineRequest(sampling, b.fast_path, b.logprobs)
 
 
 async def _commit(c: Call, fn, *args) -> Response:
@@ -99,12 +100,12 @@ async def create_session(request: Request):
             if state.journal is not None:
                 state.journal.extras.pop(sid, None)
             raise
-    return json_response(_info(state, eng, sid, owner), 201, {"Location": f"/sessions/{sid}"})
+    return json_response(_info(state, eng, sid), 201, {"Location": f"/sessions/{sid}"})
 
 
-def _info(state: ServerState, eng, sid: str, owner) -> dict:
-    info = eng.info(sid, owner)
-    s = eng.session(sid, owner)
+def _info(state: ServerState, eng, sid: str) -> dict:
+    info = eng.info(sid)
+    s = eng.session(sid)
     kept = list(eng.versions(sid))
     info["versions_kept"] = [kept[0], kept[-1]] if kept else []
     info["push_max_tokens"] = state.hub.push_tokens.get(sid, 1)
@@ -119,7 +120,7 @@ async def list_sessions(request: Request):
     c = await ServerState.open(request)
     out = []
     for s in c.engine.sessions.all():
-        if is_ephemeral(s.id) or (c.owner is not None and s.spec.owner != c.owner):
+        if not c.state.visible(s, c.owner):
             continue
         snap = s.snap
         out.append({"id": s.id, "kind": s.kind, "version": snap.version,
@@ -130,7 +131,7 @@ async def list_sessions(request: Request):
 @routes.add("GET", "/sessions/{sid}", 50)
 async def inspect_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
-    state, eng, owner = c.state, c.engine, c.owner
+    state, eng = c.state, c.engine
     raw = request.query_params.get("wait_ready")
     wait = 0.0
     if raw is not None:
@@ -146,7 +147,7 @@ async def inspect_session(sid: str, request: Request):
     if unknown:
         raise ApiError(400, "invalid_request", f"include takes tokens and messages, got "
                        f"{sorted(unknown)}", "include")
-    info = _info(state, eng, sid, owner)
+    info = _info(state, eng, sid)
     if wait and info["preposition"]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
@@ -154,7 +155,7 @@ async def inspect_session(sid: str, request: Request):
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(0.002)
-            info = _info(state, eng, sid, owner)
+            info = _info(state, eng, sid)
     if include:
         snap = eng.snapshot(sid)
         info["version"], info["tokens"] = snap.version, len(snap.tokens)  # one snapshot
@@ -168,7 +169,7 @@ async def inspect_session(sid: str, request: Request):
 @routes.add("DELETE", "/sessions/{sid}", 50)
 async def close_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
-    c.engine.close_session(sid, c.owner)
+    c.engine.close_session(sid)
     return json_response({"session_id": sid, "closed": True})
 
 
@@ -177,7 +178,7 @@ async def close_session(sid: str, request: Request):
 async def append(sid: str, request: Request):
     c = await ServerState.open(request, Append, sid, STREAMING)
     await c.check_input(c.body.data, "data")
-    return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait, c.owner)
+    return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait)
 
 
 @routes.add("POST", "/sessions/{sid}/rollback", 50)
@@ -187,13 +188,13 @@ async def rollback(sid: str, request: Request):
         snap = c.engine.snapshot(sid)
         return json_response({"session_id": sid, "version": snap.version,
                               "tokens": len(snap.tokens), "messages": len(snap.messages)})
-    return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait, c.owner)
+    return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait)
 
 
 @routes.add("POST", "/sessions/{sid}/shift", 50)
 async def shift(sid: str, request: Request):
     c = await ServerState.open(request, Shift, sid, STREAMING)
-    return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait, c.owner)
+    return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait)
 
 
 @routes.add("POST", "/sessions/{sid}/messages", 16)
@@ -201,8 +202,7 @@ async def add_message(sid: str, request: Request):
     c = await ServerState.open(request, AddMessage, sid, AGENTIC)
     b = c.body
     await c.check_input(b.content, "content")
-    return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait,
-                         c.owner)
+    return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait)
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -210,12 +210,10 @@ async def add_message(sid: str, request: Request):
 async def query(sid: str, request: Request):
     c = await ServerState.open(request, Query, sid, STREAMING)
     eng, b = c.engine, c.body
-    sampling = _sampling(c)
+    req = _request(c)
     await c.check_input(b.question, "question")
-    stream = await c.state.start_exact(
-        eng, sid, query_key(b.question), b.fast_path, sampling,
-        lambda: eng.query_stream(sid, b.question, sampling, b.fast_path, b.logprobs, c.owner),
-        len(b.question))
+    stream = await c.state.start_exact(eng, sid, query_key(b.question), req,
+                                       lambda: eng.query(sid, b.question, req), len(b.question))
     return await respond(c, request, stream, agentic=False)
 
 
@@ -223,30 +221,27 @@ async def query(sid: str, request: Request):
 async def turn(sid: str, request: Request):
     c = await ServerState.open(request, Turn, sid, AGENTIC)
     eng, b = c.engine, c.body
-    sampling = _sampling(c)
+    req = _request(c)
     if b.user is None:
-        stream = await c.state.start_exact(
-            eng, sid, TURN, b.fast_path, sampling,
-            lambda: eng.turn_stream(sid, None, sampling, b.fast_path, b.logprobs, c.owner))
+        stream = await c.state.start_exact(eng, sid, TURN, req, lambda: eng.turn(sid, None, req))
     else:
-        stream = await _committing(c, eng.turn_stream, b.user, "user", sampling)
+        stream = await _committing(c, eng.turn, b.user, "user", req)
     return await respond(c, request, stream, agentic=True)
 
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12)
 async def tool_result(sid: str, request: Request):
     c = await ServerState.open(request, ToolResult, sid, AGENTIC)
-    stream = await _committing(c, c.engine.tool_result_stream, c.body.content, "content",
-                               _sampling(c))
+    stream = await _committing(c, c.engine.tool_result, c.body.content, "content",
+                               _request(c))
     return await respond(c, request, stream, agentic=True)
 
 
-async def _committing(c: Call, start, text: str, what: str, sampling: SamplingParams):
+async def _committing(c: Call, start, text: str, what: str, req: EngineRequest):
     """An agentic request that commits `text` first: behind backpressure, off the loop."""
     await c.check_input(text, what)
     c.state.backpressure(c.engine)
-    b = c.body
-    return await c.state.run(start, c.sid, text, sampling, b.fast_path, b.logprobs, c.owner)
+    return await c.state.run(start, c.sid, text, req)
 
 
 def _token(ev) -> dict:

@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.errors import SessionNotFound
 from prepos.server.journal import is_ephemeral
@@ -164,9 +165,8 @@ class Hub:
             return
         question = key[1]
         try:
-            stream = self.engine.query_stream(
-                s.id, question, SamplingParams(max_tokens=self.push_tokens.get(s.id, 1)),
-                fast_path="exact")
+            stream = self.engine.query(s.id, question, EngineRequest(
+                SamplingParams(max_tokens=self.push_tokens.get(s.id, 1)), fast_path="exact"))
         except Exception as exc:  # closed meanwhile, or over budget: nothing to push
             log.debug("standing query of %s not answered: %s", s.id, exc)
             return

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from prepos.config import EngineConfig
-from prepos.core import Result, SamplingParams
+from prepos.core import Request as EngineRequest
+from prepos.core import Result
 from prepos.engine import Engine
 from prepos.errors import PreposError, SessionNotFound
 from prepos.server.auth import Keys
@@ -198,13 +199,22 @@ class ServerState:
 
     def session(self, engine: Engine, sid: str, owner: str | None,
                 param: str | None = None) -> Session:
-        """The caller's session `sid`: 404 for none, another key's or an ephemeral one."""
+        """The caller's session `sid`: 404 for none, another key's or an ephemeral one (the
+        same answer for all three, so a key learns nothing of others' sessions)."""
         try:
             if not is_ephemeral(sid):
-                return engine.session(sid, owner)
+                s = engine.session(sid)
+                if self.visible(s, owner):
+                    return s
         except SessionNotFound:
             pass
         raise ApiError(404, "session_not_found", f"no session {sid!r}", param)
+
+    @staticmethod
+    def visible(s: Session, owner: str | None) -> bool:
+        """Whether the caller with key `owner` may see session `s`: its own, never an
+        ephemeral one (a stateless request's)."""
+        return not is_ephemeral(s.id) and (owner is None or s.spec.owner == owner)
 
     async def body(self, request: Request, model: type[M]) -> M:
         raw = await request.body()
@@ -251,20 +261,18 @@ class ServerState:
             gone.cancel()
 
     @staticmethod
-    def will_be_fast(engine: Engine, sid: str, key: tuple, mode: str | None,
-                     sampling: SamplingParams) -> bool:
+    def will_be_fast(engine: Engine, sid: str, key: tuple, req: EngineRequest) -> bool:
         """Whether the request will be answered from a ready record with no model work (a
         one-token exact match): such requests are never refused for backpressure."""
-        return sampling.max_tokens == 1 and engine.serves_exact(sid, key, mode)
+        return req.sampling.max_tokens == 1 and engine.serves_exact(sid, key, req.fast_path)
 
-    async def start_exact(self, engine: Engine, sid: str, key: tuple, mode: str | None,
-                          sampling: SamplingParams, start: Callable[[], Stream],
-                          size: int = 0) -> Stream:
+    async def start_exact(self, engine: Engine, sid: str, key: tuple, req: EngineRequest,
+                          start: Callable[[], Stream], size: int = 0) -> Stream:
         """`start()` a request for entry `key`: refused for backpressure unless it will be a
         one-token exact match. It runs on the event loop (no thread hop: a fast answer is
         written at once) unless its text, `size` characters, is long enough that tokenizing
         it would hold the loop up."""
-        if not self.will_be_fast(engine, sid, key, mode, sampling):
+        if not self.will_be_fast(engine, sid, key, req):
             self.backpressure(engine)
         if size <= INLINE_BYTES:
             return start()
