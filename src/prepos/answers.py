@@ -29,6 +29,7 @@ from prepos.kv import Forward, KVSequence
 from prepos.sampling import generator_for, sample, top_logprobs
 from prepos.session import ReadySet, Session, Snapshot
 from prepos.stream import Stream
+from prepos.structured import Grammars
 
 if TYPE_CHECKING:
     from prepos.engine import Engine
@@ -48,6 +49,7 @@ class Answers:
 
     def __init__(self, engine: Engine):
         self.eng = engine
+        self.grammars = Grammars(engine.fmt)  # response formats, compiled once each
 
     def relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
                 logprobs: bool, t0: float) -> Stream:
@@ -78,8 +80,10 @@ class Answers:
         res = Result(Path.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)
         stream = Stream()
-        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish))
-        rng = generator_for(sampling)
+        grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
+        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish),
+                         grammar)
+        rng = generator_for(sampling, grammar)
         dist = cached(rec)
         # greedy: the argmax found when the record was made; otherwise sample the cached logits
         first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
@@ -108,7 +112,9 @@ class Answers:
         eng._check_room(s, len(seq), sampling)
         stream = Stream()
         res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
-        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish))
+        grammar = self.grammars.constraint(sampling)
+        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish),
+                         grammar)
 
         def run():
             tm = res.timing
@@ -135,7 +141,7 @@ class Answers:
             elif settle_dropped:
                 eng.prepos.invalidated(ready)
             eng._count("fall" if used else "cold")
-            rng = generator_for(sampling)
+            rng = generator_for(sampling, grammar)
             if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
                 yield from self.decode(kv, seq, out, sampling, rng)
 

@@ -36,6 +36,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    # an OpenAI response_format (a dict or its JSON text), kept as its canonical JSON text
+    # (prepos.structured); None for free text. Constrains every token, the first included
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -70,11 +73,17 @@ class SamplingParams:
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             raise InvalidSampling(f"top_logprobs must be an integer in [0, 20], got "
                                   f"{self.top_logprobs!r}")
+        if self.response_format is not None:
+            from prepos.structured import normalize  # checked once per distinct format
+
+            object.__setattr__(self, "response_format", normalize(self.response_format))
 
     @property
     def shaped(self) -> bool:
-        """Whether penalties or biases change the logits before the choice."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        """Whether penalties, biases or a response format's grammar change the logits
+        before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.response_format)
 
     @property
     def greedy(self) -> bool:

@@ -58,3 +58,11 @@ class Conflict(PreposError):
 
     code = "conflict"
     status = 409
+
+
+class InvalidResponseFormat(InvalidSampling):
+    """A response_format prepos cannot enforce: an unknown type, a schema that is not an
+    object, a keyword the grammar library does not implement."""
+
+    code = "invalid_response_format"
+    param = "response_format"

@@ -15,17 +15,21 @@ import torch
 
 from prepos.backends.base import Dist
 from prepos.core import SamplingParams
+from prepos.structured import Constraint
 
 SEED_MOD = 2**64
 
 
 class SamplerState:
     """A request's sampling state when its logits are shaped: the random generator (None
-    at temperature 0) and how often each token was generated so far (the penalties')."""
+    at temperature 0), how often each token was generated so far (the penalties'), and the
+    response format's grammar state (None without one)."""
 
-    def __init__(self, generator: torch.Generator | None):
+    def __init__(self, generator: torch.Generator | None,
+                 constraint: Constraint | None = None):
         self.generator = generator
         self.counts: Counter[int] = Counter()
+        self.constraint = constraint
 
 
 def _generator(params: SamplingParams) -> torch.Generator:
@@ -37,11 +41,16 @@ def _generator(params: SamplingParams) -> torch.Generator:
     return gen
 
 
-def generator_for(params: SamplingParams) -> torch.Generator | SamplerState | None:
-    """A request's random state: None for greedy decoding, a `SamplerState` when penalties
-    or biases shape the logits (it counts the generated tokens), else a generator."""
+def generator_for(params: SamplingParams, constraint: Constraint | None = None
+                  ) -> torch.Generator | SamplerState | None:
+    """A request's random state: None for greedy decoding, a `SamplerState` when penalties,
+    biases or a response format shape the logits (it counts the generated tokens and holds
+    the format's `constraint`), else a generator."""
+    if params.response_format is not None and constraint is None:
+        raise ValueError("a response_format is sampled with its Constraint")
     if params.shaped:
-        return SamplerState(None if params.temperature == 0 else _generator(params))
+        return SamplerState(None if params.temperature == 0 else _generator(params),
+                            constraint)
     if params.greedy:
         return None
     return _generator(params)
@@ -67,10 +76,23 @@ def sample(logits: torch.Tensor | Dist, params: SamplingParams,
     """A token from full logits, or from a top-k Dist (a remote back end's logprobs: the
     distribution renormalized over its top-k, which `Engine` allows only by option)."""
     if isinstance(gen, SamplerState):
+        grammar = gen.constraint
+        if grammar is not None:  # only the tokens the grammar allows next
+            logits = grammar.mask(_full(logits))
         tok = _sample(logits, params, gen.generator, gen.counts)
         gen.counts[tok] += 1
+        if grammar is not None:
+            grammar.accept(tok)
         return tok
     return _sample(logits, params, gen, None)
+
+
+def _full(logits: torch.Tensor | Dist) -> torch.Tensor:
+    if isinstance(logits, Dist):
+        if logits.logits is None:  # the engine refuses a response_format on top-k back ends
+            raise ValueError("structured output needs the full distribution, not a top-k")
+        return logits.logits
+    return logits
 
 
 def _sample(logits: torch.Tensor | Dist, params: SamplingParams,

@@ -1,0 +1,216 @@
+"""Structured output: an OpenAI `response_format` as constrained decoding.
+
+- `normalize` checks a `response_format` (`{"type": "json_object"}`, or `{"type":
+  "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`) and returns
+  its canonical JSON text, the hashable value `SamplingParams.response_format` carries (None
+  for `{"type": "text"}`). A schema the grammar library cannot enforce in full (an
+  unimplemented keyword, an unknown format, a remote `$ref`) is refused, never loosened.
+- `Grammars` (one per engine) compiles a format into a matcher over the engine's tokenizer,
+  once per format (a bounded LRU); each answer gets its own copy, a `Constraint`.
+- `Constraint.mask` sets every token the grammar does not allow next to -inf in a full-vocab
+  logits tensor (ids past the tokenizer's vocabulary, which a model's logits may have, are
+  never allowed); `accept` advances it by the sampled token; `finished` says the grammar can
+  take nothing more, so the answer ends there (finish reason "stop"). While the grammar is
+  complete but could go on, the end-of-turn tokens are allowed and the model decides.
+
+The grammar library is llguidance (see docs/ARCHITECTURE.md, "Structured output", for the
+measurement against xgrammar). JSON is compact: no whitespace between tokens of the
+structure, so a model cannot pad an answer with whitespace until it runs out of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from prepos.errors import InvalidResponseFormat
+
+if TYPE_CHECKING:
+    from prepos.core import SamplingParams
+    from prepos.entries import ChatFormat
+
+TYPES = ("text", "json_object", "json_schema")
+ANY_OBJECT = {"type": "object"}  # json_object: any JSON object
+# compact JSON; a schema's own "x-guidance" may not make the library lenient
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+STRICT = {"lenient": False}
+CACHE_SIZE = 64  # compiled formats kept per engine
+
+
+def normalize(spec: Any) -> str | None:
+    """The canonical JSON text of an OpenAI response_format (a dict, or its JSON text);
+    None for plain text. Raises InvalidResponseFormat naming the problem."""
+    if isinstance(spec, str):
+        return _normalize_text(spec)
+    if not isinstance(spec, dict):
+        _not_an_object(spec)
+    try:
+        text = _dumps(spec)
+    except (TypeError, ValueError) as exc:
+        raise InvalidResponseFormat(f"response_format is not JSON: {exc}") from None
+    return _normalize_text(text)
+
+
+def _not_an_object(spec: Any) -> None:
+    raise InvalidResponseFormat(f"response_format must be an object, got "
+                                f"{type(spec).__name__}")
+
+
+@lru_cache(maxsize=256)
+def _normalize_text(text: str) -> str | None:
+    try:
+        spec = json.loads(text)
+    except ValueError:
+        raise InvalidResponseFormat("response_format is not valid JSON") from None
+    if not isinstance(spec, dict):
+        _not_an_object(spec)
+    kind = spec.get("type")
+    if kind not in TYPES:
+        raise InvalidResponseFormat(f"response_format.type must be one of {TYPES}, got "
+                                    f"{kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _dumps({"type": "json_object"})
+    return _dumps({"type": "json_schema", "json_schema": _check_json_schema(
+        spec.get("json_schema"))})
+
+
+def _check_json_schema(js: Any) -> dict:
+    if not isinstance(js, dict):
+        raise InvalidResponseFormat("response_format.json_schema must be an object with a "
+                                    "'schema'")
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidResponseFormat(f"response_format.json_schema.schema must be a JSON "
+                                    f"Schema object, got {type(schema).__name__}")
+    name, strict = js.get("name"), js.get("strict")
+    if name is not None and not isinstance(name, str):
+        raise InvalidResponseFormat("response_format.json_schema.name must be a string")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidResponseFormat("response_format.json_schema.strict must be a boolean")
+    error = _validate(_dumps(schema))
+    if error:
+        raise InvalidResponseFormat(f"response_format.json_schema.schema is not supported: "
+                                    f"{error}")
+    out = {"schema": schema}
+    if name is not None:
+        out["name"] = name
+    if strict is not None:
+        out["strict"] = strict
+    return out
+
+
+def _validate(schema_text: str) -> str:
+    """The library's objection to a schema ('' when it can enforce it), without a tokenizer."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, JSON_OPTIONS,
+                                                                STRICT)
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return "; ".join(messages) if is_error else ""
+
+
+def schema_of(canonical: str) -> dict:
+    """The JSON Schema a canonical response_format asks the answer to satisfy."""
+    spec = json.loads(canonical)
+    return ANY_OBJECT if spec["type"] == "json_object" else spec["json_schema"]["schema"]
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)  # keys in order
+
+
+class Constraint:
+    """One answer's grammar state: the mask before each sampled token, the token after."""
+
+    def __init__(self, matcher, n_tokens: int):
+        self._m = matcher
+        self._n = n_tokens  # the tokenizer's vocabulary: the mask's length
+
+    def allowed(self) -> torch.Tensor:
+        """A bool vector over the tokenizer's vocabulary: the tokens the grammar allows
+        next (the end-of-turn tokens once it is complete)."""
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        self._raise_on_error()
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self._n].astype(bool))
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """A new float32 tensor: `logits` with every token the grammar refuses at -inf."""
+        allowed = self.allowed()
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        n = min(self._n, logits.shape[-1])
+        keep[:n] = allowed[:n]
+        return logits.float().masked_fill(~keep.to(logits.device), float("-inf"))
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(token):
+            self._raise_on_error()
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and takes no further token."""
+        return self._m.is_stopped() and not self._m.is_error()
+
+    def _raise_on_error(self) -> None:
+        if self._m.is_error():  # only a token the mask refused gets here: a caller's bug
+            raise RuntimeError(f"structured output: {self._m.get_error()}")
+
+
+class Grammars:
+    """The engine's compiled response formats over its tokenizer, most recent kept."""
+
+    def __init__(self, fmt: ChatFormat, capacity: int = CACHE_SIZE):
+        self._fmt = fmt
+        self._capacity = capacity
+        self._tokenizer = None  # built on first use (about 0.5 s at a 49k vocabulary)
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def constraint(self, sampling: SamplingParams) -> Constraint | None:
+        """A fresh constraint for one answer under `sampling`; None without a format."""
+        if sampling.response_format is None:
+            return None
+        with self._lock:
+            template = self._cache.get(sampling.response_format)
+            if template is None:
+                template = self._compile(sampling.response_format)
+                self._cache[sampling.response_format] = template
+                while len(self._cache) > self._capacity:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(sampling.response_format)
+            matcher = template.deep_copy()
+        return Constraint(matcher, self._tokenizer.vocab_size)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def _compile(self, canonical: str):
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            _dumps(schema_of(canonical)), JSON_OPTIONS, STRICT)
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():  # checked at normalize; a tokenizer-specific objection
+            raise InvalidResponseFormat(f"response_format cannot be compiled for this "
+                                        f"model: {matcher.get_error()}")
+        return matcher
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            tok = self._fmt.tokenizer
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tok, n_vocab=len(tok), eos_token=sorted(self._fmt.end_of_turn))
+        return self._tokenizer
