@@ -163,7 +163,8 @@ def test_unsupported_or_out_of_range_options_are_refused_by_name(oai, model_name
     msgs = [{"role": "user", "content": "hi"}]
     cases = [({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
              ({"logit_bias": {"x": 2.0}}, "logit_bias"), ({"top_logprobs": 3}, "top_logprobs"),
-             ({"response_format": {"type": "json_object"}}, "response_format")]
+             ({"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "x", "schema": ["not", "an", "object"]}}}, "response_format")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(model=model_name, messages=msgs, **extra)

@@ -1,12 +1,16 @@
 """Input checks of the OpenAI endpoints, before any engine call: the model name, options
 prepos does not support (refused by name, never ignored), sampling and logprobs ranges,
-tools, the prompt. Each returns what the flow needs: sampling parameters, tools, prompt."""
+response_format, tools, the prompt. Each returns what the flow needs: sampling parameters, tools, prompt."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prepos.core import SamplingParams
+from prepos.errors import InvalidResponseFormat
 from prepos.server.errors import ApiError
 from prepos.server.schemas import ChatCompletion, Completion, OpenAISampling
+from prepos.structured import normalize
 
 MAX_N = 16  # choices (or prompts times choices) per request
 
@@ -66,12 +70,7 @@ def _sampling(state, body: OpenAISampling, max_tokens, param: str, top: int):
 def chat_sampling(state, body: ChatCompletion) -> SamplingParams:
     """The sampling of a chat request, after its chat-only options are checked."""
     check_common(state, body)
-    response_format = body.response_format
-    if response_format and response_format.get("type") not in (None, "text"):
-        raise ApiError(400, "unsupported", "response_format must be text (json_object and "
-                       "json_schema need constrained decoding, which prepos does not have "
-                       "yet)", "response_format")
-    tool_choice(body)
+    fmt = response_format(state, body)
     top = body.top_logprobs
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, "invalid_request", f"top_logprobs must be in [0, 20], got {top}",
@@ -80,9 +79,34 @@ def chat_sampling(state, body: ChatCompletion) -> SamplingParams:
         raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true",
                        "top_logprobs")
     if body.max_completion_tokens is not None:
-        return _sampling(state, body, body.max_completion_tokens, "max_completion_tokens",
-                         top or 0)
-    return _sampling(state, body, body.max_tokens, "max_tokens", top or 0)
+        sampling = _sampling(state, body, body.max_completion_tokens, "max_completion_tokens",
+                             top or 0)
+    else:
+        sampling = _sampling(state, body, body.max_tokens, "max_tokens", top or 0)
+    return replace(sampling, response_format=fmt) if fmt is not None else sampling
+
+
+def response_format(state, body: ChatCompletion) -> str | None:
+    """The request's response_format in canonical form (None for text), refused where it
+    is malformed, not enforceable, on a back end that samples answers itself, or beside a
+    tool choice that forces a tool call."""
+    try:
+        fmt = normalize(body.response_format) if body.response_format is not None else None
+    except InvalidResponseFormat as exc:
+        raise ApiError(400, "invalid_request", str(exc), "response_format") from None
+    choice = tool_choice(body)
+    if fmt is None:
+        return None
+    backend = state.engine.backend
+    if backend.streams_answers or not backend.full_distribution:
+        raise ApiError(400, "unsupported", f"the {backend.name} back end samples answers on "
+                       "the remote engine: response_format (constrained decoding) is not "
+                       "supported there", "response_format")
+    if choice not in ("auto", "none"):
+        raise ApiError(400, "invalid_request", f"response_format constrains the answer's text: "
+                       f"tool_choice must be 'auto' or 'none', got {choice!r}",
+                       "response_format")
+    return fmt
 
 
 def tool_choice(body: ChatCompletion) -> str | None:

@@ -137,6 +137,10 @@ class ChatCall:
                     raise ApiError(400, "invalid_request", "a conversation that ends with an "
                                    "assistant message is continued: tool_choice must be "
                                    "'auto' or 'none'", "tool_choice")
+                if self.sampling.response_format is not None:  # its start is the client's
+                    raise ApiError(400, "invalid_request", "response_format constrains a whole "
+                                   "answer: a conversation that ends with an assistant "
+                                   "message is not continued under it", "response_format")
                 full = fmt.render(msgs, tools)
                 content = msgs[-1]["content"]
                 content = content.strip() if fmt.trims_content else content
