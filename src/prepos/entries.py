@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from prepos import tool_formats
+from prepos.control_tokens import ESC, ControlTokens
 from prepos.errors import InvalidInput
+from prepos.tool_support import ToolSupport
 
 SENTINEL = "PREPOSxSENTINELx7f3a"
 
@@ -36,30 +39,51 @@ class ChatFormat:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput("the tokenizer has no chat_template; prepos needs one")
         self.tokenizer = tokenizer
+        self.controls = ControlTokens(tokenizer)
+        # user text is text: with a tokenizer that tokenizes a rendering piece by piece as
+        # it does whole, control-token strings in content are plain characters; otherwise
+        # they are refused (check_text)
+        self.plain_text = self._pieces_agree()
+        self.tool_support = ToolSupport.probe(self._template)
+        self.tool_format = tool_formats.detect(
+            str(tokenizer.chat_template), self.tool_support.rendered_call)
         self.end_of_turn = self._end_of_turn_ids()
-        controls = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                    if t.special} | set(tokenizer.all_special_tokens)
-        controls = sorted((c for c in controls if c), key=len, reverse=True)
-        self._control_starts = {c[:2] for c in controls}
-        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         probe = self.render([{"role": "user", "content": f" {SENTINEL} "}])
         self.trims_content = f" {SENTINEL} " not in probe
 
     def check_text(self, text: Any, what: str) -> None:
-        """Refuse text that holds one of the model's control tokens (`<|im_end|>`, ...):
-        tokenized, it would be chat markup (a forged end of turn, a new role), not text."""
-        if not isinstance(text, str) or self._controls is None:
+        """Where control-token strings in text cannot be plain characters (`plain_text`
+        false), refuse text that holds one of the model's control tokens (`<|im_end|>`,
+        ...): tokenized, it would be chat markup (a forged end of turn, a new role)."""
+        if self.plain_text or not isinstance(text, str):
             return
-        if not any(start in text for start in self._control_starts):  # the common case
-            return
-        found = self._controls.search(text)
+        found = self.controls.find_special(text)
         if found:
             raise InvalidInput(f"{what} contains the model's control token "
-                               f"{found.group(0)!r}, which would be read as chat markup")
+                               f"{found!r}, which would be read as chat markup")
+
+    def defuse(self, text: str) -> str:
+        """Content as it goes into the template: each control-token string escaped, so
+        that `encode` tokenizes it as plain characters (identity without `plain_text`)."""
+        return self.controls.defuse(text) if self.plain_text else text
+
+    def parse_tool_calls(self, text: str) -> tuple[str, list[dict]]:
+        """Generated assistant text as content and tool calls, in the template's family's
+        markup (`tool_formats`)."""
+        return self.tool_format.parse(text)
 
     # -- rendering -----------------------------------------------------------------------
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                generation_prompt: bool = False) -> str:
+        """The template's text of a conversation: the tools and tool calls it does not
+        render written by prepos's fallback (`ToolSupport.apply`), content defused."""
+        msgs, tool_list = self.tool_support.apply(messages, tools)
+        if self.plain_text:
+            msgs, tool_list = self.controls.defuse_obj(msgs), self.controls.defuse_obj(tool_list)
+        return self._template(msgs, tool_list, generation_prompt)
+
+    def _template(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                  generation_prompt: bool = False) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages), tools=list(tools) if tools else None, tokenize=False,
@@ -69,15 +93,36 @@ class ChatFormat:
             raise InvalidInput(f"the chat template refused the conversation: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
+        """Rendered text's tokens: its control tokens are markup, its defused content plain
+        characters."""
+        if ESC in text:
+            return self.controls.encode_pieces(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt as the tokenizer takes it on its own: its special tokens (a BOS)
         added, no chat template."""
+        if ESC in text:
+            before, after = self.controls.prompt_frame
+            return [*before, *self.controls.encode_pieces(text), *after]
         return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _pieces_agree(self) -> bool:
+        """Whether tokenizing a rendering piece by piece (between its control tokens) gives
+        the tokens of tokenizing it whole, on a probe conversation."""
+        msgs = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Hello there, 12 apples?"},
+                {"role": "assistant", "content": " Yes: 12.\n"},
+                {"role": "user", "content": "ok"}]
+        try:
+            text = self._template(msgs, None, generation_prompt=True)
+        except InvalidInput:
+            return False
+        whole = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return whole == self.controls.encode_pieces(text)
 
     def split(self, messages: Sequence[dict], tools: Sequence[dict] | None, role: str,
               base_text: str, generation_prompt: bool = True) -> Split:
@@ -97,7 +142,8 @@ class ChatFormat:
 
     def frame(self, split: Split, content: str) -> str:
         """The text of a message with this framing, as the template would render it."""
-        return split.prefix + (content.strip() if self.trims_content else content) + split.suffix
+        content = content.strip() if self.trims_content else content
+        return split.prefix + self.defuse(content) + split.suffix
 
     def header(self, messages: Sequence[dict], tools: Sequence[dict] | None,
                base_text: str) -> str:
@@ -132,37 +178,12 @@ class ChatFormat:
 
 
 # -- tool calls in generated text ---------------------------------------------------------
-_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split generated assistant text into content and tool calls. Understands the two
-    common markups: `<tool_call>{json}</tool_call>` blocks (ChatML/Hermes/Qwen) and a whole
-    message that is one JSON object with "name" and "arguments"/"parameters" (Llama 3)."""
-    calls = []
-    for m in _HERMES.finditer(text):
-        call = _as_call(m.group(1))
-        if call:
-            calls.append(call)
-    if calls:
-        return _HERMES.sub("", text).strip(), calls
-    call = _as_call(text.strip())
-    if call:
-        return "", [call]
-    return text, []
-
-
-def _as_call(raw: str) -> dict | None:
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, ValueError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, dict):
-        return None
-    return _call(obj["name"], args)
+    """Split generated assistant text into content and tool calls in prepos's own markup:
+    `<tool_call>{json}</tool_call>` blocks, or a whole message that is one JSON object with
+    "name" and "arguments"/"parameters". A chat format parses its template's family
+    (`ChatFormat.parse_tool_calls`)."""
+    return tool_formats.parse_prepos(text)
 
 
 # -- tool calls a client sends ------------------------------------------------------------
@@ -185,5 +206,4 @@ def normalize_tool_call(call: object) -> dict:
     return _call(fn["name"], args)
 
 
-def _call(name: str, arguments: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+_call = tool_formats.call

@@ -1,9 +1,12 @@
 """Tiny models and tokenizers made by our own code, for tests, benchmarks and the demo.
 
-Two chat-template families, written here in the formats the model families use:
-ChatML (Qwen-style, `<|im_start|>role ... <|im_end|>`) and Llama-3-style
-(`<|start_header_id|>role<|end_header_id|> ... <|eot_id|>`). Models are seeded random
-weights of the Llama or Qwen2 architecture. Nothing is downloaded.
+Chat-template families, written here in the formats the model families use: ChatML
+(Hermes-style tool calls, `<|im_start|>role ... <|im_end|>`, `<tool_call>{json}</tool_call>`),
+Qwen-style (the same template, `<tool_call>` and `</tool_call>` added tokens that are not
+special), Llama-3.1-style (`<|start_header_id|>role<|end_header_id|> ... <|eot_id|>`, a tool
+call one JSON object with "parameters") and Mistral-style (`[INST] ... [/INST]`,
+`[TOOL_CALLS][{...}]`, no generation prompt: used at the chat-format level only). Models
+are seeded random weights of the Llama or Qwen2 architecture. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -71,6 +74,24 @@ LLAMA3_TEMPLATE = (
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 
+MISTRAL_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}{{- '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{- '[SYSTEM_PROMPT]' + m.content + '[/SYSTEM_PROMPT]' -}}"
+    "{%- elif m.role == 'user' -%}{{- '[INST]' + m.content + '[/INST]' -}}"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}"
+    "{{- m.content + '[TOOL_CALLS][' -}}"
+    "{%- for c in m.tool_calls -%}{{- ', ' if not loop.first -}}"
+    "{{- {'name': c.function.name, 'arguments': c.function.arguments} | tojson -}}"
+    "{%- endfor -%}{{- ']' + eos_token -}}"
+    "{%- elif m.role == 'assistant' -%}{{- m.content + eos_token -}}"
+    "{%- elif m.role == 'tool' -%}{{- '[TOOL_RESULTS]' + m.content + '[/TOOL_RESULTS]' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
 FAMILIES = {
     "chatml": {
         "template": CHATML_TEMPLATE,
@@ -82,6 +103,19 @@ FAMILIES = {
         "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                      "<|end_header_id|>", "<|eot_id|>"],
         "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|end_of_text|>",
+    },
+    "qwen": {
+        "template": CHATML_TEMPLATE,
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "added": ["<tool_call>", "</tool_call>"],  # tokens, but not special (as Qwen's)
+        "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+    },
+    "mistral": {
+        "template": MISTRAL_TEMPLATE,
+        "specials": ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
+                     "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                     "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+        "bos": "<s>", "eos": "</s>", "pad": "<pad>",
     },
 }
 
@@ -125,6 +159,7 @@ def build_tokenizer(out_dir: str | Path, family: str = "chatml", vocab_size: int
         tokenizer_object=tok, bos_token=fam["bos"], eos_token=fam["eos"],
         pad_token=fam["pad"],
     )
+    fast.add_tokens(fam.get("added", []))
     fast.chat_template = fam["template"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

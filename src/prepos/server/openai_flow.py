@@ -143,7 +143,7 @@ class ChatCall:
                                    "message is not continued under it", "response_format")
                 full = fmt.render(msgs, tools)
                 content = msgs[-1]["content"]
-                content = content.strip() if fmt.trims_content else content
+                content = fmt.defuse(content.strip() if fmt.trims_content else content)
                 at = full.rfind(content) if content else -1
                 if at < 0:  # nothing to continue: answer after the conversation so far
                     text = fmt.render(msgs[:-1], tools, generation_prompt=True)

@@ -12,15 +12,16 @@ import uuid
 
 from starlette.responses import Response
 
+from prepos import tool_formats
 from prepos.core import Result
-from prepos.entries import ChatFormat, parse_tool_calls
+from prepos.entries import ChatFormat
 from prepos.server import results, streaming
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import EventStream, event
 from prepos.stream import Stream
+from prepos.tool_formats import PREPOS, ToolFormat
 
-TOOL_MARKS = ("<tool_call>",)
 DONE = b"data: [DONE]\n\n"
 
 
@@ -34,12 +35,13 @@ def _token_lp(chat_format: ChatFormat, token: int, logprob: float) -> dict:
 
 
 def message(res: Result, agentic: bool, prefix: str = "", forced: str | None = None,
-            parallel: bool = True) -> tuple[dict, str]:
+            parallel: bool = True, fmt: ToolFormat = PREPOS) -> tuple[dict, str]:
     """The assistant message of a chat answer, and its finish reason. `prefix`: the text the
     answer continued (a tool call's opening); `forced`: the function it must call (its
-    arguments are the generated JSON object, or the text if it is none)."""
+    arguments are the generated JSON object, or the text if it is none); `fmt`: the tool-call
+    markup of the model's family."""
     text = prefix + res.text
-    content, calls = parse_tool_calls(text) if agentic else (res.text, [])
+    content, calls = fmt.parse(text) if agentic else (res.text, [])
     if forced is not None and not calls:
         raw = res.text.lstrip()
         try:
@@ -65,21 +67,9 @@ def _arguments(args) -> str:
     return args if isinstance(args, str) else json.dumps(args)
 
 
-def safe_prefix(text: str) -> int:
-    """How much of `text` cannot be part of a tool call's markup: everything before the
-    first mark (or a partial one at the end); nothing if it opens like a JSON call."""
-    if text.lstrip().startswith("{"):
-        return 0
-    cut = len(text)
-    for mark in TOOL_MARKS:
-        i = text.find(mark)
-        if i >= 0:
-            cut = min(cut, i)
-        for k in range(min(len(mark) - 1, len(text)), 0, -1):
-            if text.endswith(mark[:k]):
-                cut = min(cut, len(text) - k)
-                break
-    return cut
+def safe_prefix(text: str, fmt: ToolFormat = PREPOS) -> int:
+    """How much of `text` cannot be part of a tool call's markup in `fmt`'s family."""
+    return tool_formats.safe_prefix(text, fmt)
 
 
 class Reply:
@@ -192,7 +182,8 @@ class ChatReply(Reply):
         self.top = body.top_logprobs or 0
 
     def message(self, res: Result) -> tuple[dict, str]:
-        return message(res, self.agentic, self.prefix, self.forced, self.parallel)
+        return message(res, self.agentic, self.prefix, self.forced, self.parallel,
+                       self.chat_format.tool_format)
 
     def choice(self, res: Result) -> dict:
         msg, finish = self.message(res)
@@ -214,7 +205,7 @@ class ChatReply(Reply):
                 text = ev.text
                 if self.tools:
                     held += text
-                    safe = safe_prefix(sent + held) - len(sent)
+                    safe = safe_prefix(sent + held, self.chat_format.tool_format) - len(sent)
                     text, held = held[:max(safe, 0)], held[max(safe, 0):]
                 lp = None
                 if self.logprobs and ev.token >= 0 and ev.logprob is not None:

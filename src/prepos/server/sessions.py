@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.core import Request as EngineRequest
-from prepos.entries import parse_tool_calls
 from prepos.server import results, streaming
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import logit_bias
@@ -256,7 +255,7 @@ async def respond(c: Call, request: Request, stream, agentic: bool) -> Response:
     state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
 
     def final(res) -> dict:
-        content = parse_tool_calls(res.text)[0] if agentic else None
+        content = state.engine.fmt.parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
 
     if not streamed:
