@@ -5,7 +5,9 @@ Chat-template families, written here in the formats the model families use: Chat
 Qwen-style (the same template, `<tool_call>` and `</tool_call>` added tokens that are not
 special), Llama-3.1-style (`<|start_header_id|>role<|end_header_id|> ... <|eot_id|>`, a tool
 call one JSON object with "parameters") and Mistral-style (`[INST] ... [/INST]`,
-`[TOOL_CALLS][{...}]`, no generation prompt: used at the chat-format level only). Models
+`[TOOL_CALLS][{...}]`, no generation prompt: used at the chat-format level only), and a
+plain ChatML template that renders role and content only, no tools (as SmolLM2-Instruct's
+does: prepos's tool fallback serves it). Models
 are seeded random weights of the Llama or Qwen2 architecture. Nothing is downloaded.
 """
 
@@ -74,6 +76,13 @@ LLAMA3_TEMPLATE = (
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 
+PLAIN_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
 MISTRAL_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- if tools -%}{{- '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' -}}"
@@ -108,6 +117,11 @@ FAMILIES = {
         "template": CHATML_TEMPLATE,
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         "added": ["<tool_call>", "</tool_call>"],  # tokens, but not special (as Qwen's)
+        "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+    },
+    "plain": {
+        "template": PLAIN_TEMPLATE,
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<filename>"],
         "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
     },
     "mistral": {

@@ -1,0 +1,206 @@
+"""Tool calls by family: the family detected from the chat template, one parser per family
+(well-formed calls, several calls, malformed markup kept as text), the streamed answer's
+withholding of each family's opening marker, and prepos's fallback on a template that
+renders no tools (tools in a system block, calls written as text the parser reads back;
+through the server: rendered, never dropped)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from prepos import tool_formats as tf
+from prepos.entries import ChatFormat
+from prepos.lab.tiny import build_model, build_tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = tf.call("get_weather", {"city": "Paris"})
+EXPECTED = {"chatml": "hermes", "qwen": "hermes", "llama3": "llama3", "mistral": "mistral",
+            "plain": "prepos"}
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tool-formats")
+    return {fam: ChatFormat(build_tokenizer(root / fam, fam)) for fam in EXPECTED}
+
+
+def _generated_call(fmt: ChatFormat, calls: list[dict]) -> str:
+    """A tool call as the model would emit it: the template's own rendering of it after the
+    generation prompt, tokenized and detokenized as an answer is (special tokens dropped),
+    up to the end of the turn."""
+    msgs = [{"role": "user", "content": "weather?"}]
+    base = fmt.render(msgs, [WEATHER], generation_prompt=True)
+    text = fmt.render([*msgs, {"role": "assistant", "content": "", "tool_calls": calls}],
+                      [WEATHER])
+    assert text.startswith(base)
+    ids = fmt.encode(text[len(base):])
+    cut = next(i for i, t in enumerate(ids) if t in fmt.end_of_turn)
+    return fmt.decode(ids[:cut])
+
+
+def test_the_family_is_detected_from_the_template(formats):
+    for fam, name in EXPECTED.items():
+        assert formats[fam].tool_format.name == name, fam
+    assert formats["chatml"].tool_support.complete
+    plain = formats["plain"].tool_support
+    assert not plain.tools and not plain.tool_calls and plain.rendered_call is None
+
+
+def test_source_markers_decide_where_the_rendering_says_nothing():
+    assert tf.detect("{{ '[TOOL_CALLS]' }}", "call: x").name == "mistral"
+    assert tf.detect("... <tool_call> ...", "x").name == "hermes"
+    assert tf.detect("<|python_tag|>", "x").name == "llama3"
+    assert tf.detect("anything", '{"name": "f", "parameters": {}}').name == "llama3"
+    assert tf.detect("anything", "f(x)").name == "prepos"
+    assert tf.detect("<tool_call>", None).name == "prepos"  # renders no calls: the fallback
+
+
+@pytest.mark.parametrize("fam", list(EXPECTED))
+def test_each_family_reads_back_the_calls_its_template_writes(formats, fam):
+    fmt = formats[fam]
+    two = [CALL, tf.call("get_time", {"zone": "CET", "n": [1, 2]})]
+    for calls in ([CALL], two):
+        generated = _generated_call(fmt, calls)
+        content, parsed = fmt.parse_tool_calls(generated)
+        assert parsed == calls, (fam, generated)
+        assert content == ""
+
+
+def test_hermes_blocks_with_text_around_and_malformed_ones():
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' \
+           '\n</tool_call>'
+    assert tf.parse_hermes(text) == ("Let me look.", [CALL])
+    for bad in ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+                '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+                '<tool_call>{"name": "get_weather"',  # cut off
+                "no call here"):
+        assert tf.parse_hermes(bad) == (bad, []), bad
+    # one good block beside a malformed one: the call, and the malformed text kept
+    mixed = '<tool_call>{"name": 1}</tool_call> and <tool_call>{"name": "get_weather", ' \
+            '"arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>'
+    content, calls = tf.parse_hermes(mixed)
+    assert calls == [CALL] and content == '<tool_call>{"name": 1}</tool_call> and'
+
+
+def test_llama3_json_with_and_without_the_python_tag():
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert tf.parse_llama3(one) == ("", [CALL])
+    assert tf.parse_llama3("<|python_tag|>" + one) == ("", [CALL])
+    assert tf.parse_llama3(f"{one}; {one}") == ("", [CALL, CALL])
+    for bad in ('{"name": "get_weather", "parameters": {"city": "Par',
+                '{"city": "Paris"}', f"{one} and then some words", "It is sunny."):
+        assert tf.parse_llama3(bad) == (bad, []), bad
+
+
+def test_mistral_array_named_form_and_malformed():
+    arr = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert tf.parse_mistral("[TOOL_CALLS]" + arr) == ("", [CALL])
+    assert tf.parse_mistral(arr) == ("", [CALL])  # the marker detokenized away
+    assert tf.parse_mistral('Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == \
+        ("Sure.", [CALL])
+    for bad in ("[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {",
+                "[TOOL_CALLS][]", '[TOOL_CALLS][{"name": "f"}] trailing', "[1, 2] is a list",
+                "[TOOL_CALLS]get_weather{}"):
+        assert tf.parse_mistral(bad) == (bad, []), bad
+
+
+def test_prepos_format_takes_blocks_or_one_bare_json_call():
+    assert tf.parse_prepos(tf.render_prepos_call(CALL)) == ("", [CALL])
+    assert tf.parse_prepos('{"name": "get_weather", "arguments": {"city": "Paris"}}') == \
+        ("", [CALL])
+    assert tf.parse_prepos("plain answer") == ("plain answer", [])
+
+
+@pytest.mark.parametrize("fmt,opening", [(tf.HERMES, "<tool_call>"), (tf.PREPOS, "<tool_call>"),
+                                         (tf.LLAMA3, "<|python_tag|>"),
+                                         (tf.MISTRAL, "[TOOL_CALLS]")])
+def test_streaming_withholds_each_family_s_opening(fmt, opening):
+    lead = "Let me check. "
+    assert tf.safe_prefix(lead, fmt) == len(lead)
+    assert tf.safe_prefix(lead + opening + "{", fmt) == len(lead)
+    for k in range(1, len(opening)):  # a marker cut at the end of what has come so far
+        assert tf.safe_prefix(lead + opening[:k], fmt) == len(lead), opening[:k]
+    for start in fmt.starts:  # a message that opens like a bare call: all of it withheld
+        assert tf.safe_prefix(f" {start}\"name\"", fmt) == 0
+    if not fmt.starts:
+        assert tf.safe_prefix('{"name": "f"', fmt) == len('{"name": "f"')
+
+
+def test_fallback_writes_tools_and_calls_the_template_does_not(formats):
+    fmt = formats["plain"]
+    user = {"role": "user", "content": "weather in Paris?"}
+    bare = fmt.render([user], None, generation_prompt=True)
+    with_tools = fmt.render([user], [WEATHER], generation_prompt=True)
+    assert "get_weather" not in bare and '"get_weather"' in with_tools
+    assert with_tools.startswith("<|im_start|>system\nYou can call these tools")
+    # a system message of the client's keeps its text, the block after it
+    sys_msg = {"role": "system", "content": "Be brief."}
+    text = fmt.render([sys_msg, user], [WEATHER])
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools")
+    # the assistant's call is written as the text the parser reads back
+    called = {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    generated = _generated_call(fmt, [CALL])
+    assert fmt.parse_tool_calls(generated) == ("", [CALL])
+    turn = fmt.render([user, called, {"role": "tool", "content": "sunny"}], [WEATHER], True)
+    assert tf.render_prepos_call(CALL) in turn and "<|im_start|>tool\nsunny" in turn
+
+
+@pytest.fixture(scope="module")
+def plain_app(tmp_path_factory):
+    from prepos.config import EngineConfig
+    from prepos.server.app import create_app
+    from prepos.server.state import ServerConfig
+
+    model = build_model(tmp_path_factory.mktemp("plain-model") / "plain-llama", "plain",
+                        "llama", seed=1)
+    app = create_app(ServerConfig(model=model, engine=EngineConfig(backend="torch",
+                                                                   threads=2)))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:  # the model loads in the background
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
+        yield client, app.state.prepos, model.name
+
+
+def test_the_server_renders_tools_on_a_template_without_tool_support(plain_app):
+    client, state, name = plain_app
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+
+    def prompt_tokens(**extra) -> int:
+        r = client.post("/v1/chat/completions", json={"model": name, "messages": msgs,
+                                                      "max_tokens": 1, "temperature": 0,
+                                                      **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    fmt = state.engine.fmt
+    with_tools = prompt_tokens(tools=[WEATHER])
+    assert with_tools == len(fmt.encode(fmt.render(msgs, [WEATHER], generation_prompt=True)))
+    assert with_tools > prompt_tokens() + len(fmt.encode(json.dumps(WEATHER)))  # not dropped
+    # a conversation with a call and its result: the call is in what the model reads
+    history = [*msgs, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = client.post("/v1/chat/completions", json={"model": name, "messages": history,
+                                                  "tools": [WEATHER], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    norm = [msgs[0], {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny"}]
+    want = fmt.encode(fmt.render(norm, [WEATHER], generation_prompt=True))
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    # tool_choice "required" opens the fallback's call markup and reads back the call
+    r = client.post("/v1/chat/completions", json={"model": name, "messages": msgs,
+                                                  "tools": [WEATHER], "max_tokens": 8,
+                                                  "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == \
+        "get_weather"
