@@ -106,6 +106,12 @@ def test_completions_token_ids_prompt_lists_echo_best_of(oai, model, tok):
     by_ids = oai.completions.create(model=model, prompt=ids, max_tokens=3)
     by_text = oai.completions.create(model=model, prompt="AAPL 101.2", max_tokens=3)
     assert by_ids.choices[0].text == by_text.choices[0].text  # greedy: the same prompt
+    # ids that are not the tokenizer's encoding of their text are continued as they are
+    pieces = [i for ch in "AAPL 101.2" for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert pieces != ids
+    raw = oai.completions.create(model=model, prompt=pieces, max_tokens=3, echo=True)
+    assert raw.usage.prompt_tokens == len(pieces)
+    assert raw.choices[0].text.startswith("AAPL 101.2")
     many = oai.completions.create(model=model, prompt=["AAPL", "MSFT 310"], max_tokens=2,
                                   echo=True)
     assert [c.index for c in many.choices] == [0, 1]

@@ -282,20 +282,32 @@ class Engine:
 
         return commit
 
-    def complete(self, sid: str, prompt: str, req: Request = DEFAULT) -> Stream:
-        """Raw completion: continue `prompt` exactly as given (no chat template) on the
-        session's KV, without touching its conversation. The stateless /v1/completions."""
+    def complete(self, sid: str, prompt: str | Sequence[int], req: Request = DEFAULT) -> Stream:
+        """Raw completion: continue `prompt` exactly as given (text, tokenized with no chat
+        template, or token ids taken as they are) on the session's KV, without touching its
+        conversation. The stateless /v1/completions."""
         t0 = time.perf_counter()
         sampling = self._check(req)
         s = self.sessions.get(sid)
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidInput("prompt must be a non-empty string")
         snap, ready = s.current()
-        seq = tuple(self.fmt.encode_prompt(prompt))
+        seq = self._prompt_ids(prompt)
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
                                     req.logprobs, t0)
 
     # == helpers ===========================================================================
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInput("prompt must be a non-empty string or token ids")
+            return tuple(self.fmt.encode_prompt(prompt))
+        ids = tuple(prompt)
+        vocab = self.backend.vocab_size
+        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                          for t in ids):
+            raise InvalidInput(f"prompt token ids must be a non-empty list of integers in "
+                               f"[0, {vocab})")
+        return ids
+
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
         """A remote pre-position still in flight for a version just superseded is aborted
         where the engine allows; its answer is discarded (it was never going to be recorded:

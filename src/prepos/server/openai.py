@@ -120,9 +120,10 @@ async def completions(request: Request):
     c = await ServerState.open(request, Completion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
     prompts, sampling = completion_input(state, body)
-    texts = []
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        texts.append(prompt_text(eng, p, where))
-        await state.check_input(eng, texts[-1], where)
-    return await complete(state, request.receive, eng, owner, body, texts, sampling)
+        if body.session_id is not None:  # a streaming session's query: its text
+            prompts[i] = p = prompt_text(eng, p, where)
+        if isinstance(p, str):
+            await state.check_input(eng, p, where)
+    return await complete(state, request.receive, eng, owner, body, prompts, sampling)

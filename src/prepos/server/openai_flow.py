@@ -273,8 +273,8 @@ class ChatCall:
 
 
 def prompt_text(eng, prompt: str | list[int], where: str) -> str:
-    """A completions prompt as text: token ids are taken where they are the tokenizer's own
-    encoding of their text (a leading BOS may be left out)."""
+    """A session query's prompt as text: token ids are taken where they are the tokenizer's
+    own encoding of their text (a leading BOS may be left out)."""
     if isinstance(prompt, str):
         return prompt
     fmt = eng.fmt
@@ -296,13 +296,16 @@ def prompt_text(eng, prompt: str | list[int], where: str) -> str:
 
 
 async def complete(state: ServerState, receive, eng, owner, body: Completion,
-                   prompts: list[str], sampling) -> Response:
+                   prompts: list[str | list[int]], sampling) -> Response:
+    """Completions: a streaming session's queries (text), or stateless raw completions of
+    text or token ids, each on an ephemeral session."""
     want_lp = body.logprobs is not None
     n = body.n or 1
     if body.echo and want_lp:
         raise ApiError(400, "unsupported", "echo with logprobs is not supported (the prompt's "
                        "own logprobs are not computed)", "echo")
-    echo = prompts if body.echo else None
+    echo = [p if isinstance(p, str) else eng.fmt.tokenizer.decode(p, skip_special_tokens=False)
+            for p in prompts] if body.echo else None
     if body.session_id is not None:
         s = state.session(eng, body.session_id, owner, "session_id")
         if s.kind != STREAMING:
