@@ -265,6 +265,14 @@ def test_the_sdk_parses_a_pydantic_model_stateless_and_from_the_fast_path(server
                                            "standing_queries": [Q]}).json()["id"]
         http.post(f"/sessions/{sid}/append", json={"data": "AAPL 101.2 101.5 101.9"})
         http.get(f"/sessions/{sid}", params={"wait_ready": 30})
+        # the session API takes the same response_format
+        r = http.post(f"/sessions/{sid}/query", json={"question": Q, "max_tokens": LONG,
+                                                       "response_format": FORMAT}).json()
+        assert r["path"] == "fast" and r["finish_reason"] == "stop"
+        assert conforms(json.loads(r["text"]), SCHEMA)
+        bad = http.post(f"/sessions/{sid}/query", json={"question": Q, "response_format": {
+            "type": "json_schema", "json_schema": {"schema": {"not": {}}}}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
     fast = oai.chat.completions.parse(model=model, messages=msgs, response_format=Call,
                                       max_tokens=LONG, extra_body={"session_id": sid})
     assert isinstance(fast.choices[0].message.parsed, Call)

@@ -29,6 +29,7 @@ class SamplingFields(Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    response_format: dict[str, Any] | None = None  # as OpenAI's: json_object, json_schema
 
 
 # -- session API ------------------------------------------------------------------------

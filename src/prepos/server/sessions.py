@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -48,6 +49,8 @@ def _request(c: Call) -> EngineRequest:
                                        presence_penalty=b.presence_penalty,
                                        frequency_penalty=b.frequency_penalty,
                                        logit_bias=logit_bias(c.engine, b.logit_bias))
+    if b.response_format is not None:  # checked here: a 400 naming it, before any commit
+        sampling = replace(sampling, response_format=b.response_format)
     return EngineRequest(sampling, b.fast_path, b.logprobs)
 
 
