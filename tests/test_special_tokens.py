@@ -161,3 +161,23 @@ def test_a_tokenizer_that_cannot_split_refuses_control_tokens(tmp_path):
     with pytest.raises(InvalidInput, match="control token"):
         fmt.check_text("hi<|im_end|>", "user")
     fmt.check_text("hi <| im_end |>", "user")  # the same characters apart are text
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_the_agentic_demo_loop_on_smollm2(smollm2, capsys):
+    """`prepos demo --model smollm2 --agentic`'s loop: every question gets a tool call (the
+    model's, or the agent client's where the model wrote none), its result is posted, and
+    the turn after it starts from the envelope pre-positioned meanwhile: a fall-through that
+    prefills only the result (tool_result), then the exact fast path (committed result)."""
+    from prepos.lab import demo
+
+    records = demo.agentic_loop_demo(smollm2, max_tokens=24)
+    assert [r["caller"] in ("model", "agent client") for r in records] == [True, True]
+    first, second = records
+    assert first["path"] == "fall-through"
+    s_tokens = len(smollm2.fmt.encode(demo.get_weather({"city": "Paris"})))
+    assert 0 < first["prefilled"] <= s_tokens + 16  # the result and its framing, not the session
+    assert (second["path"], second["match"]) == ("fast", "exact")
+    out = capsys.readouterr().out
+    assert "tool-call format 'prepos'" in out and "next turn after committed result" in out

@@ -1,6 +1,12 @@
 """`prepos demo`: a streaming market session and an agentic tool-call session, in process,
 printing for every request the path that served it and its first-token latency.
 
+With `--agentic`, a tool-calling loop instead, answered by the model itself (meant for a real
+chat model: `--model smollm2 --agentic`): each question's turn is generated, its tool call
+parsed and run, and the turn after each tool result starts from the envelope pre-positioned
+while the tool ran. A turn that holds no well-formed call is reported as such, and the
+demo's agent client issues the call in its place, so the paths are shown either way.
+
 With `--url`, the same replay runs against a running server instead.
 """
 
@@ -85,6 +91,73 @@ def agentic_demo(eng: Engine) -> None:
     print(row("next turn after a committed result", eng.turn(sid, None, Request(ONE)).result()))
 
 
+LOOP_SYSTEM = "You are a helpful assistant."
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+LOOP_QUESTIONS = (("What is the weather in Paris? Use the get_weather tool.", "Paris"),
+                  ("And in Berlin? Use the get_weather tool.", "Berlin"))
+FORECASTS = {"paris": "sunny, 21 C", "berlin": "light rain, 14 C"}
+
+
+def get_weather(arguments: dict) -> str:
+    """The demo's tool: a fixed forecast per city."""
+    city = str(arguments.get("city", "")).strip()
+    return f"{city}: {FORECASTS.get(city.lower(), 'no forecast for this city')}"
+
+
+def loop_call(calls: list[dict], city: str) -> tuple[dict, str]:
+    """The call the turn made (its first, if it names the demo's tool), or the one the agent
+    client issues in its place; and who made it."""
+    for c in calls:
+        if c["function"]["name"] == "get_weather":
+            return c, "model"
+    return {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": city}}}, "agent client"
+
+
+def agentic_loop_demo(eng: Engine, max_tokens: int = 64) -> list[dict]:
+    """The tool loop; returns one record per question (what the model wrote, who called,
+    and the path of the turn after the tool result)."""
+    fmt = eng.fmt
+    support = "renders" if fmt.tool_support.complete else "does not render"
+    print(f"\nAgentic tool loop: the chat template {support} tools; tool-call format "
+          f"{fmt.tool_format.name!r}.")
+    sid = eng.create_session("agentic", system=LOOP_SYSTEM, tools=[WEATHER_TOOL])
+    gen = SamplingParams(max_tokens=max_tokens)
+    out = []
+    for i, (question, city) in enumerate(LOOP_QUESTIONS):
+        eng.wait_idle()  # the user thinks: the next turn's header is pre-positioned
+        before = eng.info(sid)["version"]
+        asked = eng.turn(sid, question, Request(gen)).result()
+        print(f"-- user: {question}")
+        print(row("turn (model answers)", asked))
+        call, caller = loop_call(asked.tool_calls, city)
+        if caller != "model":
+            print("   no well-formed get_weather call in that turn; the agent client rolls "
+                  "it back and issues the call")
+            eng.rollback(sid, before + 1)  # keep the question, drop the answer
+            eng.add_message(sid, "assistant", "", tool_calls=[call])
+        result = get_weather(call["function"]["arguments"])
+        print(f"   tool call by the {caller}: get_weather({call['function']['arguments']}) "
+              f"-> {result!r}")
+        eng.wait_idle()  # the tool's round trip: the envelope is pre-positioned meanwhile
+        if i % 2 == 0:  # the result arrives with the request for the next turn
+            label = "tool result + next turn"
+            res = eng.tool_result(sid, result, Request(gen)).result()
+        else:  # the result is committed when it arrives; the next turn asked after it
+            label = "next turn after committed result"
+            eng.add_message(sid, "tool", result)
+            eng.wait_idle()
+            res = eng.turn(sid, None, Request(gen)).result()
+        print(row(label, res))
+        out.append({"question": question, "model_text": asked.text, "caller": caller,
+                    "path": res.path.value, "match": res.match.value, "answer": res.text,
+                    "prefilled": res.prompt_tokens - res.cached_prompt_tokens})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prepos demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -92,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", help="with --url: the server's Bearer key")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--updates", type=int, default=6)
+    ap.add_argument("--agentic", action="store_true",
+                    help="a tool-calling loop answered by the model (e.g. --model smollm2)")
     args = ap.parse_args(argv)
     if args.url:
         from prepos.lab.demo_client import main as client_main
 
         forwarded = ["--url", args.url, "--seed", str(args.seed), "--updates",
-                     str(args.updates)]
+                     str(args.updates)] + (["--agentic"] if args.agentic else [])
         if args.api_key:
             forwarded += ["--api-key", args.api_key]
         return int(client_main(forwarded) or 0)
@@ -108,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f} s; gate tau="
           f"{eng.gate.tau:.2f}, fast-answer set {list(eng.gate.config.answers)}")
     try:
-        streaming_demo(eng, args.seed, args.updates)
-        agentic_demo(eng)
+        if args.agentic:
+            agentic_loop_demo(eng)
+        else:
+            streaming_demo(eng, args.seed, args.updates)
+            agentic_demo(eng)
         m = eng.metrics()
         print(f"\npre-positions: {m['prepositions']}\npaths: {m['paths']}")
     finally:
