@@ -13,7 +13,7 @@ from prepos.backends.base import Preempted, idle_work
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
-from prepos.errors import OverBudget
+from prepos.errors import TooManySessions
 from prepos.loading import exported_gguf
 
 pytestmark = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
@@ -97,12 +97,40 @@ def test_idle_forward_aborts_for_a_waiting_request_and_leaves_the_cache_as_it_wa
 def test_more_sessions_than_sequences_is_refused_not_evicted(backend):
     held = [backend.new_kv() for _ in range(backend.n_seq)]
     try:
-        with pytest.raises(OverBudget, match="at most"):
+        with pytest.raises(TooManySessions, match="at most"):
             backend.new_kv()
     finally:
         for kv in held:
             backend.release(kv)
     backend.release(backend.new_kv())  # released sequences are reused
+
+
+def test_the_server_admits_no_more_sessions_than_the_back_end_holds(model_dirs):
+    """A back end that holds 8 sessions' KV: the server admits 7 persistent sessions (429
+    after, the state unchanged) and keeps the eighth for stateless requests."""
+    from fastapi.testclient import TestClient
+
+    from prepos.server.app import create_app
+    from prepos.server.state import ServerConfig
+
+    cfg = EngineConfig(backend="llama.cpp", max_sequences=8, threads=2,
+                       gate=GateConfig(tau=0.0, answers=()))
+    app = create_app(ServerConfig(model=model_dirs["chatml"], engine=cfg))
+    with TestClient(app) as client:
+        for _ in range(600):
+            if client.get("/health").status_code == 200:
+                break
+            threading.Event().wait(0.1)
+        codes = [client.post("/sessions", json={"kind": "streaming"}).status_code
+                 for _ in range(8)]
+        assert codes == [201] * 7 + [429]
+        refused = client.post("/sessions", json={"kind": "streaming"}).json()
+        assert refused["error"]["code"] == "too_many_sessions"
+        assert len(client.get("/sessions").json()["data"]) == 7
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        r = client.post("/v1/chat/completions", json={
+            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
 
 
 def test_concurrent_answers_are_batched_and_each_is_its_greedy_answer(model_dirs):

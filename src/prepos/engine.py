@@ -45,7 +45,7 @@ class Engine:
         self.model_name = model_name
         self.max_context = min(config.max_context or backend.max_context, backend.max_context)
         self.gate = Gate(config.gate, fmt)
-        self.sessions = SessionStore()
+        self.sessions = SessionStore(backend.max_sessions or SessionStore.DEFAULT_MAX)
         self.pool = KVPool(backend, min(config.budget.engine_cells,
                                         backend.kv_cells or config.budget.engine_cells))
         self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,

@@ -48,6 +48,13 @@ class OverBudget(PreposError):
     status = 413
 
 
+class TooManySessions(PreposError):
+    """The engine (or its back end's KV) holds as many sessions as it can; retry later."""
+
+    code = "too_many_sessions"
+    status = 429
+
+
 class EngineClosed(PreposError):
     code = "engine_closed"
     status = 503

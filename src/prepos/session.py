@@ -22,6 +22,7 @@ from prepos.errors import (
     OverBudget,
     SessionNotFound,
     ToolResultAwaited,
+    TooManySessions,
     VersionNotFound,
     WrongSessionKind,
 )
@@ -356,7 +357,9 @@ def _check_text(text: object, what: str, allow_empty: bool = False) -> None:
 class SessionStore:
     """Owns the sessions: lookup by id, creation, closing."""
 
-    def __init__(self, max_sessions: int = 4096):
+    DEFAULT_MAX = 4096
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._counter = itertools.count()
@@ -368,7 +371,8 @@ class SessionStore:
     def add(self, session: Session) -> None:
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
-                raise OverBudget(f"session limit reached ({self.max_sessions})")
+                raise TooManySessions(f"this engine holds its limit of {self.max_sessions} "
+                                      "sessions; close one first")
             self._sessions[session.id] = session
 
     def find(self, sid: str) -> Session | None:

@@ -92,6 +92,7 @@ class Backend(abc.ABC):
     full_distribution: bool = True  # False where only top-k logprobs come back
     max_context: int
     kv_cells: int | None = None  # cells of a fixed-size KV cache, where the back end has one
+    max_sessions: int | None = None  # sessions whose KV it holds at once, where that is bounded
     logit_tolerance: float = 1e-3  # how far logits may move with the batch they ran in
     # sequences (and tokens) one `extend_batch` runs as one forward; 1: no batching, so the
     # scheduler's workers run steps side by side instead (remote engines)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from prepos.backends.base import Backend, Preempted, Step, _work
-from prepos.errors import OverBudget, PreposError
+from prepos.errors import OverBudget, PreposError, TooManySessions
 
 try:  # the binding is optional: without it the torch back end still serves
     import llama_cpp as _ll
@@ -81,6 +81,7 @@ class LlamaCppBackend(Backend):
             raise ValueError(f"n_ctx must be >= 256, got {n_ctx}")
         n_batch = min(n_batch, n_ctx)
         self.n_seq = max(1, min(max_sequences, MAX_SEQUENCES))
+        self.max_sessions = self.n_seq  # the engine admits no more sessions than this
         cparams = _ll.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
@@ -115,8 +116,8 @@ class LlamaCppBackend(Backend):
     def new_kv(self, key: str | None = None) -> SeqKV:
         with self._free_lock:
             if not self._free:
-                raise OverBudget(f"the llama.cpp back end holds the KV of at most {self.n_seq} "
-                                 "sessions at once (--max-sessions-kv)")
+                raise TooManySessions(f"the llama.cpp back end holds the KV of at most "
+                                      f"{self.n_seq} sessions at once")
             return SeqKV(self._free.pop())
 
     def release(self, kv: SeqKV) -> None:

@@ -98,6 +98,7 @@ class ServerState:
         self.cpu = ThreadPoolExecutor(max_workers=config.cpu_threads,
                                       thread_name_prefix="prepos-cpu")
         self._factory = engine_factory or _load_engine
+        self.session_cap = config.limits.max_sessions  # persistent sessions, once loaded
         self._loader: threading.Thread | None = None
         self.on_failure: Callable[[], None] | None = None
 
@@ -114,7 +115,7 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             engine = self._factory(self.config)
-            engine.sessions.max_sessions = self.limits.max_sessions + self.limits.max_queue
+            self.session_cap = self._session_cap(engine)
             engine.observers.append(self.metrics.observe)
             if self.config.journal is not None:
                 self.journal = Journal(self.config.journal, engine.config.max_versions,
@@ -307,12 +308,25 @@ class ServerState:
         return sum(1 for sid, o in list(self.creating.items())
                    if (not mine or o == owner) and engine.sessions.find(sid) is None)
 
+    def _session_cap(self, engine: Engine) -> int:
+        """The persistent sessions this server admits: --max-sessions, or fewer where the
+        back end holds fewer sessions' KV, an eighth of those kept for stateless requests."""
+        lim = self.limits
+        held = engine.sessions.max_sessions  # the back end's bound, where it has one
+        engine.sessions.max_sessions = min(held, lim.max_sessions + lim.max_queue)
+        if held >= lim.max_sessions + lim.max_queue:
+            return lim.max_sessions
+        cap = min(lim.max_sessions, held - max(1, held // 8))
+        log.warning("the %s back end holds the KV of %d sessions: at most %d persistent "
+                    "sessions, the rest for stateless requests", engine.backend.name, held, cap)
+        return cap
+
     def check_new_session(self, engine: Engine, owner: str | None) -> None:
         lim = self.limits
-        if self.persistent_sessions(engine) + self._pending(engine) >= lim.max_sessions:
+        if self.persistent_sessions(engine) + self._pending(engine) >= self.session_cap:
             self.metrics.rejected.labels("sessions").inc()
             raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
-                           f"{lim.max_sessions} sessions; close one first",
+                           f"{self.session_cap} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
             mine = sum(1 for s in engine.sessions.all() if s.spec.owner == owner) + \
