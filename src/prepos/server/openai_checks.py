@@ -1,6 +1,7 @@
 """Input checks of the OpenAI endpoints, before any engine call: the model name, options
 prepos does not support (refused by name, never ignored), sampling and logprobs ranges,
-response_format, tools, the prompt. Each returns what the flow needs: sampling parameters, tools, prompt."""
+response_format, tools, the prompt. Each returns what the flow needs: sampling parameters,
+tools, prompt."""
 
 from __future__ import annotations
 
