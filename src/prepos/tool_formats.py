@@ -3,12 +3,14 @@
 A chat template that renders assistant tool calls writes them in its family's markup; the
 model emits the same markup, so the parser is chosen from the template (`detect`):
 
-| family | a call as the model writes it |
-|---|---|
-| `hermes` (Hermes, Qwen, ChatML tool templates) | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call |
-| `llama3` (Llama 3.1 and later, JSON tool calling) | the whole message one JSON object `{"name": ..., "parameters": {...}}`, after `<|python_tag|>` or not; several joined by `;` |
-| `mistral` | `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (or `name[ARGS]{...}`) |
-| `prepos` (a template that renders no tool calls: prepos's own fallback) | `<tool_call>` blocks as for `hermes`, or a whole message that is one JSON call object |
+- `hermes` (Hermes, Qwen, ChatML tool templates): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>`, one block per call;
+- `llama3` (Llama 3.1 and later, JSON tool calling): the whole message one JSON object
+  `{"name": ..., "parameters": {...}}`, after `<|python_tag|>` or not; several joined by `;`;
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (or
+  `name[ARGS]{...}`, newer models);
+- `prepos` (a template that renders no tool calls: prepos's own fallback): `<tool_call>`
+  blocks as for `hermes`, or a whole message that is one JSON call object.
 
 Each parser returns `(content, calls)`: the text outside the markup and the calls in the
 normalized form a session holds (`{"type": "function", "function": {"name", "arguments"}}`,

@@ -19,6 +19,7 @@ import time
 from prepos.config import EngineConfig
 from prepos.core import Request, Result, SamplingParams
 from prepos.engine import Engine
+from prepos.lab.demo_client import LOOP_QUESTIONS, LOOP_SYSTEM, WEATHER_TOOL, get_weather, loop_call
 from prepos.lab.task import market
 from prepos.paths import DEFAULT_MODEL
 
@@ -89,32 +90,6 @@ def agentic_demo(eng: Engine) -> None:
     eng.add_message(sid, "tool", market.format_data("BOLT", [60, 58, 57, 55, 52, 50]))
     eng.wait_idle()  # the result is committed; the next turn's header is pre-positioned
     print(row("next turn after a committed result", eng.turn(sid, None, Request(ONE)).result()))
-
-
-LOOP_SYSTEM = "You are a helpful assistant."
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-LOOP_QUESTIONS = (("What is the weather in Paris? Use the get_weather tool.", "Paris"),
-                  ("And in Berlin? Use the get_weather tool.", "Berlin"))
-FORECASTS = {"paris": "sunny, 21 C", "berlin": "light rain, 14 C"}
-
-
-def get_weather(arguments: dict) -> str:
-    """The demo's tool: a fixed forecast per city."""
-    city = str(arguments.get("city", "")).strip()
-    return f"{city}: {FORECASTS.get(city.lower(), 'no forecast for this city')}"
-
-
-def loop_call(calls: list[dict], city: str) -> tuple[dict, str]:
-    """The call the turn made (its first, if it names the demo's tool), or the one the agent
-    client issues in its place; and who made it."""
-    for c in calls:
-        if c["function"]["name"] == "get_weather":
-            return c, "model"
-    return {"type": "function", "function": {"name": "get_weather",
-                                             "arguments": {"city": city}}}, "agent client"
 
 
 def agentic_loop_demo(eng: Engine, max_tokens: int = 64) -> list[dict]:

@@ -11,6 +11,11 @@ calibrated gate fires), and the same query to a baseline session that never pre-
 pays its whole entry (cold). The agentic session runs a turn, a tool result if the model
 calls its tool, a turn whose user message was committed ahead (fast), and an
 OpenAI-compatible chat turn with the `session_id` extension.
+
+With `--agentic`, a tool-calling loop answered by the served model instead (serve a real
+chat model: `prepos serve --model smollm2`): each question's turn, its tool call (or the
+agent client's where the turn holds none), and the turn after the tool result, served from
+the envelope pre-positioned while the tool ran.
 """
 
 from __future__ import annotations
@@ -34,6 +39,32 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}},
                    "required": ["ticker"]}}}]
 AGENT_SYSTEM = "You are a trading assistant. Call get_price to look up a price."
+
+# the tool loop (--agentic), here and in process (prepos.lab.demo)
+LOOP_SYSTEM = "You are a helpful assistant."
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+LOOP_QUESTIONS = (("What is the weather in Paris? Use the get_weather tool.", "Paris"),
+                  ("And in Berlin? Use the get_weather tool.", "Berlin"))
+FORECASTS = {"paris": "sunny, 21 C", "berlin": "light rain, 14 C"}
+
+
+def get_weather(arguments: dict) -> str:
+    """The demo's tool: a fixed forecast per city."""
+    city = str(arguments.get("city", "")).strip()
+    return f"{city}: {FORECASTS.get(city.lower(), 'no forecast for this city')}"
+
+
+def loop_call(calls: list[dict], city: str) -> tuple[dict, str]:
+    """The call the turn made (its first, if it names the demo's tool), or the one the agent
+    client issues in its place; and who made it."""
+    for c in calls:
+        if c["function"]["name"] == "get_weather":
+            return c, "model"
+    return {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": city}}}, "agent client"
 
 
 class DemoError(RuntimeError):
@@ -233,6 +264,39 @@ def agentic(h: Http, table: Table, model: str, max_tokens: int) -> None:
         h.call("DELETE", f"/sessions/{sid}")
 
 
+def agentic_loop(h: Http, table: Table, max_tokens: int) -> None:
+    sid = h.call("POST", "/sessions", {"kind": "agentic", "system": LOOP_SYSTEM,
+                                       "tools": [WEATHER_TOOL]})["id"]
+    try:
+        for i, (question, city) in enumerate(LOOP_QUESTIONS):
+            before = h.call("GET", f"/sessions/{sid}?wait_ready=60")["version"]
+            first, events = h.stream(f"/sessions/{sid}/turn", {"user": question, "stream": True,
+                                                               "max_tokens": max_tokens})
+            res = _result(events)
+            table.add("agent", f"turn: {question}", first, res)
+            call, caller = loop_call(res.get("tool_calls") or [], city)
+            if caller != "model":  # keep the question, drop the answer, issue the call
+                h.call("POST", f"/sessions/{sid}/rollback", {"version": before + 1})
+                h.call("POST", f"/sessions/{sid}/messages",
+                       {"role": "assistant", "content": "", "tool_calls": [call]})
+            args = call["function"]["arguments"]
+            result = get_weather(json.loads(args) if isinstance(args, str) else args)
+            print(f"     tool call by the {caller}: get_weather({args}) -> {result!r}")
+            h.call("GET", f"/sessions/{sid}?wait_ready=60")  # the envelope, pre-positioned
+            if i % 2 == 0:
+                first, events = h.stream(f"/sessions/{sid}/tool_result", {
+                    "content": result, "stream": True, "max_tokens": max_tokens})
+                table.add("agent", "tool result + next turn", first, _result(events))
+            else:
+                h.call("POST", f"/sessions/{sid}/messages", {"role": "tool", "content": result})
+                h.call("GET", f"/sessions/{sid}?wait_ready=60")
+                first, events = h.stream(f"/sessions/{sid}/turn", {"stream": True,
+                                                                   "max_tokens": max_tokens})
+                table.add("agent", "next turn after committed result", first, _result(events))
+    finally:
+        h.call("DELETE", f"/sessions/{sid}")
+
+
 def _as_openai(m: dict, i: int) -> dict:
     out = {"role": m["role"], "content": m.get("content", "")}
     if m.get("tool_calls"):
@@ -253,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=6, help="market data updates to replay")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--agentic", action="store_true",
+                    help="a tool-calling loop answered by the served model")
     ap.add_argument("--wait", type=float, default=120.0,
                     help="seconds to wait for the server to be ready")
     args = ap.parse_args(argv)
@@ -262,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         model = h.call("GET", "/v1/models")["data"][0]["id"]
         print(f"prepos demo against {args.url} (model {model})\n")
         table = Table()
-        market(h, table, args.updates, args.seed, args.max_tokens)
-        agentic(h, table, model, args.max_tokens)
+        if args.agentic:
+            agentic_loop(h, table, max(args.max_tokens, 48))
+        else:
+            market(h, table, args.updates, args.seed, args.max_tokens)
+            agentic(h, table, model, args.max_tokens)
     except DemoError as exc:
         print(f"prepos demo: {exc}", file=sys.stderr)
         return 1
