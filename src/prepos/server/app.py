@@ -25,11 +25,13 @@ from starlette.responses import Response
 
 from prepos.config import BudgetConfig, EngineConfig
 from prepos.paths import DEFAULT_MODEL
-from prepos.server import errors
+from prepos.server import errors, openapi
+from prepos.server import responses as R
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
 from prepos.server.openai import routes as openai_routes
+from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.sessions import routes as sessions_routes
 from prepos.server.state import ServerConfig, ServerState
@@ -52,7 +54,10 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
     errors.install(app, on_error=lambda err: state.metrics.errors.labels(
         str(err.status), err.code).inc())
 
-    @app.get("/health")
+    own = Routes()
+
+    @own.add("GET", "/health", 70, summary="Whether the model is loaded", response=R.Health,
+             others={503: R.HealthPending}, public=True)
     async def health(request: Request):
         eng = state.loaded
         if eng is None or state.status != "ready":
@@ -66,15 +71,17 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
                 "journal": config.journal is not None}
         if config.journal is not None and state.keys.admits(request):  # the path: keys only
             body["journal_path"] = str(config.journal)
-        return body
+        return json_response(body)
 
-    @app.get("/metrics")
-    async def metrics():
+    @own.add("GET", "/metrics", 70, summary="Prometheus metrics", response={"type": "string"},
+             media="text/plain", public=True)
+    async def metrics(request: Request):
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     api = Routes()
-    api.routes = [*sessions_routes.routes, *openai_routes.routes]
+    api.routes = [*sessions_routes.routes, *openai_routes.routes, *own.routes]
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
+    openapi.install(app, api.routes)  # /openapi.json: every route above
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,
                        max_header_bytes=config.limits.max_header_bytes)
     if config.allowed_origins:  # browser clients: preflight answered, responses allowed

@@ -34,6 +34,7 @@ from starlette.requests import Request
 
 from prepos.conversation import normalize
 from prepos.errors import PreposError
+from prepos.server import responses as R
 from prepos.server.errors import ApiError
 from prepos.server.journal import EPHEMERAL
 from prepos.server.openai_checks import chat_sampling, completion_input, tool_specs
@@ -75,14 +76,16 @@ def _context_errors(fn):
     return route
 
 
-@routes.add("GET", "/v1/models", 60)
+@routes.add("GET", "/v1/models", 60, summary="List the models", response=R.ModelList,
+            tags=("openai",))
 async def models(request: Request):
     state = ServerState.of(request)
     state.owner(request)
     return json_response({"object": "list", "data": [_model(state)]})
 
 
-@routes.add("GET", "/v1/models/{model_id:path}", 60)
+@routes.add("GET", "/v1/models/{model_id:path}", 60, summary="Retrieve a model",
+            response=R.Model, tags=("openai",))
 async def model(request: Request, model_id: str):
     state = ServerState.of(request)
     state.owner(request)
@@ -92,7 +95,9 @@ async def model(request: Request, model_id: str):
     return json_response(_model(state))
 
 
-@routes.add("POST", "/v1/chat/completions", 5)
+@routes.add("POST", "/v1/chat/completions", 5, summary="Create a chat completion",
+            body=ChatCompletion, response=R.ChatCompletionResponse, events=R.CHAT_EVENTS,
+            errors=(404, 409, 429), tags=("openai",))
 @_context_errors
 async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)
@@ -114,7 +119,9 @@ async def chat_completions(request: Request):
     return await call.agentic(eng, s, msgs)
 
 
-@routes.add("POST", "/v1/completions", 6)
+@routes.add("POST", "/v1/completions", 6, summary="Create a completion", body=Completion,
+            response=R.CompletionResponse, events=R.COMPLETION_EVENTS,
+            errors=(404, 409, 429), tags=("openai",))
 @_context_errors
 async def completions(request: Request):
     c = await ServerState.open(request, Completion)

@@ -4,9 +4,15 @@ fast path's budget over HTTP is about a millisecond; FastAPI's per-request machi
 spend a tenth of it.
 
 The methods of one path are one route, so a 405 (and an `OPTIONS` request) lists every
-method the path takes in `Allow`."""
+method the path takes in `Allow`. Each registration also says what `/openapi.json` documents
+of it (`Doc`: body, response, events, query parameters, errors); `server/openapi.py` writes
+the document from these, so the routes and their documentation have one source."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -17,15 +23,60 @@ from prepos.server.errors import ApiError
 EVERY = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
+@dataclass(frozen=True)
+class QueryParam:
+    """A query parameter: its name, JSON schema and meaning."""
+
+    name: str
+    schema: Mapping[str, Any]
+    description: str
+
+
+@dataclass(frozen=True)
+class Doc:
+    """What the OpenAPI document says of one operation.
+
+    `body`: the request body's model. `response`: the success body's model (or a JSON
+    schema), as `media` (JSON unless said). `events`: for a server-sent event stream, each
+    event's name and its data (a model, a schema, or a literal string such as `[DONE]`; a
+    tuple for alternatives); with a `response` too, the body's `stream: true` picks the
+    stream. `errors`: the error statuses the route itself may answer, besides those every
+    route shares (`server/openapi.py`)."""
+
+    summary: str
+    body: Any = None
+    response: Any = None
+    status: int = 200
+    media: str = "application/json"
+    events: Mapping[str, Any] | None = None
+    others: Mapping[int, Any] | None = None  # other statuses' bodies (not the error shape)
+    query: tuple[QueryParam, ...] = ()
+    errors: tuple[int, ...] = ()
+    public: bool = False  # no key needed and no engine: never 401 or 503
+    tags: tuple[str, ...] = ()
+    description: str | None = None
+
+
+@dataclass(frozen=True)
+class Registered:
+    rank: int
+    method: str
+    path: str
+    fn: object
+    doc: Doc = field(default_factory=lambda: Doc(summary=""))
+
+
 class Routes:
     def __init__(self) -> None:
-        self.routes: list[tuple[int, str, str, object]] = []  # rank, method, path, fn
+        self.routes: list[Registered] = []
 
-    def add(self, method: str, path: str, rank: int = 50):
-        """Register `fn(request, **path_params)`; lower ranks are matched first."""
+    def add(self, method: str, path: str, rank: int = 50, *, summary: str = "", **doc):
+        """Register `fn(request, **path_params)`; lower ranks are matched first. The keyword
+        arguments are the operation's `Doc`."""
 
         def register(fn):
-            self.routes.append((rank, method, path, fn))
+            text = summary or (fn.__doc__ or "").strip().split("\n")[0]
+            self.routes.append(Registered(rank, method, path, fn, Doc(summary=text, **doc)))
             return fn
 
         return register
@@ -33,9 +84,9 @@ class Routes:
     def ordered(self) -> list[Route]:
         by_path: dict[str, dict[str, object]] = {}
         ranks: dict[str, int] = {}
-        for rank, method, path, fn in self.routes:
-            by_path.setdefault(path, {})[method] = fn
-            ranks[path] = min(rank, ranks.get(path, rank))
+        for r in self.routes:
+            by_path.setdefault(r.path, {})[r.method] = r.fn
+            ranks[r.path] = min(r.rank, ranks.get(r.path, r.rank))
         return [_route(path, by_path[path]) for path in sorted(by_path, key=ranks.__getitem__)]
 
 

@@ -18,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.core import Request as EngineRequest
+from prepos.server import responses as R
 from prepos.server import results, streaming
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import logit_bias
 from prepos.server.results import json_response
-from prepos.server.routing import Routes
+from prepos.server.routing import QueryParam, Routes
 from prepos.server.schemas import (
     AddMessage,
     Append,
@@ -66,7 +67,8 @@ async def _commit(c: Call, fn, *args) -> Response:
 
 
 # -- lifecycle ----------------------------------------------------------------------------
-@routes.add("POST", "/sessions", 50)
+@routes.add("POST", "/sessions", 50, summary="Create a session", body=CreateSession,
+            response=R.SessionInfo, status=201, errors=(409, 429))
 async def create_session(request: Request):
     c = await ServerState.open(request, CreateSession)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
@@ -117,7 +119,8 @@ def _info(state: ServerState, eng, sid: str) -> dict:
     return info
 
 
-@routes.add("GET", "/sessions", 50)
+@routes.add("GET", "/sessions", 50, summary="List the caller's sessions",
+            response=R.SessionList)
 async def list_sessions(request: Request):
     c = await ServerState.open(request)
     out = []
@@ -130,7 +133,13 @@ async def list_sessions(request: Request):
     return json_response({"object": "list", "data": out})
 
 
-@routes.add("GET", "/sessions/{sid}", 50)
+@routes.add("GET", "/sessions/{sid}", 50, summary="Inspect a session", response=R.SessionInfo,
+            query=(QueryParam("wait_ready", {"type": "number", "minimum": 0, "maximum": 60},
+                          "seconds to wait for the current version's pre-position to finish"),
+                   QueryParam("include", {"type": "string",
+                                    "pattern": "^(tokens|messages)(,(tokens|messages))*$"},
+                          "tokens, messages or both (comma-separated): add the token ids "
+                          "(token_ids) and the messages (message_list)")))
 async def inspect_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
     state, eng = c.state, c.engine
@@ -168,7 +177,7 @@ async def inspect_session(sid: str, request: Request):
     return json_response(info)
 
 
-@routes.add("DELETE", "/sessions/{sid}", 50)
+@routes.add("DELETE", "/sessions/{sid}", 50, summary="Close a session", response=R.Closed)
 async def close_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
     c.engine.close_session(sid)
@@ -176,14 +185,16 @@ async def close_session(sid: str, request: Request):
 
 
 # -- mutations ----------------------------------------------------------------------------
-@routes.add("POST", "/sessions/{sid}/append", 14)
+@routes.add("POST", "/sessions/{sid}/append", 14, summary="Append data (streaming)",
+            body=Append, response=R.Committed, errors=(409, 429))
 async def append(sid: str, request: Request):
     c = await ServerState.open(request, Append, sid, STREAMING)
     await c.check_input(c.body.data, "data")
     return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait)
 
 
-@routes.add("POST", "/sessions/{sid}/rollback", 50)
+@routes.add("POST", "/sessions/{sid}/rollback", 50, summary="Roll back to a kept version",
+            body=Rollback, response=R.Committed, errors=(409, 429))
 async def rollback(sid: str, request: Request):
     c = await ServerState.open(request, Rollback, sid)
     if c.body.version == c.session.version:  # already there: no new version
@@ -193,13 +204,15 @@ async def rollback(sid: str, request: Request):
     return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait)
 
 
-@routes.add("POST", "/sessions/{sid}/shift", 50)
+@routes.add("POST", "/sessions/{sid}/shift", 50, summary="Drop the oldest data (streaming)",
+            body=Shift, response=R.Committed, errors=(409, 429))
 async def shift(sid: str, request: Request):
     c = await ServerState.open(request, Shift, sid, STREAMING)
     return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait)
 
 
-@routes.add("POST", "/sessions/{sid}/messages", 16)
+@routes.add("POST", "/sessions/{sid}/messages", 16, summary="Add a message (agentic)",
+            body=AddMessage, response=R.Committed, errors=(409, 429))
 async def add_message(sid: str, request: Request):
     c = await ServerState.open(request, AddMessage, sid, AGENTIC)
     b = c.body
@@ -208,7 +221,8 @@ async def add_message(sid: str, request: Request):
 
 
 # -- requests -----------------------------------------------------------------------------
-@routes.add("POST", "/sessions/{sid}/query", 0)
+@routes.add("POST", "/sessions/{sid}/query", 0, summary="Ask a question (streaming)",
+            body=Query, response=R.Answer, events=R.ANSWER_EVENTS, errors=(409, 429))
 async def query(sid: str, request: Request):
     c = await ServerState.open(request, Query, sid, STREAMING)
     eng, b = c.engine, c.body
@@ -219,7 +233,8 @@ async def query(sid: str, request: Request):
     return await respond(c, request, stream, agentic=False)
 
 
-@routes.add("POST", "/sessions/{sid}/turn", 10)
+@routes.add("POST", "/sessions/{sid}/turn", 10, summary="Take a turn (agentic)", body=Turn,
+            response=R.AgenticAnswer, events=R.AGENTIC_EVENTS, errors=(409, 429))
 async def turn(sid: str, request: Request):
     c = await ServerState.open(request, Turn, sid, AGENTIC)
     eng, b = c.engine, c.body
@@ -231,7 +246,9 @@ async def turn(sid: str, request: Request):
     return await respond(c, request, stream, agentic=True)
 
 
-@routes.add("POST", "/sessions/{sid}/tool_result", 12)
+@routes.add("POST", "/sessions/{sid}/tool_result", 12, summary="Send a tool result (agentic)",
+            body=ToolResult, response=R.AgenticAnswer, events=R.AGENTIC_EVENTS,
+            errors=(409, 429))
 async def tool_result(sid: str, request: Request):
     c = await ServerState.open(request, ToolResult, sid, AGENTIC)
     stream = await _committing(c, c.engine.tool_result, c.body.content, "content",
@@ -277,7 +294,8 @@ async def respond(c: Call, request: Request, stream, agentic: bool) -> Response:
 
 
 # -- events -------------------------------------------------------------------------------
-@routes.add("GET", "/sessions/{sid}/events", 50)
+@routes.add("GET", "/sessions/{sid}/events", 50, summary="Subscribe to a session's events",
+            events=R.SESSION_EVENTS)
 async def events(sid: str, request: Request):
     """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
     recorded ready distribution), `answer` (each standing query, answered from its record
