@@ -131,9 +131,9 @@ class Table:
     COLS = ("#", "session", "request", "path", "match", "first token ms", "server ttft ms",
             "answer")
 
-    def __init__(self, out=sys.stdout):
+    def __init__(self, out=None):
         self.rows: list[tuple] = []
-        self.out = out
+        self.out = out or sys.stdout  # read now, not at import (a test may have replaced it)
         print(self._fmt(self.COLS), file=out)
         print(self._fmt(tuple("-" * w for w in self.widths)), file=out)
 
