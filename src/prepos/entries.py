@@ -12,7 +12,6 @@ prompt adds to the committed text.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
