@@ -52,12 +52,13 @@ class Answers:
         self.grammars = Grammars(engine.fmt)  # response formats, compiled once each
 
     def relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
-                logprobs: bool, t0: float) -> Stream:
+                logprobs: bool, t0: float, answer_id: str | None = None) -> Stream:
         """The gate fired: one cached token, the question-independent answer."""
         eng = self.eng
         eng.prepos.consume(ready)
         res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
-                     finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p)
+                     finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p,
+                     answer_id=answer_id)
         if logprobs:
             res.logprobs.append(rec.top_logprobs[0])
         if sampling.top_logprobs:

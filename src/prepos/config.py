@@ -37,6 +37,30 @@ class BudgetConfig:
 
 
 @dataclass(frozen=True)
+class RelaxedConfig:
+    """The relaxed fast path's online risk gate (`prepos.relaxed`): which question classes
+    it serves, from verified evidence, within the risk budget `r_max`."""
+
+    r_max: float = 0.15  # a class is served while its Wilson 95% upper bound is within this
+    min_verified: int = 24  # verified answers before a class's own evidence alone decides
+    start: str = "serve"  # a new class: "serve" (on probation) or "cold" (until promoted)
+    verify: bool = True  # shadow-verify served relaxed answers at idle priority
+    window: int = 512  # the latest verified outcomes a class's estimate rests on
+    max_classes: int = 256  # classes tracked per engine (least recently asked forgotten)
+    session_pending: int = 4  # verifications queued per session at once; beyond: unverified
+    engine_pending: int = 64  # the same, across the engine
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.r_max < 1.0:
+            raise ValueError(f"relaxed r_max must be in (0, 1), got {self.r_max!r}")
+        if self.start not in ("serve", "cold"):
+            raise ValueError(f"relaxed start must be serve or cold, got {self.start!r}")
+        if min(self.min_verified, self.window, self.max_classes, self.session_pending,
+               self.engine_pending) < 1:
+            raise ValueError("relaxed counts and caps must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
@@ -57,3 +81,4 @@ class EngineConfig:
     # back ends that return top-k logprobs only (remote engines): allow temperature sampling
     # renormalized within the top-k; off by default, so such back ends serve greedy only
     topk_sampling: bool = False
+    relaxed: RelaxedConfig = field(default_factory=RelaxedConfig)

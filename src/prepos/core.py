@@ -164,3 +164,5 @@ class Result:
     logprobs: list[float] = field(default_factory=list)  # of each emitted token
     # per emitted token, the most likely (token, logprob) pairs, when sampling asked for them
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # a relaxed answer's id: a `correction` event names it if verification disagrees
+    answer_id: str | None = None

@@ -17,7 +17,8 @@ from prepos.entries import ChatFormat, normalize_tool_call
 from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
 from prepos.kv import Forward, KVPool
-from prepos.prepositioner import Prepositioner
+from prepos.prepositioner import MAX_YIELDS, Prepositioner
+from prepos.relaxed import Relaxed
 from prepos.scheduler import Scheduler
 from prepos.session import (
     AGENTIC,
@@ -56,6 +57,10 @@ class Engine:
                                                                              (key, rec)))
         self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
         self.answers = Answers(self)
+        self.relaxed = Relaxed(config.relaxed, fmt, self.pool, self.scheduler.submit,
+                               config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,
+                               lambda: self.prepos.in_flight,
+                               lambda s, ev: self._emit("correction", s, ev))
         self.observers: list[Callable[[Result], None]] = []  # called with every finished result
         # called as fn(event, session, payload) for "create", "commit" (payload: the new
         # Snapshot), "record" (payload: (key, ReadyRecord)) and "close"; keep them quick
@@ -74,11 +79,13 @@ class Engine:
     def create_session(self, kind: str, system: str | None = None, tools: Sequence[dict] = (),
                        standing: Sequence[str] = (), fast_path: str = "exact",
                        preposition: bool = True, budget_cells: int | None = None,
-                       owner: str | None = None) -> str:
+                       owner: str | None = None, relaxed_queries: Sequence[str] = (),
+                       r_max: float | None = None) -> str:
         """A new session; `owner` tags it with the API key that made it (kept and journalled;
         the server checks it, the engine does not)."""
         spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
-                           budget_cells, owner=owner)
+                           budget_cells, owner=owner, relaxed_queries=tuple(relaxed_queries),
+                           r_max=r_max)
         return self.restore_session(self.sessions.new_id(), spec)
 
     def restore_session(self, sid: str, spec: SessionSpec,
@@ -108,6 +115,7 @@ class Engine:
     def close_session(self, sid: str) -> None:
         s = self.sessions.remove(sid)
         s.invalidate()
+        self.relaxed.gate.forget(s.id)
         self._emit("close", s, None)
 
         def drop():
@@ -131,7 +139,8 @@ class Engine:
         return self.sessions.get(sid)
 
     def info(self, sid: str) -> dict:
-        return self.sessions.get(sid).info()
+        s = self.sessions.get(sid)
+        return {**s.info(), "relaxed": self.relaxed.info(s)}
 
     # == mutations =========================================================================
     def append(self, sid: str, text: str, wait: bool = True) -> int:
@@ -209,19 +218,29 @@ class Engine:
         mode = req.fast_path or s.spec.fast_path
         snap, ready = s.current()
         header = ready.records.get(HEADER)
+        evidence = None  # a withheld relaxed answer's full answer, as verified evidence
         if mode != "off":
             exact = ready.records.get(query_key(question))
             if exact is not None:  # realized entry == pre-positioned entry: zero added risk
                 return self.answers.exact(s, snap, ready, exact, sampling, req.logprobs, t0)
             if mode == "relaxed" and header is not None and not sampling.shaped:
-                if self.gate.fires(header):  # Eq. 12: one cached token, no scheduler
-                    return self.answers.relaxed(ready, header, sampling, req.logprobs, t0)
-                self._count("gate_miss")
+                if self.gate.fires(header):  # Eq. 12, then the class's verified risk
+                    d = self.relaxed.decide(s, question)
+                    if d.serve:  # one cached token, no scheduler; verified at idle
+                        stream = self.answers.relaxed(ready, header, sampling, req.logprobs,
+                                                      t0, d.answer_id)
+                        self.relaxed.served(s, snap, question, header, d)
+                        return stream
+                    evidence = self.relaxed.withheld(s, snap, question, header, d,
+                                                     sampling.greedy)
+                else:
+                    self._count("gate_miss")
         ent = s.entries(snap)
         entry = self.fmt.encode(self.fmt.frame(ent.user, question))
         return self.answers.prefill(s, snap.tokens + tuple(entry), len(snap.tokens),
                                     snap.version, ready, sampling, req.logprobs, t0,
-                                    gap=header.gap if header is not None else None)
+                                    gap=header.gap if header is not None else None,
+                                    on_finish=evidence)
 
     def turn(self, sid: str, user: str | None = None, req: Request = DEFAULT) -> Stream:
         """Agentic: commit `user` (if given), generate the assistant turn, commit it. A turn
@@ -405,6 +424,7 @@ class Engine:
             "kv_cells_budget": self.pool.engine_cells,
             "queue_foreground": fg,
             "queue_idle": idle,
+            "relaxed": self.relaxed.gate.metrics(),
         }
 
     # == for the server (read-only views) ==================================================

@@ -76,6 +76,7 @@ class Prepositioner:
         self.chunk = chunk_tokens
         self.session_cells = session_cells
         self.counters = Counters()
+        self.in_flight = 0  # jobs queued or running (idle work ranked below them waits)
         self._lock = threading.Lock()  # counters are bumped from the worker and callers
 
     # -- what to pre-position ------------------------------------------------------------
@@ -136,6 +137,9 @@ class Prepositioner:
                 self._bump("recorded")
         finally:
             ready.done = True
+            if ready.scheduled:  # counted in flight when queued
+                with self._lock:
+                    self.in_flight -= 1
 
     def _record(self, session: Session, ready: ReadySet, target: Target, seq: tuple,
                 logits) -> None:
@@ -152,8 +156,10 @@ class Prepositioner:
 
     # -- accounting ----------------------------------------------------------------------
     def scheduled(self, ready: ReadySet) -> None:
-        """A pre-position job for this ready set was queued."""
+        """A pre-position job for this ready set is being queued."""
         ready.scheduled = True
+        with self._lock:
+            self.in_flight += 1
 
     def consume(self, ready: ReadySet | None) -> None:
         """A request used this ready set (a record, or its pre-paid KV): a hit."""

@@ -26,6 +26,7 @@ from prepos.errors import (
     VersionNotFound,
     WrongSessionKind,
 )
+from prepos.relaxed import check_options
 
 STREAMING = "streaming"
 AGENTIC = "agentic"
@@ -83,6 +84,10 @@ class SessionSpec:
     preposition: bool = True
     budget_cells: int | None = None  # per-session KV budget (default: the engine's)
     owner: str | None = None  # the API key that created it: the server checks it, not us
+    # the relaxed fast path (prepos.relaxed): declared question classes (wordings, `*` a
+    # wildcard; when given, only these are served relaxed) and this session's risk budget
+    relaxed_queries: tuple[str, ...] = ()
+    r_max: float | None = None  # None: the engine's
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -95,6 +100,9 @@ class SessionSpec:
             raise InvalidInput("standing queries must be non-empty strings")
         if self.budget_cells is not None and self.budget_cells < 1:
             raise InvalidInput("budget_cells must be >= 1")
+        if self.relaxed_queries and self.kind != STREAMING:
+            raise WrongSessionKind("relaxed_queries belong to streaming sessions")
+        check_options(self.relaxed_queries, self.r_max)
 
 
 class Session:

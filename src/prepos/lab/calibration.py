@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 from prepos.config import GateConfig
 from prepos.core import Request
 from prepos.lab.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
-from prepos.sim.model import wilson
+from prepos.relaxed import wilson  # the one implementation, shared with the online gate
 
 MIN_SERVED = 10  # figures draw r(tau) only where at least this many were served
 
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    results = run(args.models, args.n, args.seed, args.r_max, args.tau_min, args.wording_rate,
+    results = run(models, args.n, args.seed, args.r_max, args.tau_min, args.wording_rate,
                   Path(args.out), not args.no_write_gate, not args.no_figures)
     summary = headline(results)
     summary["checks"] = checks(results)

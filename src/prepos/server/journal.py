@@ -81,6 +81,7 @@ def spec_from_json(raw: str) -> SessionSpec:
     d = {k: v for k, v in json.loads(raw).items() if k in known}
     d["tools"] = tuple(d.get("tools", ()))
     d["standing"] = tuple(d.get("standing", ()))
+    d["relaxed_queries"] = tuple(d.get("relaxed_queries", ()))
     return SessionSpec(**d)
 
 

@@ -158,3 +158,46 @@ class _EngineCollector:
         yield GaugeMetricFamily("prepos:num_requests_waiting", "Foreground requests queued "
                                 "on the model worker", m["queue_foreground"])
         yield GaugeMetricFamily("prepos:sessions", "Live sessions", m["sessions"])
+        yield from _relaxed(m["relaxed"])
+
+
+def _relaxed(rx: dict):
+    """The relaxed path's online risk gate: verifications by outcome, the unverified by
+    reason, corrections, and per class (at most the engine's max_classes) its live
+    false-accept estimate, Wilson 95% upper bound and whether it is served relaxed."""
+    c = rx["counters"]
+    fam = CounterMetricFamily("prepos:relaxed_verified", "Relaxed-path verifications (the "
+                              "full path's first token at the real entry) by outcome",
+                              labels=["outcome"])
+    for outcome in ("agree", "disagree"):
+        fam.add_metric([outcome], c.get(outcome, 0))
+    yield fam
+    fam = CounterMetricFamily("prepos:relaxed_unverified", "Verifications not run, by "
+                              "reason (stale: the session moved on; budget; capped; off; "
+                              "closed; error)", labels=["reason"])
+    for reason in ("stale", "budget", "error", "closed"):
+        fam.add_metric([reason], c.get(f"dropped_{reason}", 0))
+    fam.add_metric(["capped"], c.get("unverified_capped", 0))
+    fam.add_metric(["off"], c.get("unverified_off", 0))
+    yield fam
+    yield CounterMetricFamily("prepos:relaxed_corrections", "Correction events sent for "
+                              "served relaxed answers the full path disagreed with",
+                              c.get("corrections", 0))
+    yield CounterMetricFamily("prepos:relaxed_withheld", "Gate fires whose class was not "
+                              "served relaxed (a full answer instead)", c.get("withheld", 0))
+    yield GaugeMetricFamily("prepos:relaxed_verifications_pending", "Verifications queued",
+                            rx["pending"])
+    risk = GaugeMetricFamily("prepos:relaxed_class_false_accept", "Live false-accept "
+                             "estimate per question class", labels=["class", "bound"])
+    serving = GaugeMetricFamily("prepos:relaxed_class_served", "1 while a question class "
+                                "is served relaxed (promoted or on probation)",
+                                labels=["class", "status"])
+    for cls, v in rx["classes"].items():
+        rate = v["false_accept"]
+        risk.add_metric([cls, "estimate"], math.nan if rate is None else rate)
+        risk.add_metric([cls, "upper"], v["false_accept_ci"][1])
+        served = v["status"] == "promoted" or (v["status"] == "probation"
+                                               and rx["start"] == "serve")
+        serving.add_metric([cls, v["status"]], 1.0 if served else 0.0)
+    yield risk
+    yield serving

@@ -27,7 +27,8 @@ def timing(res: Result) -> dict:
 def extension(res: Result, session_id: str | None = None) -> dict:
     """The `prepos` field of a response body: path, match, gate gap, version, timing."""
     return {"path": res.path.value, "match": res.match.value, "gap": res.gap,
-            "version": res.version, "session_id": session_id, "timing": timing(res)}
+            "version": res.version, "session_id": session_id, "timing": timing(res),
+            **({"answer_id": res.answer_id} if res.answer_id else {})}
 
 
 def usage(res: Result) -> dict:
@@ -46,6 +47,8 @@ def headers(res: Result, session_id: str | None = None) -> dict[str, str]:
                            f"total;dur={t.total * 1e3:.3f}")}
     if session_id is not None:
         h["X-Prepos-Session"] = session_id
+    if res.answer_id is not None:  # a relaxed answer: a correction event would name it
+        h["X-Prepos-Answer-Id"] = res.answer_id
     return h
 
 
@@ -63,7 +66,7 @@ def session_result(res: Result, session_id: str, logprobs: bool = False,
     out = {"session_id": session_id, "text": res.text, "tokens": res.tokens,
            "finish_reason": res.finish_reason, "path": res.path.value,
            "match": res.match.value, "gap": res.gap, "version": res.version,
-           "timing": timing(res),
+           "answer_id": res.answer_id, "timing": timing(res),
            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
                      "cached_prompt_tokens": cached_prompt_tokens(res)}}
     if logprobs:

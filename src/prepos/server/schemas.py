@@ -42,6 +42,8 @@ class CreateSession(Strict):
     preposition: StrictBool = True
     budget_cells: StrictInt | None = None
     push_max_tokens: StrictInt = 1  # tokens per standing-query answer pushed over SSE
+    relaxed_queries: list[StrictStr] = Field(default_factory=list)  # classes served relaxed
+    r_max: float | None = None  # this session's relaxed risk budget (default: the engine's)
 
 
 class Append(Strict):

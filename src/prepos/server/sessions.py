@@ -88,10 +88,13 @@ async def create_session(request: Request):
         await state.check_input(eng, body.system, "system")
     for q in body.standing_queries:
         await state.check_input(eng, q, "standing_queries")
+    for q in body.relaxed_queries:
+        await state.check_input(eng, q, "relaxed_queries")
     await state.check_input(eng, json.dumps(body.tools), "tools")
     spec = SessionSpec(body.kind, body.system, tuple(body.tools),
                        tuple(body.standing_queries), body.fast_path, body.preposition,
-                       body.budget_cells, owner=owner)
+                       body.budget_cells, owner=owner,
+                       relaxed_queries=tuple(body.relaxed_queries), r_max=body.r_max)
     spec.validate()
     with state.new_session(eng, owner) as sid:
         state.hub.push_tokens[sid] = body.push_max_tokens
@@ -299,7 +302,8 @@ async def respond(c: Call, request: Request, stream, agentic: bool) -> Response:
 async def events(sid: str, request: Request):
     """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
     recorded ready distribution), `answer` (each standing query, answered from its record
-    before anyone asks) and `close`."""
+    before anyone asks), `correction` (a relaxed answer its verification disagreed with:
+    answer id, served and full-path tokens) and `close`."""
     c = await ServerState.open(request, sid=sid)
     state = c.state
     sub = state.hub.subscribe(c.session)

@@ -148,6 +148,8 @@ class Hub:
                                          "version": rec.version, "p": rec.p, "gap": rec.gap})
             if key[0] == "query":
                 self._answer(s, key, rec)
+        elif name == "correction":  # a relaxed answer its verification disagreed with
+            self.publish(s.id, "correction", payload)
         elif name == "close":
             self.publish(s.id, "close", {"session_id": s.id})
             for sub in self._subs.pop(s.id, set()):

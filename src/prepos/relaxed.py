@@ -1,0 +1,517 @@
+"""The relaxed fast path's online risk gate: which questions may take the question-independent
+token, decided from verified evidence, within a risk budget.
+
+- A question's *class* is its normalized form (`normalize`: data-dependent spans masked), or
+  the first of the session's declared `relaxed_queries` it matches (`patterns`); a session
+  that declares patterns serves only those classes relaxed.
+- Per class, the engine keeps the latest verified outcomes (agree / disagree) and their
+  Wilson 95% bound (`wilson`, the one implementation the offline calibration uses too). A
+  class is served relaxed while that upper bound is within `r_max` (`ClassStats.status`).
+- Evidence comes from the full path's greedy first token at the question's real entry: free
+  from a cold answer the gate fired on but the class withheld, else from a *shadow
+  verification* run after a relaxed answer, at idle priority behind pre-positions
+  (`Relaxed.shadow`). A disagreement about a served answer is a false accept: the engine
+  emits a `correction` event carrying the answer id.
+
+Evidence is the engine's (one model, one gate, pooled over sessions like the calibration's
+decision points); a session owns only its options (declared patterns, its `r_max`). All of it
+is bounded: classes (least recently asked forgotten), outcomes per class, verifications
+queued per session and per engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import re
+import threading
+import unicodedata
+import uuid
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Sequence
+
+from prepos.backends.base import Dist, Preempted
+from prepos.config import RelaxedConfig
+from prepos.errors import InvalidInput
+from prepos.kv import Forward, KVPool
+
+Z95 = 1.959963984540054
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials (default 95%); [0, 1] for n = 0."""
+    if n < 0 or k < 0 or k > n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    z2 = z * z
+    denom = 1 + z2 / n
+    centre = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    lo = 0.0 if k == 0 else max(0.0, centre - half)
+    hi = 1.0 if k == n else min(1.0, centre + half)
+    return (lo, hi)
+
+
+# ---------------------------------------------------------------------------------------
+# Question classes
+
+NUM, SYM, STR = "<num>", "<sym>", "<str>"
+MAX_CLASS_CHARS = 512  # a longer normalized question has no class (never served relaxed)
+MAX_PATTERNS = 64
+_QUOTED = re.compile(r"\"[^\"]*\"|“[^”]*”|‘[^’]*’|`[^`]*`|(?<!\w)'[^'\n]+'(?!\w)")
+_CASHTAG = re.compile(r"\$[A-Za-z][A-Za-z0-9.]{0,9}\b")
+_NUMBER = re.compile(r"[-+]?[$€£¥]?\d[\d,_]*(?:[.:/-]\d+)*(?:[eE][-+]?\d+)?%?")
+_TICKER = re.compile(r"\b[A-Z][A-Z0-9]{1,5}(?:[.:][A-Z0-9]{1,4})?\b")
+_RUN = re.compile(r"(<num>|<sym>|<str>)(?:[\s,]+\1)+")
+_SPACE = re.compile(r"\s+")
+_BEFORE_PUNCT = re.compile(r"\s+([,.:;?!)\]])")
+_TRAIL = re.compile(r"[\s?!.]+$")
+
+
+def normalize(question: str, wildcards: bool = False) -> str:
+    """A question's class: NFKC, then quoted strings -> <str>, cashtags and tickers (an
+    all-capitals word of 2-6 letters or digits, in a question that has lower case) -> <sym>,
+    numbers (signs, currency, separators, decimals, dates, times, percentages) -> <num>;
+    a run of one mask ("41 43 44") -> one; lower case, whitespace collapsed, trailing
+    punctuation dropped. `*` is dropped from questions and kept, as a wildcard, in patterns."""
+    text = unicodedata.normalize("NFKC", question)
+    text = _QUOTED.sub(f" {STR} ", text)
+    text = _CASHTAG.sub(f" {SYM} ", text)
+    if any(c.islower() for c in text.replace(STR, "").replace(SYM, "")):
+        text = _TICKER.sub(f" {SYM} ", text)
+    text = _NUMBER.sub(f" {NUM} ", text)
+    text = text.lower()
+    if not wildcards:
+        text = text.replace("*", " ")
+    text = _SPACE.sub(" ", text).strip()
+    text = _BEFORE_PUNCT.sub(r"\1", _RUN.sub(r"\1", text))
+    return _TRAIL.sub("", text)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A declared wording: its class key (the normalized wording) and what it matches (the
+    normalized question, `*` standing for one or more characters)."""
+
+    key: str
+    regex: re.Pattern
+
+    def matches(self, cls: str) -> bool:
+        return self.regex.fullmatch(cls) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def patterns(wordings: tuple[str, ...]) -> tuple[Pattern, ...]:
+    """The compiled `relaxed_queries` of a session (cached by their text)."""
+    out = []
+    for w in wordings:
+        key = normalize(w, wildcards=True)
+        parts = [re.escape(p.strip()) for p in key.split("*")]
+        body = r"\s?.+?\s?".join(parts)
+        out.append(Pattern(key, re.compile(body)))
+    return tuple(out)
+
+
+def check_options(relaxed_queries: Sequence[str], r_max: float | None) -> None:
+    """A session's relaxed options, refused (InvalidInput) before anything is created."""
+    if len(relaxed_queries) > MAX_PATTERNS:
+        raise InvalidInput(f"relaxed_queries takes at most {MAX_PATTERNS} wordings, got "
+                           f"{len(relaxed_queries)}")
+    for w in relaxed_queries:
+        if not isinstance(w, str) or not w.strip():
+            raise InvalidInput("relaxed_queries must be non-empty strings")
+        key = normalize(w, wildcards=True)
+        if not key.replace("*", "").strip() or len(key) > MAX_CLASS_CHARS:
+            raise InvalidInput(f"relaxed_queries entry {w!r} must have words beside '*' and "
+                               f"normalize to at most {MAX_CLASS_CHARS} characters")
+    if r_max is not None and (isinstance(r_max, bool) or not isinstance(r_max, (int, float))
+                              or not 0.0 < r_max < 1.0):
+        raise InvalidInput(f"r_max must be a number in (0, 1), got {r_max!r}")
+
+
+def classify(question: str, declared: Sequence[str] = ()) -> str | None:
+    """The question's class key; None when it has none (too long, or matching none of the
+    declared wordings of a session that declares some): it is never served relaxed."""
+    cls = normalize(question)
+    if not cls or len(cls) > MAX_CLASS_CHARS:
+        return None
+    if not declared:
+        return cls
+    return next((p.key for p in patterns(tuple(declared)) if p.matches(cls)), None)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-class evidence and state
+
+PROBATION, PROMOTED, DEMOTED = "probation", "promoted", "demoted"
+
+
+@dataclass
+class ClassStats:
+    """One class's verified outcomes: the latest `window` (True: disagreed) and lifetime
+    counts."""
+
+    window: int
+    recent: deque = field(default_factory=deque)
+    disagree_recent: int = 0
+    agreements: int = 0
+    disagreements: int = 0
+    served: int = 0  # relaxed answers served
+    withheld: int = 0  # the gate fired but the class was not served: a full answer
+    probing: int = 0  # served on probation, verification still to come
+
+    def add(self, disagree: bool) -> None:
+        self.recent.append(disagree)
+        self.disagree_recent += disagree
+        if len(self.recent) > self.window:
+            self.disagree_recent -= self.recent.popleft()
+        if disagree:
+            self.disagreements += 1
+        else:
+            self.agreements += 1
+
+    def bound(self) -> tuple[float, float]:
+        return wilson(self.disagree_recent, len(self.recent))
+
+    def status(self, r_max: float, min_verified: int) -> str:
+        """promoted: enough evidence, its upper bound within r_max; probation: too little
+        evidence yet, but the bound would still be within r_max were the rest to agree;
+        demoted: otherwise, until new evidence brings the bound back under."""
+        n, d = len(self.recent), self.disagree_recent
+        if n >= min_verified:
+            return PROMOTED if wilson(d, n)[1] <= r_max else DEMOTED
+        return PROBATION if wilson(d, min_verified)[1] <= r_max else DEMOTED
+
+    def view(self, r_max: float, min_verified: int) -> dict:
+        n = len(self.recent)
+        lo, hi = self.bound()
+        return {"status": self.status(r_max, min_verified), "verified": n,
+                "disagreements": self.disagree_recent,
+                "false_accept": self.disagree_recent / n if n else None,
+                "false_accept_ci": [lo, hi], "r_max": r_max,
+                "agreements_total": self.agreements, "disagreements_total": self.disagreements,
+                "served": self.served, "withheld": self.withheld}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the gate says about one question whose header record fired: serve it relaxed
+    (with this answer id), and whether a shadow verification is booked for it."""
+
+    cls: str | None
+    serve: bool
+    verify: bool = False
+    answer_id: str | None = None
+    probe: bool = False  # served on probation
+
+
+class ClassGate:
+    """The engine's per-class evidence and the decisions made from it; thread-safe."""
+
+    ASKED_PER_SESSION = 32  # classes a session's info lists (the ones it asked last)
+
+    def __init__(self, config: RelaxedConfig):
+        self.config = config
+        self._lock = threading.Lock()
+        self._classes: OrderedDict[str, ClassStats] = OrderedDict()
+        self._asked: dict[str, OrderedDict[str, None]] = {}
+        self._pending: Counter[str] = Counter()  # sid -> verifications booked, not settled
+        self.counters: Counter[str] = Counter()
+        self._ids = itertools.count()
+        self._salt = uuid.uuid4().hex[:6]
+
+    # -- decisions -----------------------------------------------------------------------
+    def decide(self, sid: str, cls: str | None, r_max: float | None) -> Decision:
+        """The gate fired on the header record for a question of class `cls`: serve it
+        relaxed iff the class is promoted, or on probation under start "serve" with a
+        verification booked; a served answer books a verification when there is room."""
+        c = self.config
+        r_max = r_max or c.r_max
+        if cls is None:
+            self.counters["no_class"] += 1
+            return Decision(None, False)
+        with self._lock:
+            st = self._touch(sid, cls)
+            status = st.status(r_max, c.min_verified)
+            if status == PROMOTED:
+                verify = c.verify and self._book(sid)
+                return self._serve(st, cls, verify)
+            if status == PROBATION and c.start == "serve" and st.probing < c.session_pending \
+                    and self._book(sid):
+                st.probing += 1
+                return self._serve(st, cls, True, probe=True)
+            st.withheld += 1
+            self.counters["withheld"] += 1
+            return Decision(cls, False)
+
+    def _serve(self, st: ClassStats, cls: str, verify: bool, probe: bool = False) -> Decision:
+        st.served += 1
+        self.counters["served"] += 1
+        if not verify:
+            self.counters["unverified_capped" if self.config.verify else "unverified_off"] += 1
+        return Decision(cls, True, verify, f"ra-{self._salt}-{next(self._ids)}", probe)
+
+    def _touch(self, sid: str, cls: str) -> ClassStats:
+        st = self._classes.get(cls)
+        if st is None:
+            st = self._classes[cls] = ClassStats(self.config.window)
+            while len(self._classes) > self.config.max_classes:
+                self._classes.popitem(last=False)  # forgotten: it starts over, unpromoted
+                self.counters["classes_forgotten"] += 1
+        self._classes.move_to_end(cls)
+        asked = self._asked.setdefault(sid, OrderedDict())
+        asked[cls] = None
+        asked.move_to_end(cls)
+        while len(asked) > self.ASKED_PER_SESSION:
+            asked.popitem(last=False)
+        return st
+
+    def book_evidence(self, sid: str) -> bool:
+        """Room for a verification of an answer not served relaxed (evidence only)?"""
+        with self._lock:
+            return self._book(sid)
+
+    def _book(self, sid: str) -> bool:
+        c = self.config
+        if self._pending[sid] >= c.session_pending or \
+                sum(self._pending.values()) >= c.engine_pending:
+            return False
+        self._pending[sid] += 1
+        return True
+
+    # -- evidence ------------------------------------------------------------------------
+    def evidence(self, cls: str, disagree: bool, probe: bool = False) -> None:
+        """A verified outcome for class `cls` (a forgotten class is not revived)."""
+        with self._lock:
+            st = self._classes.get(cls)
+            if st is not None:
+                st.add(disagree)
+                if probe:
+                    st.probing = max(0, st.probing - 1)
+            self.counters["disagree" if disagree else "agree"] += 1
+
+    def settle(self, sid: str, cls: str | None = None, outcome: str | None = None,
+               probe: bool = False) -> None:
+        """A booked verification is over: verified (its evidence given), or dropped for
+        `outcome` (stale, budget)."""
+        with self._lock:
+            if self._pending[sid] > 0:
+                self._pending[sid] -= 1
+            if self._pending[sid] == 0:
+                del self._pending[sid]
+            if outcome is not None:
+                self.counters[f"dropped_{outcome}"] += 1
+                st = self._classes.get(cls) if cls is not None else None
+                if probe and st is not None:
+                    st.probing = max(0, st.probing - 1)
+
+    def corrected(self) -> None:
+        with self._lock:
+            self.counters["corrections"] += 1
+
+    def forget(self, sid: str) -> None:
+        """A session closed: its view goes (its evidence stays the engine's)."""
+        with self._lock:
+            self._asked.pop(sid, None)
+
+    # -- views ---------------------------------------------------------------------------
+    def status(self, cls: str, r_max: float | None = None) -> str:
+        with self._lock:
+            st = self._classes.get(cls)
+            if st is None:
+                return PROBATION
+            return st.status(r_max or self.config.r_max, self.config.min_verified)
+
+    def info(self, sid: str, declared: Sequence[str], r_max: float | None) -> dict:
+        """A session's view: its options and the classes it asked last, under its r_max."""
+        c = self.config
+        r = r_max or c.r_max
+        with self._lock:
+            asked = list(self._asked.get(sid, ()))
+            classes = {k: self._classes[k].view(r, c.min_verified) for k in asked
+                       if k in self._classes}
+            pending = self._pending.get(sid, 0)
+        return {"r_max": r, "start": c.start, "min_verified": c.min_verified,
+                "verify": c.verify, "declared": list(declared), "pending_verifications": pending,
+                "classes": classes}
+
+    def metrics(self) -> dict:
+        c = self.config
+        with self._lock:
+            classes = {k: st.view(c.r_max, c.min_verified) for k, st in self._classes.items()}
+            counters = dict(self.counters)
+            pending = sum(self._pending.values())
+        return {"counters": counters, "pending": pending, "classes": classes,
+                "r_max": c.r_max, "start": c.start}
+
+
+# ---------------------------------------------------------------------------------------
+# Shadow verification
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One booked check: the question's real entry at the version its answer came from."""
+
+    sid: str
+    version: int
+    cls: str
+    seq: tuple[int, ...]  # committed tokens + the question's entry
+    served_token: int  # the header record's argmax
+    answer_id: str | None  # None: nothing was served (evidence only)
+    question: str
+    probe: bool = False  # served on probation
+
+
+class Relaxed:
+    """The glue between the engine and its `ClassGate`: decisions for a request, free
+    evidence from cold answers, shadow verifications as idle work, corrections."""
+
+    def __init__(self, config: RelaxedConfig, fmt, pool: KVPool, submit: Callable,
+                 chunk_tokens: int, max_yields: int, session_cells: int,
+                 prepositions_pending: Callable[[], int],
+                 on_correction: Callable[[object, dict], None]):
+        self.config = config
+        self.gate = ClassGate(config)
+        self.fmt = fmt
+        self.pool = pool
+        self.submit = submit  # the scheduler's
+        self.chunk = chunk_tokens
+        self.max_yields = max_yields
+        self.session_cells = session_cells
+        self.prepositions_pending = prepositions_pending
+        self.on_correction = on_correction
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[Verification]] = {}  # sid -> verifications to run
+
+    def decide(self, s, question: str) -> Decision:
+        """The header record fired the gate for this question: may it be served relaxed?"""
+        return self.gate.decide(s.id, classify(question, s.spec.relaxed_queries),
+                                s.spec.r_max)
+
+    def served(self, s, snap, question: str, header, d: Decision) -> None:
+        """After a relaxed answer: its shadow verification, when one was booked."""
+        if d.verify:
+            self.book(s, self._check(s, snap, question, header, d))
+
+    def withheld(self, s, snap, question: str, header, d: Decision,
+                 greedy: bool) -> Callable | None:
+        """A question the class gate withheld gets a full answer: under greedy decoding its
+        first token is the evidence (the returned on_finish); otherwise a shadow verification
+        gives it, when there is room."""
+        if d.cls is None:
+            return None
+        if greedy:
+            return self.from_answer(d.cls, header.argmax)
+        if self.gate.book_evidence(s.id):
+            self.book(s, self._check(s, snap, question, header, d))
+        return None
+
+    def _check(self, s, snap, question: str, header, d: Decision) -> Verification:
+        entry = self.fmt.encode(self.fmt.frame(s.entries(snap).user, question))
+        return Verification(s.id, snap.version, d.cls, snap.tokens + tuple(entry),
+                            header.argmax, d.answer_id, question, d.probe)
+
+    def info(self, s) -> dict:
+        return self.gate.info(s.id, s.spec.relaxed_queries, s.spec.r_max)
+
+    # -- free evidence -------------------------------------------------------------------
+    def from_answer(self, cls: str, served_token: int) -> Callable:
+        """An on_finish for the full answer to a withheld question: its greedy first
+        token is the full path's; an answer that ended at once disagrees."""
+        def observe(res) -> None:
+            if res.tokens:
+                self.gate.evidence(cls, res.tokens[0] != served_token)
+            elif res.finish_reason == "stop":
+                self.gate.evidence(cls, True)
+
+        return observe
+
+    # -- shadow verification -------------------------------------------------------------
+    def book(self, s, v: Verification) -> None:
+        """Queue the verification (its slot was booked already). A session's verifications
+        run one after another, in one idle task: two at once would crop each other's entry
+        out of the session's KV, chunk after chunk."""
+        with self._lock:
+            queue = self._queues.get(s.id)
+            start = queue is None
+            if start:
+                queue = self._queues[s.id] = deque()
+            queue.append(v)
+        if start:
+            try:
+                self.submit(self._drain(s), idle=True, key=s.id)
+            except Exception:  # the engine is closing: nothing will run
+                self._fail(s.id, "closed")
+
+    def _drain(self, s) -> Generator:
+        budget = s.budget(self.session_cells)
+        while True:
+            with self._lock:
+                queue = self._queues[s.id]
+                if not queue:
+                    del self._queues[s.id]
+                    return
+                v = queue.popleft()
+            try:
+                yield from self.shadow(s, v, budget)
+            except GeneratorExit:  # the engine closed
+                self._drop(v, "closed")
+                self._fail(s.id, "closed")
+                raise
+            except Exception:  # a back-end failure is this verification's alone
+                self._drop(v, "error")
+
+    def _fail(self, sid: str, why: str) -> None:
+        with self._lock:
+            queue = self._queues.pop(sid, deque())
+        for v in queue:
+            self._drop(v, why)
+
+    def shadow(self, s, v: Verification, budget: int) -> Generator:
+        """The question's real entry, in preemptible chunks behind pre-positions; its
+        greedy argmax compared with the served token. Dropped, never run, once the session
+        has moved past the version (or closed), or when the cell budget has no room."""
+        kv = self.pool.get(s.id)
+        yielded = 0  # consecutive chunks stopped for a waiting request
+        while True:
+            if self.prepositions_pending() > 0:  # pre-positions first: give way
+                yield
+                continue
+            if s.closed or s.version != v.version:
+                return self._drop(v, "stale")
+            if len(v.seq) > budget or not self.pool.fits(s.id, v.seq):
+                return self._drop(v, "budget")  # skipped, never evicting
+            try:  # gives way between layers to a waiting request, at most max_yields times
+                step = yield Forward(kv, v.seq, self.chunk,
+                                     preemptible=yielded < self.max_yields)
+                yielded = 0
+            except Preempted:
+                yielded += 1
+                continue
+            if step.done:
+                break
+        if s.closed or s.version != v.version:  # moved on during the last chunk
+            return self._drop(v, "stale")
+        self._verdict(s, v, step.logits)
+
+    def _drop(self, v: Verification, why: str) -> None:
+        self.gate.settle(v.sid, v.cls, why, v.probe)
+
+    def _verdict(self, s, v: Verification, logits) -> None:
+        dist = logits if isinstance(logits, Dist) else Dist.from_logits(logits)
+        full = dist.top_ids[0]
+        disagree = full != v.served_token
+        self.gate.evidence(v.cls, disagree, v.probe)
+        self.gate.settle(v.sid)
+        if disagree and v.answer_id is not None:
+            self.gate.corrected()
+            self.on_correction(s, {
+                "session_id": v.sid, "answer_id": v.answer_id, "version": v.version,
+                "question": v.question, "class": v.cls,
+                "served_token": v.served_token, "served_text": self.fmt.decode([v.served_token]),
+                "full_token": full, "full_text": self.fmt.decode([full])})
