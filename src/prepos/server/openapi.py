@@ -58,6 +58,7 @@ def document(registered: Iterable[Registered], title: str, version: str,
 def install(app, registered: Iterable[Registered]) -> None:
     """Make `app.openapi()` (what FastAPI serves as `/openapi.json`) this document."""
     registered = list(registered)
+    app.state.api_routes = registered  # what the document is written from
     cache: list[dict] = []
 
     def openapi() -> dict:

@@ -139,8 +139,9 @@ async def list_sessions(request: Request):
 @routes.add("GET", "/sessions/{sid}", 50, summary="Inspect a session", response=R.SessionInfo,
             query=(QueryParam("wait_ready", {"type": "number", "minimum": 0, "maximum": 60},
                           "seconds to wait for the current version's pre-position to finish"),
-                   QueryParam("include", {"type": "string",
-                                    "pattern": "^(tokens|messages)(,(tokens|messages))*$"},
+                   QueryParam("include", {"type": "string", "pattern":
+                                          r"^(\s*(tokens|messages)\s*)?"
+                                          r"(,(\s*(tokens|messages)\s*)?)*$"},
                           "tokens, messages or both (comma-separated): add the token ids "
                           "(token_ids) and the messages (message_list)")))
 async def inspect_session(sid: str, request: Request):
