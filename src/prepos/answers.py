@@ -154,7 +154,8 @@ class Answers:
         """The rest of the answer after `seq` and `out`'s tokens: one decode step per
         scheduler quantum, batched with other sessions' steps; or, on a back end that
         streams answers, every token from one streamed request (the engine's own sampling;
-        one token per quantum is read from it)."""
+        one token per quantum is read from it). A greedy answer on a back end that verifies
+        drafts runs several tokens per step where its context predicts them (`prepos.lookup`)."""
         if self.eng.backend.streams_answers:
             events = kv.stream(seq + tuple(out.tokens), sampling,
                                sampling.max_tokens - len(out.tokens), self.eng.fmt.end_of_turn)
@@ -166,6 +167,9 @@ class Answers:
             finally:
                 events.close()
             out.finish("stop")  # the engine ended the answer without a stop token
+            return
+        if self.eng.lookup.applies(sampling, out, self.eng.backend.verifies_drafts):
+            yield from self.eng.lookup.decode(kv, seq, out, sampling, rng)
             return
         while True:
             step = yield Forward(kv, seq + tuple(out.tokens))

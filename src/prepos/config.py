@@ -70,6 +70,10 @@ class EngineConfig:
     reserve_tokens: int = 64  # head-room a streaming session keeps for a query and its answer
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
+    # greedy answers on back ends that verify drafts: up to this many tokens drafted per
+    # forward from the session's own context (prompt lookup, `prepos.lookup`); 0: off
+    lookup_tokens: int = 4
+    lookup_ngram: int = 3  # the longest n-gram matched (then shorter, down to 1)
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     backend: str = "auto"  # auto | torch | llama.cpp (see prepos.loading)

@@ -17,6 +17,7 @@ from prepos.entries import ChatFormat, normalize_tool_call
 from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
 from prepos.gate import Gate
 from prepos.kv import Forward, KVPool
+from prepos.lookup import Lookup
 from prepos.prepositioner import MAX_YIELDS, Prepositioner
 from prepos.relaxed import Relaxed
 from prepos.scheduler import Scheduler
@@ -56,6 +57,7 @@ class Engine:
                                     on_record=lambda s, key, rec: self._emit("record", s,
                                                                              (key, rec)))
         self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
+        self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram)  # greedy drafts
         self.answers = Answers(self)
         self.relaxed = Relaxed(config.relaxed, fmt, self.pool, self.scheduler.submit,
                                config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,
@@ -424,6 +426,7 @@ class Engine:
             "kv_cells_budget": self.pool.engine_cells,
             "queue_foreground": fg,
             "queue_idle": idle,
+            "lookup": self.lookup.stats.metrics(),
             "relaxed": self.relaxed.gate.metrics(),
         }
 

@@ -25,7 +25,7 @@ from prepos.errors import OverBudget
 class Advance:
     """What one forward did: the restore and the delta it paid."""
 
-    logits: Logits | None  # at the end of the target, once reached
+    logits: Logits | None  # at the end of the target, once reached (see Forward.logits_from)
     kept: int  # tokens of the target found resident (the longest common prefix)
     prefilled: int  # tokens run through the model by this call
     restore_s: float
@@ -40,21 +40,31 @@ class Advance:
 class Forward:
     """A task's request to the model worker: bring `kv` toward holding `target`, extending by
     at most `max_tokens` tokens (all of them when None). The task receives the `Advance`, or
-    has the forward's exception (`Preempted` included) thrown in at its yield."""
+    has the forward's exception (`Preempted` included) thrown in at its yield.
+
+    `logits_from` (back ends with `verifies_drafts`, one whole forward: no `max_tokens`): the
+    Advance's logits are a [len(target) - logits_from, vocab] tensor, the logits at every
+    position from that index on, positions already resident re-run (verifying drafts)."""
 
     kv: KVSequence
     target: Sequence[int]
     max_tokens: int | None = None
     preemptible: bool = True  # idle work only: may stop between layers for a waiting request
+    logits_from: int | None = None
 
     def plan(self) -> tuple[int, int, int]:
         """(kept, start, stop): the target's prefix resident now, where the delta starts (a
-        target already fully resident re-runs its last token) and where it stops; the
-        forward runs `stop - start` tokens, its share of a batch."""
+        target already fully resident re-runs its last token; with `logits_from`, every
+        position from there) and where it stops; the forward runs `stop - start` tokens,
+        its share of a batch."""
         if not self.target:
             raise ValueError("cannot advance to an empty sequence")
         kept = self.kv.common_prefix(self.target)
         start = min(kept, len(self.target) - 1)
+        if self.logits_from is not None:
+            if self.max_tokens is not None or not 0 <= self.logits_from < len(self.target):
+                raise ValueError("logits_from needs one whole forward and a position in it")
+            start = min(start, self.logits_from)
         n = len(self.target)
         return kept, start, n if self.max_tokens is None else min(n, start + self.max_tokens)
 
@@ -135,13 +145,17 @@ def run_forwards(backend: Backend, forwards: Sequence[Forward],
         f.kv.crop(start)
         chunk = list(f.target[start:stop])
         steps.append((f.kv.handle, f.kv.tokens, chunk))
-        done.append((kept, chunk, stop == len(f.target)))
+        done.append((kept, chunk, stop == len(f.target), start))
     t1 = time.perf_counter()
-    outs = backend.extend_batch(steps)
+    every = [f.logits_from is not None for f in forwards]
+    # the one-argument call where no forward asks for every position's logits
+    outs = backend.extend_batch(steps, every) if any(every) else backend.extend_batch(steps)
     t2 = time.perf_counter()
     result = []
-    for f, (kept, chunk, reached), out in zip(forwards, done, outs):
+    for f, (kept, chunk, reached, start), out in zip(forwards, done, outs):
         f.kv._grow(chunk)
+        if f.logits_from is not None:  # the rows from logits_from on
+            out = out[f.logits_from - start:]
         result.append(Advance(out if reached else None, kept, len(chunk), t1 - t0, t2 - t1))
     return result
 

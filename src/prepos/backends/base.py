@@ -100,6 +100,9 @@ class Backend(abc.ABC):
     max_batch_tokens: int = 512
     # True where an answer's tokens after the first come from one streamed request
     streams_answers: bool = False
+    # True where `extend`/`extend_batch` return the logits at every new position on request
+    # (`all_logits`), so a greedy answer can verify drafted tokens in one forward
+    verifies_drafts: bool = False
 
     @abc.abstractmethod
     def new_kv(self, key: str | None = None) -> Any:
@@ -110,10 +113,16 @@ class Backend(abc.ABC):
         """Run `tokens` after the `past` the handle holds; return the last position's logits
         (a 1-D tensor) or, for top-k back ends, a Dist."""
 
-    def extend_batch(self, steps: Sequence[Step]) -> list[Logits]:
+    def extend_batch(self, steps: Sequence[Step],
+                     all_logits: Sequence[bool] | None = None) -> list[Logits]:
         """Several KVs' extensions (distinct KVs) as one forward where the back end can batch;
-        the logits at the last token of each. Default: one `extend` after another."""
-        return [self.extend(kv, past, tokens) for kv, past, tokens in steps]
+        the logits at the last token of each, or, for a step flagged in `all_logits` (back
+        ends with `verifies_drafts` only), a [len(tokens), vocab] tensor of the logits at
+        every token it ran. Default: one `extend` after another."""
+        if all_logits is None or not any(all_logits):
+            return [self.extend(kv, past, tokens) for kv, past, tokens in steps]
+        return [self.extend(kv, past, tokens, all_logits=flag)  # type: ignore[call-arg]
+                for (kv, past, tokens), flag in zip(steps, all_logits)]
 
     def stream_answer(self, kv: Any, prompt: Sequence[int], sampling: Any, max_tokens: int,
                       stop_ids: frozenset[int]) -> Iterator[tuple[int, Dist | None]]:

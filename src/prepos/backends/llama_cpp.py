@@ -63,6 +63,7 @@ class SeqKV:
 class LlamaCppBackend(Backend):
     name = "llama.cpp"
     full_distribution = True
+    verifies_drafts = True  # a step's every token can carry the batch's logits flag
 
     def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
                  n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05):
@@ -131,15 +132,20 @@ class LlamaCppBackend(Backend):
         if not _ll.llama_memory_seq_rm(self.mem, kv.seq, length, -1):
             raise LlamaCppError(f"llama.cpp could not crop sequence {kv.seq} to {length}")
 
-    def extend(self, kv: SeqKV, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        return self.extend_batch([(kv, past, tokens)])[0]
+    def extend(self, kv: SeqKV, past: Sequence[int], tokens: Sequence[int],
+               all_logits: bool = False) -> torch.Tensor:
+        return self.extend_batch([(kv, past, tokens)], [all_logits])[0]
 
-    def extend_batch(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+    def extend_batch(self, steps: Sequence[Step],
+                     all_logits: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """Every step's tokens in one llama_decode (several, if they exceed n_batch), with
-        the logits of each step's last token."""
-        rows = [(kv.seq, len(past) + i, tok, i == len(tokens) - 1, j)
+        the logits of each step's last token, or of every token of a step flagged in
+        `all_logits` (a [len(tokens), vocab] tensor)."""
+        every = list(all_logits) if all_logits is not None else [False] * len(steps)
+        rows = [(kv.seq, len(past) + i, tok, every[j] or i == len(tokens) - 1, j)
                 for j, (kv, past, tokens) in enumerate(steps) for i, tok in enumerate(tokens)]
         out: list[torch.Tensor | None] = [None] * len(steps)
+        per_step: dict[int, list[torch.Tensor]] = {j: [] for j, flag in enumerate(every) if flag}
         should_yield = getattr(_work, "should_yield", None)
         if should_yield is not None:
             self._should_yield = should_yield
@@ -148,8 +154,10 @@ class LlamaCppBackend(Backend):
             for lo in range(0, len(rows), self.n_batch):
                 chunk = rows[lo:lo + self.n_batch]
                 self._decode(chunk, steps)
-                for i, (_, _, _, last, j) in enumerate(chunk):
-                    if last:
+                for i, (_, _, _, wanted, j) in enumerate(chunk):
+                    if j in per_step:
+                        per_step[j].append(self._logits(i))
+                    elif wanted:
                         out[j] = self._logits(i)
         finally:
             if should_yield is not None:
@@ -157,17 +165,19 @@ class LlamaCppBackend(Backend):
                                              None)
                 self._should_yield = None
                 _ABORTING.clear()
+        for j, rows_j in per_step.items():
+            out[j] = torch.stack(rows_j)
         return out  # type: ignore[return-value]
 
     # -- internals -------------------------------------------------------------------------
     def _decode(self, rows: list[tuple], steps: Sequence[Step]) -> None:
         b = self._batch
-        for i, (seq, pos, tok, last, _) in enumerate(rows):
+        for i, (seq, pos, tok, wanted, _) in enumerate(rows):
             b.token[i] = tok
             b.pos[i] = pos
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = seq
-            b.logits[i] = last
+            b.logits[i] = wanted  # the logits at this token are read back
         b.n_tokens = len(rows)
         rc = _ll.llama_decode(self.ctx, b)
         if rc == 0:

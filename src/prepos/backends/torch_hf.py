@@ -17,6 +17,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class TorchBackend(Backend):
     name = "torch"
     full_distribution = True
+    verifies_drafts = True  # the model returns the logits at every position it ran
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu"):
         self.model = model.eval()
@@ -44,14 +45,18 @@ class TorchBackend(Backend):
         return self.cache.new()
 
     @torch.inference_mode()
-    def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def extend(self, kv: Any, past: Sequence[int], tokens: Sequence[int],
+               all_logits: bool = False) -> torch.Tensor:
+        """The last position's logits, or with `all_logits` every new position's
+        ([len(tokens), vocab])."""
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        keep = 0 if all_logits else 1  # 0: every position
         try:
-            out = self.model(input_ids=ids, logits_to_keep=1, **self.cache.forward_kwargs(kv))
+            out = self.model(input_ids=ids, logits_to_keep=keep, **self.cache.forward_kwargs(kv))
         except Preempted:  # the layers that ran appended the chunk: take it back out
             self.cache.crop(kv, len(past))
             raise
-        return out.logits[0, -1].float().cpu()
+        return out.logits[0].float().cpu() if all_logits else out.logits[0, -1].float().cpu()
 
     def crop(self, kv: Any, length: int) -> None:
         self.cache.crop(kv, length)
