@@ -233,3 +233,77 @@ def test_calibrate_cli_on_the_bundled_models(tmp_path):
     assert strong["gap"]["median"] > weak["gap"]["max"]
     assert weak["at_reference_tau"]["accepted"] == 0
     assert (root / "trend-reader" / "gate.json").read_text() == before
+
+
+def _packaged_gguf(tmp_path, monkeypatch):
+    """The bundled trend-reader as a GGUF inside an importable package, known by an alias
+    (as `smollm2` is: a GGUF shipped in an installed package)."""
+    import importlib
+    import shutil
+    from pathlib import Path
+
+    from prepos import loading
+
+    root = Path(__file__).resolve().parents[1] / "models"
+    pkg = tmp_path / "site" / "prepos_test_gguf_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    gguf = pkg / "Trend-Reader-0.9M.Q8_0.gguf"
+    shutil.copy(loading.exported_gguf(root / "trend-reader"), gguf)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    monkeypatch.setitem(loading.ALIASES, "packaged-reader",
+                        ("prepos_test_gguf_pkg", "pip install prepos-test-gguf-pkg"))
+    return gguf
+
+
+def test_calibrate_cli_resolves_an_alias_without_writing_into_its_package(tmp_path, monkeypatch):
+    import json
+
+    gguf = _packaged_gguf(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    rc = cal.main(["--models", "packaged-reader", "--n", "3", "--out", str(out),
+                   "--no-figures", "--threads", "1"])  # gate writing left on
+    assert rc == 0
+    assert not (gguf.parent / "gate.json").exists()
+    res = json.loads((out / "calibration.json").read_text())
+    assert list(res["models"]) == ["Trend-Reader-0.9M"]  # the stem less its quantization tag
+    model = res["models"]["Trend-Reader-0.9M"]
+    assert model["model_file"] == str(gguf) and "gate_written" not in model
+    assert len(model["pairs"]) == 3 and model["header_tokens"]
+
+
+def test_calibrate_writes_the_gate_beside_a_gguf_the_user_names(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    packaged = _packaged_gguf(tmp_path, monkeypatch)
+    mine = tmp_path / "mine" / "reader.gguf"
+    mine.parent.mkdir()
+    shutil.copy(packaged, mine)
+    assert cal.gate_home(mine) == mine.parent
+    rc = cal.main(["--models", str(mine), "--n", "3", "--out", str(tmp_path / "out"),
+                   "--no-figures", "--threads", "1"])
+    assert rc == 0
+    gate = json.loads((mine.parent / "gate.json").read_text())
+    assert gate["answers"] == list(cal.ANSWERS) and gate["tau"] >= 1.0
+
+
+def test_gate_home_refuses_an_installed_package_even_by_path(tmp_path, monkeypatch):
+    import sysconfig
+
+    gguf = _packaged_gguf(tmp_path, monkeypatch)
+    assert cal.gate_home("packaged-reader") is None
+    assert cal.gate_home(gguf) == gguf.parent  # not under site-packages: the user's
+    real = sysconfig.get_paths
+    site = str(tmp_path / "site")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**real(), "purelib": site})
+    assert cal.gate_home(gguf) is None  # by path, but inside an installed package's folder
+
+
+def test_calibrate_cli_refuses_an_unknown_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cal.main(["--models", str(tmp_path / "nothing-here"), "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "neither a model directory" in capsys.readouterr().err
+    assert not (tmp_path / "calibration.json").exists()

@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 
 from prepos.config import GateConfig
 from prepos.core import Request
+from prepos.errors import InvalidInput
 from prepos.lab.task.market import ANSWERS, EVAL_SEED_BASE, SYSTEM_PROMPT, DecisionPoint
 from prepos.relaxed import wilson  # the one implementation, shared with the online gate
 
@@ -205,12 +206,14 @@ def measure(engine, points: Sequence[DecisionPoint], system: str = SYSTEM_PROMPT
     return pairs
 
 
-def load_engine(model_dir: str | Path, answers: Sequence[str] = ANSWERS):
-    """An engine whose gate knows the fast-answer set; tau is irrelevant to the recording."""
+def load_engine(model_dir: str | Path, answers: Sequence[str] = ANSWERS,
+                threads: int | None = None):
+    """An engine whose gate knows the fast-answer set; tau is irrelevant to the recording.
+    `threads`: the back end's compute threads (default: every core)."""
     from prepos.config import EngineConfig
     from prepos.engine import Engine
 
-    cfg = EngineConfig(gate=GateConfig(tau=0.0, answers=tuple(answers)))
+    cfg = EngineConfig(gate=GateConfig(tau=0.0, answers=tuple(answers)), threads=threads)
     return Engine.from_pretrained(model_dir, cfg)
 
 
@@ -328,10 +331,45 @@ def _save(fig, ax, path: Path) -> Path:
     return path
 
 
+def model_name(spec: str | Path) -> str:
+    """A model's display name: the directory's name, or a GGUF's stem without its
+    quantization tag (`smollm2` -> SmolLM2-135M-Instruct)."""
+    import re
+
+    from prepos.loading import resolve_model
+
+    path = resolve_model(spec)
+    if path.suffix != ".gguf":
+        return path.name
+    return re.sub(r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", path.stem, flags=re.IGNORECASE)
+
+
+def gate_home(spec: str | Path) -> Path | None:
+    """Where `gate.json` may be written for a model: its directory, or beside a GGUF the
+    user named by path; None for a known model's name or anything inside an installed
+    package (site-packages is not the user's to write into)."""
+    import sysconfig
+
+    from prepos.loading import ALIASES, resolve_model
+
+    if str(spec) in ALIASES and not Path(spec).exists():
+        return None
+    path = resolve_model(spec).resolve()
+    home = path.parent if path.suffix == ".gguf" else path
+    for key in ("purelib", "platlib"):
+        lib = Path(sysconfig.get_paths()[key]).resolve()
+        if home == lib or lib in home.parents:
+            return None
+    return home
+
+
 def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
         wording_rate: float, out_dir: Path, write_gate: bool, figures: bool = True,
-        progress: bool = True) -> dict:
+        progress: bool = True, threads: int | None = None) -> dict:
+    from collections import Counter
+
     from prepos.lab.task.market import decision_points
+    from prepos.loading import resolve_model
 
     points = decision_points(n, seed=seed, wording_rate=wording_rate)
     results: dict = {
@@ -340,9 +378,9 @@ def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
     }
     ref_tau = None
     for model in models:
-        name = Path(model).name
+        name = model_name(model)
         t0 = time.perf_counter()
-        engine = load_engine(model)
+        engine = load_engine(model, threads=threads)
         try:
             pairs = measure(engine, points, progress=progress)
             counters = engine.metrics()["prepositions"]
@@ -350,14 +388,21 @@ def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
             engine.close()
         res = summarize(pairs, r_max, tau_min, ref_tau)
         res["model_dir"] = str(model)
+        res["model_file"] = str(resolve_model(model))
+        res["header_tokens"] = Counter(p.token for p in pairs).most_common(5)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         res["engine_prepositions"] = counters
         if ref_tau is None:
             ref_tau = res["tau"]
             res["at_reference_tau"] = res["operating_point"]
         results["models"][name] = res
-        if write_gate:
-            GateConfig(tau=res["tau"], answers=tuple(ANSWERS)).save(Path(model) / "gate.json")
+        home = gate_home(model) if write_gate else None
+        if home is not None:
+            GateConfig(tau=res["tau"], answers=tuple(ANSWERS)).save(home / "gate.json")
+            res["gate_written"] = str(home / "gate.json")
+        elif write_gate:
+            print(f"{name}: no gate.json written ({model} is not a directory of yours; pass "
+                  f"a local model directory or .gguf path to keep its gate)", file=sys.stderr)
     results["reference_tau"] = ref_tau
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -418,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prepos calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+",
                     default=["models/trend-reader", "models/trend-reader-weak"],
-                    help="model directories; the first is the reference whose tau is chosen")
+                    help="models: HF directories, .gguf files, or a known model's name "
+                         "(smollm2); the first is the reference whose tau is chosen")
+    ap.add_argument("--model", action="append", default=[], metavar="MODEL",
+                    help="one more model after --models (or the defaults); repeatable, e.g. "
+                         "--model smollm2")
     ap.add_argument("--n", type=int, default=256, help="decision points (>= 128)")
     ap.add_argument("--seed", type=int, default=EVAL_SEED_BASE, help="first held-out seed")
     ap.add_argument("--r-max", type=float, default=0.15, help="risk budget on r(tau)")
@@ -429,20 +478,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="fraction of canonical queries whose answer turns on the wording")
     ap.add_argument("--out", default="results/calibration", help="output folder")
     ap.add_argument("--no-write-gate", action="store_true",
-                    help="do not write gate.json into the model directories")
+                    help="do not write gate.json into the model directories (it is never "
+                         "written for a known model's name or inside an installed package)")
     ap.add_argument("--no-figures", action="store_true")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 unless the issue's claims hold")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="compute threads of the back end (torch intra-op, llama.cpp); on a "
+                         "busy machine 1 can be several times faster than oversubscribing")
     args = ap.parse_args(argv)
     if args.n < 1:
         ap.error("--n must be >= 1")
+    models = [*args.models, *args.model]
+    try:
+        names = [model_name(m) for m in models]
+    except InvalidInput as e:
+        ap.error(str(e))
+    if len(set(names)) < len(names):
+        ap.error(f"two models share a name: {names}")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     results = run(models, args.n, args.seed, args.r_max, args.tau_min, args.wording_rate,
-                  Path(args.out), not args.no_write_gate, not args.no_figures)
+                  Path(args.out), not args.no_write_gate, not args.no_figures,
+                  threads=args.threads)
     summary = headline(results)
     summary["checks"] = checks(results)
     summary["figures"] = results["figures"]
