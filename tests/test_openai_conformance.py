@@ -221,3 +221,31 @@ def test_readme_python_snippet_is_served_from_the_cache(model_dirs):
         eng.wait_idle()
         res = eng.query(sid, Q, Request(SamplingParams(max_tokens=1))).result()
         assert res.path.value == "fast" and res.match.value == "exact"
+
+
+def test_completions_logprobs_zero_is_the_sampled_tokens_logprobs(oai, model):
+    """OpenAI's legacy `logprobs: 0`: the logprobs object with every token, its logprob
+    and offset, and `top_logprobs` holding the sampled token alone (up to logprobs + 1
+    entries, the sampled token always among them), whole and streamed."""
+    c = oai.completions.create(model=model, prompt="ACME 101 102", max_tokens=4, logprobs=0)
+    lp = c.choices[0].logprobs
+    n = c.usage.completion_tokens
+    assert lp is not None and n >= 1
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset[0] == 0 and all(
+        b == a + len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
+    # logprobs: 2, sampled: at most three entries, the sampled token's among them
+    c = oai.completions.create(model=model, prompt="ACME 101 102", max_tokens=4, logprobs=2,
+                               temperature=1.5, seed=7)
+    lp = c.choices[0].logprobs
+    for t, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and t in top and top[t] >= x - 1e-6
+    # streamed: each token's chunk carries its own logprobs object
+    chunks = [ch.choices[0] for ch in oai.completions.create(
+        model=model, prompt="ACME 101 102", max_tokens=4, logprobs=0, stream=True)]
+    steps = [ch.logprobs for ch in chunks if ch.logprobs is not None]
+    assert steps and all(s.top_logprobs == [{s.tokens[0]: s.token_logprobs[0]}]
+                         for s in steps)
+    assert "".join(ch.text for ch in chunks) == "".join(s.tokens[0] for s in steps)

@@ -23,7 +23,7 @@ log = logging.getLogger("prepos.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error",
-         408: "invalid_request_error", 409: "conflict_error", 413: "request_too_large",
+         408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
          422: "invalid_request_error", 429: "rate_limit_error",
          431: "invalid_request_error", 503: "service_unavailable"}
 
@@ -40,7 +40,8 @@ class ApiError(Exception):
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "server_error"),
+    kind = TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind,
                       "code": code, "param": param}}
 
 

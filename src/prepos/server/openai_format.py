@@ -246,8 +246,7 @@ class CompletionReply(Reply):
     def __init__(self, state, body: Completion, sid: str | None,
                  echo: list[str] | None = None, per_prompt: int = 1):
         super().__init__(state, body, sid, "cmpl-", "text_completion", "text_completion")
-        self.want_lp = body.logprobs is not None
-        self.top = body.logprobs or 0
+        self.want_lp = body.logprobs is not None  # logprobs: 0 too (the sampled token's)
         self.echo = echo  # the prompts, when they are echoed before each completion
         self.per_prompt = per_prompt
 
@@ -261,14 +260,16 @@ class CompletionReply(Reply):
         for t in texts:
             offsets.append(at)
             at += len(t)
-        listed = None
-        if self.top:  # keyed by text (the legacy format): of equal texts the likeliest stays
-            listed = []
-            for t, lp, alt in zip(texts, lps, tops or [None] * len(texts)):
-                step: dict[str, float] = {}
-                for i, alt_lp in alt or [(None, lp)]:
-                    step.setdefault(t if i is None else fmt.decode([i]), alt_lp)
-                listed.append(step)
+        # keyed by text (the legacy format): the `logprobs` likeliest, of equal texts the
+        # likeliest, then the sampled token if it is not among them (OpenAI: up to
+        # logprobs + 1 entries, so `logprobs: 0` lists the sampled token alone)
+        listed = []
+        for t, lp, alt in zip(texts, lps, tops or [None] * len(texts)):
+            step: dict[str, float] = {}
+            for i, alt_lp in alt or ():
+                step.setdefault(fmt.decode([i]), alt_lp)
+            step.setdefault(t, lp)
+            listed.append(step)
         return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": listed,
                 "text_offset": offsets}
 

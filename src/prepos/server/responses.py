@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 PathName = Literal["fast", "fall-through", "cold"]
 MatchName = Literal["exact", "relaxed", "none"]
 ErrorType = Literal["invalid_request_error", "authentication_error", "permission_error",
-                    "conflict_error", "request_too_large", "rate_limit_error",
-                    "service_unavailable", "server_error"]
+                    "rate_limit_error", "service_unavailable", "server_error"]
 
 
 class Body(BaseModel):
@@ -144,6 +143,8 @@ class Answer(Body):
     match: MatchName
     gap: float | None
     version: int = Field(description="the committed version the answer was computed from")
+    answer_id: str | None = Field(description="a relaxed answer's id, which a correction "
+                                  "event names if its verification disagrees")
     timing: TimingView
     usage: SessionUsage
     logprobs: list[float] | None = Field(None, description="with logprobs: true")
@@ -202,6 +203,20 @@ class StandingAnswerEvent(Body):
     ttft_ms: float
 
 
+class CorrectionEvent(Body):
+    """A relaxed answer whose verification (the full forward) chose another token."""
+
+    session_id: str
+    answer_id: str
+    version: int
+    question: str
+    class_: str = Field(alias="class")
+    served_token: int
+    served_text: str
+    full_token: int
+    full_text: str
+
+
 class CloseEvent(Body):
     session_id: str
 
@@ -241,6 +256,7 @@ class Extension(Body):
     version: int
     session_id: str | None
     timing: TimingView
+    answer_id: str | None = Field(None, description="a relaxed answer's id")
     choices: list[Extension] | None = Field(None, description="each choice's, with n > 1")
 
 
@@ -331,7 +347,7 @@ class CompletionLogprobs(Body):
 
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float]]
     text_offset: list[int]
 
 
@@ -368,6 +384,7 @@ DONE = "[DONE]"  # the data of an OpenAI stream's last event
 ANSWER_EVENTS = {"token": TokenEvent, "result": Answer, "error": ErrorBody}
 AGENTIC_EVENTS = {"token": TokenEvent, "result": AgenticAnswer, "error": ErrorBody}
 SESSION_EVENTS = {"hello": HelloEvent, "commit": CommitEvent, "ready": ReadyEvent,
-                  "answer": StandingAnswerEvent, "close": CloseEvent}
+                  "answer": StandingAnswerEvent, "correction": CorrectionEvent,
+                  "close": CloseEvent}
 CHAT_EVENTS = {"message": (ChatCompletionChunk, ErrorBody, DONE)}
 COMPLETION_EVENTS = {"message": (CompletionChunk, ErrorBody, DONE)}
