@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,6 +203,78 @@ def remote_table() -> str | None:
             f"sample).\n\n" + "\n".join(lines))
 
 
+def _sidecar_load(folder: Path, name: str) -> tuple[str, str] | None:
+    """(1-minute load, date) from a `cat /proc/loadavg; date -u` file written beside a run."""
+    path = folder / name
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    return lines[0].split()[0], (lines[1] if len(lines) > 1 else "")
+
+
+def real_models_gate(folder: Path = RESULTS / "calibration-smollm2") -> str | None:
+    """`prepos calibrate` on the market task with a real model beside the bundled pair: per
+    model, the gate at the reference (first model's) tau with Wilson 95% intervals, its own
+    tau, the header's gap and argmax, and the full path's accuracy; the figure it drew."""
+    cal = load(str((folder / "calibration.json").relative_to(RESULTS)))
+    if not cal:
+        return None
+    ref = cal["reference_tau"]
+
+    def ci(lo_hi) -> str:
+        return f"[{lo_hi[0]:.3f}, {lo_hi[1]:.3f}]"
+
+    lines = ["| model | at τ={:g} (reference): coverage | false-accept | own τ | header gap "
+             "median (p10, p90) | header argmax (most common of {}) | full-path accuracy | "
+             "header token = data trend |".format(ref, cal["n"]),
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m in cal["models"].items():
+        op, acc = m["at_reference_tau"], m["accuracy"]
+        fa = (f"{op['false_accept']:.3f} {ci(op['false_accept_ci'])} "
+              f"({op['false_accepts']} of {op['accepted']})" if op["accepted"]
+              else "undefined: nothing accepted")
+        own = (f"{m['tau']:g}" if m["budget_met"] else
+               f"none meets r_max={cal['r_max']:g} (never fires: {m['tau']:g})")
+        g = m["gap"]
+        tokens = Counter(pr["token"] for pr in m["pairs"]).most_common(3)
+        top = ", ".join(f"{t!r} {k}" for t, k in tokens) or "?"
+        fp, ht = acc["full_path"], acc["header_vs_trend"]
+        lines.append(
+            f"| {name} | {op['coverage']:.3f} {ci(op['coverage_ci'])} ({op['accepted']}/"
+            f"{op['n']}) | {fa} | {own} | {g['median']:.2f} ({g['p10']:.2f}, {g['p90']:.2f}) | "
+            f"{top} | {fp['rate']:.3f} {ci(fp['ci'])} | {ht['rate']:.3f} {ci(ht['ci'])} |")
+    models = " ".join(m["model_dir"] for m in cal["models"].values())
+    threads = (cal.get("machine") or {}).get("threads")
+    cmd = (f"prepos calibrate --models {models} --out {folder.relative_to(ROOT)} "
+           f"--no-write-gate" + (f" --threads {threads}" if threads else ""))
+    if "machine" in cal:
+        when = f"{cal['machine']['date']}, load {cal['machine']['loadavg_1m_at_start']} at start"
+    else:
+        before, after = (_sidecar_load(folder, f"loadavg_{w}.txt") for w in ("before", "after"))
+        when = ", ".join(filter(None, [before and f"started {before[1]} (load {before[0]})",
+                                       after and f"ended {after[1]} (load {after[0]})"]))
+    took = ", ".join(f"{name} {m['seconds']:.0f} s" for name, m in cal["models"].items())
+    never = [name for name, m in cal["models"].items() if not m["at_reference_tau"]["accepted"]]
+    verdict = (f" At τ={ref:g}, {' and '.join(never)} never "
+               f"{'fires' if len(never) == 1 else 'fire'}." if never else "")
+    fig = folder / "coverage_vs_tau.png"
+    figure = ""
+    if fig.is_file():
+        dest = DOCS / "figures" / f"fig7_coverage_vs_tau_{folder.name}.png"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(fig, dest)
+        figure = (f"\n\n![coverage and false-accept vs tau, with {list(cal['models'])[-1]}]"
+                  f"(figures/{dest.name})")
+    return (f"The market task's {cal['n']} held-out decision points (seed {cal['seed']}, "
+            f"wording rate {cal['wording_rate']:g}), one run, every model read at the first "
+            f"model's calibrated τ (`{cmd}`; {when or 'date not recorded'}; {took}). "
+            f"Coverage is Eq. 13 (gap > τ and "
+            f"the header's argmax in the answer set {', '.join(cal['answers'])}), false-accept "
+            f"Eq. 14 against the model's own full path; intervals are Wilson 95%. The header "
+            f"argmax column counts the header token of each decision point.{verdict}\n\n"
+            + "\n".join(lines) + figure)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--gpu-summary"]:  # benchmarks/gpu.sh: its own table only
         root = Path(sys.argv[2])
@@ -384,6 +457,9 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 
 ## In front of real engines (`benchmarks/remote_decode.py`)
 {remote_table() or "Not run yet."}
+
+## The gate on a real model (`prepos calibrate`)
+{real_models_gate() or "Not run yet."}
 
 ## GPU run (`benchmarks/gpu.sh`)
 {gpu_md}

@@ -363,6 +363,13 @@ def gate_home(spec: str | Path) -> Path | None:
     return home
 
 
+def _load_1m() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        return None
+
+
 def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
         wording_rate: float, out_dir: Path, write_gate: bool, figures: bool = True,
         progress: bool = True, threads: int | None = None) -> dict:
@@ -375,6 +382,9 @@ def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
     results: dict = {
         "n": n, "seed": seed, "r_max": r_max, "tau_min": tau_min, "wording_rate": wording_rate,
         "answers": list(ANSWERS), "models": {},
+        # the machine may be shared: when this ran, and what else was running as it began
+        "machine": {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "loadavg_1m_at_start": _load_1m(), "threads": threads},
     }
     ref_tau = None
     for model in models:
