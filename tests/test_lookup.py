@@ -10,6 +10,7 @@ from prepos.config import EngineConfig
 from prepos.core import Path, Request, SamplingParams
 from prepos.kv import Forward, KVSequence, run_forwards
 from prepos.lookup import Lookup, NgramIndex, accepted
+from prepos.server.metrics import Metrics
 
 REPEAT = "the cat sat on the mat " * 3  # a context the tiny models continue by repeating
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
@@ -249,3 +250,15 @@ def test_lookup_is_configured_off_by_zero(make_engine):
     _turn(eng, REPEAT, SamplingParams(max_tokens=20))
     assert eng.metrics()["lookup"] == {"proposed": 0, "accepted": 0, "verify_steps": 0}
     assert EngineConfig().lookup_tokens == 4
+
+
+def test_draft_counters_reach_prometheus(make_engine):
+    eng = make_engine(lookup_tokens=4)
+    _turn(eng, REPEAT, SamplingParams(max_tokens=40))
+    stats = eng.metrics()["lookup"]
+    metrics = Metrics()
+    metrics.engine = eng
+    text = metrics.render().decode()
+    assert f'prepos:lookup_drafts_total{{outcome="proposed"}} {float(stats["proposed"])}' in text
+    assert f'prepos:lookup_drafts_total{{outcome="accepted"}} {float(stats["accepted"])}' in text
+    assert f'prepos:lookup_verify_steps_total {float(stats["verify_steps"])}' in text

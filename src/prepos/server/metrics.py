@@ -158,6 +158,15 @@ class _EngineCollector:
         yield GaugeMetricFamily("prepos:num_requests_waiting", "Foreground requests queued "
                                 "on the model worker", m["queue_foreground"])
         yield GaugeMetricFamily("prepos:sessions", "Live sessions", m["sessions"])
+        lk = m["lookup"]
+        fam = CounterMetricFamily("prepos:lookup_drafts", "Prompt-lookup drafted tokens of "
+                                  "greedy answers: proposed (run in a verifying forward) and "
+                                  "accepted (equal to the greedy choice)", labels=["outcome"])
+        fam.add_metric(["proposed"], lk["proposed"])
+        fam.add_metric(["accepted"], lk["accepted"])
+        yield fam
+        yield CounterMetricFamily("prepos:lookup_verify_steps", "Forwards that verified "
+                                  "drafted tokens", lk["verify_steps"])
         yield from _relaxed(m["relaxed"])
 
 
