@@ -23,6 +23,7 @@ torch's decode is measured on the same model (the HF directory for the timing mo
 GGUF, its weights dequantized to float32 by transformers).
 
     python benchmarks/native_decode.py [--model timing|smollm2|FILE.gguf|DIR] [--samples 64]
+        [--lookup K] (prompt-lookup drafts per forward; 0: off) [--only agentic]
 The last line printed is the JSON summary.
 """
 
@@ -127,10 +128,11 @@ class Peer:
 
 
 def engine(gguf_or_dir: Path, backend: str, threads: int, preposition: bool,
-           cells: int) -> Engine:
+           cells: int, lookup: int = EngineConfig.lookup_tokens) -> Engine:
     cfg = EngineConfig(backend=backend, threads=threads, preposition=preposition,
                        gate=GateConfig(tau=1e9, answers=()), kv_cells=cells,
-                       budget=BudgetConfig(session_cells=cells, engine_cells=cells))
+                       budget=BudgetConfig(session_cells=cells, engine_cells=cells),
+                       lookup_tokens=lookup)
     return Engine.from_pretrained(gguf_or_dir, cfg)
 
 
@@ -316,6 +318,27 @@ def ratio(a: dict, b: dict) -> float:
     return round(a["p50_ms"] / b["p50_ms"], 3)
 
 
+def agentic_only(gguf: Path, binary: Path, label: str, args, rng, out: dict) -> None:
+    """`--only agentic`: the 60-token agentic answer against llama-server, nothing else."""
+    eng = engine(gguf, "llama.cpp", args.threads, True, args.cells, args.lookup)
+    try:
+        with LlamaServer(binary, gguf, slots=1, ctx_per_slot=args.cells,
+                         threads=args.threads) as srv:
+            out["agentic"] = measure_agentic(eng, Peer(srv.url), args, rng)
+        out["lookup"] = eng.metrics()["lookup"]
+    finally:
+        eng.close()
+    out["agentic_60_ratio_vs_llama_server"] = ratio(out["agentic"]["prepos"],
+                                                    out["agentic"]["peer"])
+    write(args.out or RESULTS / f"native_decode_agentic_{Path(args.model).stem}.json", out)
+    ag = out["agentic"]
+    print(json.dumps({"model": label, "lookup_tokens": args.lookup,
+                      "agentic_60_ratio_vs_llama_server": out["agentic_60_ratio_vs_llama_server"],
+                      "prepos_p50_ms": ag["prepos"]["p50_ms"], "peer_p50_ms": ag["peer"]["p50_ms"],
+                      "samples": ag["prepos"].get("n"), "tokens_mean": ag["tokens_mean"],
+                      "lookup": out["lookup"]}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="timing")
@@ -332,6 +355,9 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=16384)
     ap.add_argument("--idle-chunk", type=int, default=64, help="idle chunk, idle-wait figure")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--lookup", type=int, default=EngineConfig.lookup_tokens,
+                    help="prompt-lookup drafted tokens per forward (0: off)")
+    ap.add_argument("--only", choices=["agentic"], help="measure this figure alone")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not llama_cpp.available():
@@ -344,14 +370,17 @@ def main() -> None:
     out: dict = {"benchmark": "native_decode", "model": label, "gguf": str(gguf),
                  "threads": args.threads, "state_tokens": args.state,
                  "llama_server": str(binary), "llama_cpp": llama_cpp.describe(),
-                 "machine": machine()}
-    eng = engine(gguf, "llama.cpp", args.threads, True, args.cells)
+                 "machine": machine(), "lookup_tokens": args.lookup}
+    if args.only == "agentic":
+        return agentic_only(gguf, binary, label, args, rng, out)
+    eng = engine(gguf, "llama.cpp", args.threads, True, args.cells, args.lookup)
     try:
         with LlamaServer(binary, gguf, slots=1, ctx_per_slot=args.cells,
                          threads=args.threads) as srv:
             peer = Peer(srv.url)
             out["decode_entry"] = measure_decode_and_entry(eng, peer, args, rng)
             out["agentic"] = measure_agentic(eng, peer, args, rng)
+        out["lookup"] = eng.metrics()["lookup"]
         out["fast"] = measure_fast(eng, args, rng)
         out["throughput"] = measure_throughput(eng, binary, gguf, args, rng)
     finally:
@@ -377,7 +406,8 @@ def main() -> None:
             "agentic_60_ratio_vs_llama_server"]
     out["request_wait_behind_idle_p99_ms"] = round(out["idle_wait"]["request_wait"]["p99_ms"], 3)
     keys.append("request_wait_behind_idle_p99_ms")
-    print(json.dumps({"model": label, **{k: out.get(k) for k in keys},
+    print(json.dumps({"model": label, "lookup_tokens": args.lookup, "lookup": out["lookup"],
+                      **{k: out.get(k) for k in keys},
                       "decode_p50_ms": de["decode_prepos"]["p50_ms"],
                       "peer_decode_p50_ms": de["decode_peer"]["p50_ms"]}))
 
