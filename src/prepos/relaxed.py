@@ -62,6 +62,7 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
 NUM, SYM, STR = "<num>", "<sym>", "<str>"
 MAX_CLASS_CHARS = 512  # a longer normalized question has no class (never served relaxed)
 MAX_PATTERNS = 64
+DEFER_QUANTA = 4  # a verification gives way to pre-positions for at most this many quanta
 _QUOTED = re.compile(r"\"[^\"]*\"|“[^”]*”|‘[^’]*’|`[^`]*`|(?<!\w)'[^'\n]+'(?!\w)")
 _CASHTAG = re.compile(r"\$[A-Za-z][A-Za-z0-9.]{0,9}\b")
 _NUMBER = re.compile(r"[-+]?[$€£¥]?\d[\d,_]*(?:[.:/-]\d+)*(?:[eE][-+]?\d+)?%?")
@@ -163,6 +164,7 @@ class ClassStats:
     served: int = 0  # relaxed answers served
     withheld: int = 0  # the gate fired but the class was not served: a full answer
     probing: int = 0  # served on probation, verification still to come
+    probation_served: int = 0  # served on probation in all (at most min_verified)
 
     def add(self, disagree: bool) -> None:
         self.recent.append(disagree)
@@ -241,8 +243,9 @@ class ClassGate:
                 verify = c.verify and self._book(sid)
                 return self._serve(st, cls, verify)
             if status == PROBATION and c.start == "serve" and st.probing < c.session_pending \
-                    and self._book(sid):
-                st.probing += 1
+                    and st.probation_served < c.min_verified and self._book(sid):
+                st.probing += 1  # unverified exposure on probation: at most min_verified
+                st.probation_served += 1
                 return self._serve(st, cls, True, probe=True)
             st.withheld += 1
             self.counters["withheld"] += 1
@@ -478,9 +481,11 @@ class Relaxed:
         has moved past the version (or closed), or when the cell budget has no room."""
         kv = self.pool.get(s.id)
         yielded = 0  # consecutive chunks stopped for a waiting request
+        deferred = 0
         while True:
-            if self.prepositions_pending() > 0:  # pre-positions first: give way
-                yield
+            if self.prepositions_pending() > 0 and deferred < DEFER_QUANTA:
+                deferred += 1  # pre-positions first: give way (a bounded number of quanta,
+                yield  # or a steady stream of updates elsewhere would starve it)
                 continue
             if s.closed or s.version != v.version:
                 return self._drop(v, "stale")
