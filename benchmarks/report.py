@@ -247,6 +247,8 @@ def real_models_gate(folder: Path = RESULTS / "calibration-smollm2") -> str | No
     threads = (cal.get("machine") or {}).get("threads")
     cmd = (f"prepos calibrate --models {models} --out {folder.relative_to(ROOT)} "
            f"--no-write-gate" + (f" --threads {threads}" if threads else ""))
+    if (folder / "command.txt").is_file():  # the command as run, where the run kept it
+        cmd = (folder / "command.txt").read_text().strip().removeprefix(".venv/bin/")
     if "machine" in cal:
         when = f"{cal['machine']['date']}, load {cal['machine']['loadavg_1m_at_start']} at start"
     else:
@@ -257,10 +259,15 @@ def real_models_gate(folder: Path = RESULTS / "calibration-smollm2") -> str | No
     never = [name for name, m in cal["models"].items() if not m["at_reference_tau"]["accepted"]]
     verdict = (f" At τ={ref:g}, {' and '.join(never)} never "
                f"{'fires' if len(never) == 1 else 'fire'}." if never else "")
+    for name in never:
+        m = cal["models"][name]
+        k = sum(pr["in_answers"] for pr in m["pairs"])
+        verdict += (f" {name}'s header argmax is in the answer set at {k} of {m['n']} points"
+                    + (": it cannot fire at any τ." if k == 0 else "."))
     fig = folder / "coverage_vs_tau.png"
     figure = ""
     if fig.is_file():
-        dest = DOCS / "figures" / f"fig7_coverage_vs_tau_{folder.name}.png"
+        dest = DOCS / "figures" / f"fig7_coverage_vs_tau_{folder.name.split('-')[-1]}.png"
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(fig, dest)
         figure = (f"\n\n![coverage and false-accept vs tau, with {list(cal['models'])[-1]}]"
