@@ -40,7 +40,9 @@ from prepos.core import Match, Request, SamplingParams  # noqa: E402
 from prepos.engine import Engine  # noqa: E402
 from prepos.lab.task import market  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
-from prepos.relaxed import DEMOTED, classify, wilson  # noqa: E402
+from prepos.question_class import classify  # noqa: E402
+from prepos.relaxed import DEMOTED  # noqa: E402
+from prepos.stats import wilson  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1)
 MIX = {"trend": 0.5, "polar": 0.3, "wording": 0.2}

@@ -18,17 +18,9 @@ from prepos.config import EngineConfig, GateConfig, RelaxedConfig
 from prepos.core import Match, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.errors import InvalidInput, WrongSessionKind
-from prepos.relaxed import (
-    DEMOTED,
-    PROBATION,
-    PROMOTED,
-    ClassGate,
-    ClassStats,
-    check_options,
-    classify,
-    normalize,
-    wilson,
-)
+from prepos.question_class import check_options, classify, normalize
+from prepos.relaxed import DEMOTED, PROBATION, PROMOTED, ClassGate, ClassStats
+from prepos.stats import wilson
 
 ONE = Request(SamplingParams(max_tokens=1))
 QUESTIONS = ["Is it rising?", "What is the trend?", "Will it go up?", "Is AAPL falling?"]

@@ -9,12 +9,13 @@ from collections import Counter
 from pathlib import Path as FsPath
 from typing import Callable, Sequence
 
+from prepos.admission import check_request, check_room, prompt_ids
 from prepos.answers import Answers
 from prepos.backends.base import Backend
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import ReadyRecord, Request, Result, SamplingParams
 from prepos.entries import ChatFormat, normalize_tool_call
-from prepos.errors import Conflict, InvalidInput, InvalidSampling, OverBudget
+from prepos.errors import Conflict, InvalidInput, OverBudget
 from prepos.gate import Gate
 from prepos.kv import Forward, KVPool
 from prepos.lookup import Lookup
@@ -211,7 +212,7 @@ class Engine:
     def query(self, sid: str, question: str, req: Request = DEFAULT) -> Stream:
         """Streaming: answer an ad-hoc or standing query. Never blocks on model work."""
         t0 = time.perf_counter()
-        sampling = self._check(req)
+        sampling = check_request(req, self.backend, self.config.topk_sampling)
         s = self.sessions.get(sid)
         s.require(STREAMING)
         if not isinstance(question, str) or not question.strip():
@@ -258,7 +259,7 @@ class Engine:
 
     def _agentic(self, sid: str, message: dict | None, req: Request) -> Stream:
         t0 = time.perf_counter()
-        sampling = self._check(req)
+        sampling = check_request(req, self.backend, self.config.topk_sampling)
         s = self.sessions.get(sid)
         s.require(AGENTIC)
         mode = req.fast_path or s.spec.fast_path
@@ -308,27 +309,14 @@ class Engine:
         template, or token ids taken as they are) on the session's KV, without touching its
         conversation. The stateless /v1/completions."""
         t0 = time.perf_counter()
-        sampling = self._check(req)
+        sampling = check_request(req, self.backend, self.config.topk_sampling)
         s = self.sessions.get(sid)
         snap, ready = s.current()
-        seq = self._prompt_ids(prompt)
+        seq = prompt_ids(prompt, self.fmt, self.backend.vocab_size)
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
                                     req.logprobs, t0)
 
     # == helpers ===========================================================================
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidInput("prompt must be a non-empty string or token ids")
-            return tuple(self.fmt.encode_prompt(prompt))
-        ids = tuple(prompt)
-        vocab = self.backend.vocab_size
-        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                          for t in ids):
-            raise InvalidInput(f"prompt token ids must be a non-empty list of integers in "
-                               f"[0, {vocab})")
-        return ids
-
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
         """A remote pre-position still in flight for a version just superseded is aborted
         where the engine allows; its answer is discarded (it was never going to be recorded:
@@ -340,31 +328,9 @@ class Engine:
         if kv is not None:
             cancel(kv.handle)
 
-    def _check(self, req: Request) -> SamplingParams:
-        """The request's sampling, refused where this back end cannot honour it."""
-        if not isinstance(req, Request):
-            raise InvalidInput(f"expected a prepos.core.Request, got {type(req).__name__}")
-        sampling = req.sampling
-        if sampling.shaped and self.backend.streams_answers:
-            raise InvalidSampling(f"the {self.backend.name} back end samples answers itself: "
-                                  "penalties, logit_bias and response_format are not "
-                                  "applied there")
-        if (not sampling.greedy and not self.backend.full_distribution
-                and not self.backend.streams_answers and not self.config.topk_sampling):
-            raise InvalidSampling(f"the {self.backend.name} back end returns top-k logprobs "
-                                  "only: it serves greedy decoding (temperature 0) unless "
-                                  "topk_sampling is enabled")
-        return sampling
-
     def _check_room(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
-        need = prompt_len + sampling.max_tokens
-        if need > self.max_context:
-            raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens "
-                             f"{sampling.max_tokens} exceeds the context of {self.max_context}")
-        budget = s.budget(self.config.budget.session_cells)
-        if need > budget:
-            raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens "
-                             f"{sampling.max_tokens} exceeds the session budget of {budget} cells")
+        check_room(prompt_len, sampling, self.max_context,
+                   s.budget(self.config.budget.session_cells))
 
     def _admit(self, s: Session, n: int) -> None:
         """Committed state across all sessions must fit the engine's cell budget: only

@@ -21,12 +21,8 @@ queued per session and per engine.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import math
-import re
 import threading
-import unicodedata
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -34,121 +30,12 @@ from typing import Callable, Generator, Sequence
 
 from prepos.backends.base import Dist, Preempted
 from prepos.config import RelaxedConfig
-from prepos.errors import InvalidInput
 from prepos.kv import Forward, KVPool
-
-Z95 = 1.959963984540054
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for k successes in n trials (default 95%); [0, 1] for n = 0."""
-    if n < 0 or k < 0 or k > n:
-        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    z2 = z * z
-    denom = 1 + z2 / n
-    centre = (p + z2 / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    lo = 0.0 if k == 0 else max(0.0, centre - half)
-    hi = 1.0 if k == n else min(1.0, centre + half)
-    return (lo, hi)
-
-
-# ---------------------------------------------------------------------------------------
-# Question classes
-
-NUM, SYM, STR = "<num>", "<sym>", "<str>"
-MAX_CLASS_CHARS = 512  # a longer normalized question has no class (never served relaxed)
-MAX_PATTERNS = 64
-DEFER_QUANTA = 4  # a verification gives way to pre-positions for at most this many quanta
-_QUOTED = re.compile(r"\"[^\"]*\"|“[^”]*”|‘[^’]*’|`[^`]*`|(?<!\w)'[^'\n]+'(?!\w)")
-_CASHTAG = re.compile(r"\$[A-Za-z][A-Za-z0-9.]{0,9}\b")
-_NUMBER = re.compile(r"[-+]?[$€£¥]?\d[\d,_]*(?:[.:/-]\d+)*(?:[eE][-+]?\d+)?%?")
-_TICKER = re.compile(r"\b[A-Z][A-Z0-9]{1,5}(?:[.:][A-Z0-9]{1,4})?\b")
-_RUN = re.compile(r"(<num>|<sym>|<str>)(?:[\s,]+\1)+")
-_SPACE = re.compile(r"\s+")
-_BEFORE_PUNCT = re.compile(r"\s+([,.:;?!)\]])")
-_TRAIL = re.compile(r"[\s?!.]+$")
-
-
-def normalize(question: str, wildcards: bool = False) -> str:
-    """A question's class: NFKC, then quoted strings -> <str>, cashtags and tickers (an
-    all-capitals word of 2-6 letters or digits, in a question that has lower case) -> <sym>,
-    numbers (signs, currency, separators, decimals, dates, times, percentages) -> <num>;
-    a run of one mask ("41 43 44") -> one; lower case, whitespace collapsed, trailing
-    punctuation dropped. `*` is dropped from questions and kept, as a wildcard, in patterns."""
-    text = unicodedata.normalize("NFKC", question)
-    text = _QUOTED.sub(f" {STR} ", text)
-    text = _CASHTAG.sub(f" {SYM} ", text)
-    if any(c.islower() for c in text.replace(STR, "").replace(SYM, "")):
-        text = _TICKER.sub(f" {SYM} ", text)
-    text = _NUMBER.sub(f" {NUM} ", text)
-    text = text.lower()
-    if not wildcards:
-        text = text.replace("*", " ")
-    text = _SPACE.sub(" ", text).strip()
-    text = _BEFORE_PUNCT.sub(r"\1", _RUN.sub(r"\1", text))
-    return _TRAIL.sub("", text)
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """A declared wording: its class key (the normalized wording) and what it matches (the
-    normalized question, `*` standing for one or more characters)."""
-
-    key: str
-    regex: re.Pattern
-
-    def matches(self, cls: str) -> bool:
-        return self.regex.fullmatch(cls) is not None
-
-
-@functools.lru_cache(maxsize=1024)
-def patterns(wordings: tuple[str, ...]) -> tuple[Pattern, ...]:
-    """The compiled `relaxed_queries` of a session (cached by their text)."""
-    out = []
-    for w in wordings:
-        key = normalize(w, wildcards=True)
-        parts = [re.escape(p.strip()) for p in key.split("*")]
-        body = r"\s?.+?\s?".join(parts)
-        out.append(Pattern(key, re.compile(body)))
-    return tuple(out)
-
-
-def check_options(relaxed_queries: Sequence[str], r_max: float | None) -> None:
-    """A session's relaxed options, refused (InvalidInput) before anything is created."""
-    if len(relaxed_queries) > MAX_PATTERNS:
-        raise InvalidInput(f"relaxed_queries takes at most {MAX_PATTERNS} wordings, got "
-                           f"{len(relaxed_queries)}")
-    for w in relaxed_queries:
-        if not isinstance(w, str) or not w.strip():
-            raise InvalidInput("relaxed_queries must be non-empty strings")
-        key = normalize(w, wildcards=True)
-        if not key.replace("*", "").strip() or len(key) > MAX_CLASS_CHARS:
-            raise InvalidInput(f"relaxed_queries entry {w!r} must have words beside '*' and "
-                               f"normalize to at most {MAX_CLASS_CHARS} characters")
-    if r_max is not None and (isinstance(r_max, bool) or not isinstance(r_max, (int, float))
-                              or not 0.0 < r_max < 1.0):
-        raise InvalidInput(f"r_max must be a number in (0, 1), got {r_max!r}")
-
-
-def classify(question: str, declared: Sequence[str] = ()) -> str | None:
-    """The question's class key; None when it has none (too long, or matching none of the
-    declared wordings of a session that declares some): it is never served relaxed."""
-    cls = normalize(question)
-    if not cls or len(cls) > MAX_CLASS_CHARS:
-        return None
-    if not declared:
-        return cls
-    return next((p.key for p in patterns(tuple(declared)) if p.matches(cls)), None)
-
-
-# ---------------------------------------------------------------------------------------
-# Per-class evidence and state
+from prepos.question_class import classify
+from prepos.stats import wilson
 
 PROBATION, PROMOTED, DEMOTED = "probation", "promoted", "demoted"
+DEFER_QUANTA = 4  # a verification gives way to pre-positions for at most this many quanta
 
 
 @dataclass

@@ -26,7 +26,7 @@ from prepos.errors import (
     VersionNotFound,
     WrongSessionKind,
 )
-from prepos.relaxed import check_options
+from prepos.question_class import check_options
 
 STREAMING = "streaming"
 AGENTIC = "agentic"

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from prepos.relaxed import Z95, wilson  # noqa: F401  (the one implementation, re-exported)
+from prepos.stats import Z95, wilson  # noqa: F401  (the one implementation, re-exported)
 
 
 @dataclass(frozen=True)

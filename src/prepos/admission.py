@@ -1,0 +1,55 @@
+"""What a request must satisfy before any of it runs: a request object, sampling the back end
+can honour, a prompt of valid token ids, room in the context and in the session's budget.
+Each check raises a typed error and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from prepos.backends.base import Backend
+from prepos.core import Request, SamplingParams
+from prepos.entries import ChatFormat
+from prepos.errors import InvalidInput, InvalidSampling, OverBudget
+
+
+def check_request(req: Request, backend: Backend, topk_sampling: bool) -> SamplingParams:
+    """The request's sampling, refused where this back end cannot honour it."""
+    if not isinstance(req, Request):
+        raise InvalidInput(f"expected a prepos.core.Request, got {type(req).__name__}")
+    sampling = req.sampling
+    if sampling.shaped and backend.streams_answers:
+        raise InvalidSampling(f"the {backend.name} back end samples answers itself: "
+                              "penalties, logit_bias and response_format are not applied there")
+    if (not sampling.greedy and not backend.full_distribution and not backend.streams_answers
+            and not topk_sampling):
+        raise InvalidSampling(f"the {backend.name} back end returns top-k logprobs only: it "
+                              "serves greedy decoding (temperature 0) unless topk_sampling is "
+                              "enabled")
+    return sampling
+
+
+def check_room(prompt_len: int, sampling: SamplingParams, max_context: int,
+               budget: int) -> None:
+    """The prompt and its answer fit the context and the session's cell budget."""
+    need = prompt_len + sampling.max_tokens
+    if need > max_context:
+        raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens {sampling.max_tokens} "
+                         f"exceeds the context of {max_context}")
+    if need > budget:
+        raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens {sampling.max_tokens} "
+                         f"exceeds the session budget of {budget} cells")
+
+
+def prompt_ids(prompt: str | Sequence[int], fmt: ChatFormat, vocab: int) -> tuple[int, ...]:
+    """A raw completion's prompt as token ids: text tokenized with no chat template, or ids
+    taken as they are (each in the vocabulary)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidInput("prompt must be a non-empty string or token ids")
+        return tuple(fmt.encode_prompt(prompt))
+    ids = tuple(prompt)
+    if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                      for t in ids):
+        raise InvalidInput(f"prompt token ids must be a non-empty list of integers in "
+                           f"[0, {vocab})")
+    return ids
