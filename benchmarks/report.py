@@ -133,6 +133,75 @@ def _drafts(r: dict) -> str:
             f"{plain['peer']['p50_ms']:.2f}: {r['agentic_60_ratio_no_lookup']:.3f}x")
 
 
+def structured_table() -> str | None:
+    """`benchmarks/structured.py`: a json_schema answer, first token fast vs cold."""
+    r = load("structured.json")
+    if r is None:
+        return None
+    res, m, lib, ratios = r["results"], r["machine"], r["library"], r["ratios"]
+
+    def pq(key: str) -> str:
+        d = res[key]
+        return f"{d['p50_ms']:.3f} ms | {d['p99_ms']:.3f} ms"
+
+    rows = [("structured, fast path, time to first token", pq("fast_ttft")),
+            ("structured, cold path, time to first token", pq("cold_ttft")),
+            ("unconstrained fast path, time to first token", pq("plain_fast_ttft")),
+            ("structured answer end to end, fast", pq("fast_total")),
+            ("structured answer end to end, cold", pq("cold_total"))]
+    lines = ["| | P50 | P99 |", "|---|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    libs = "; ".join(f"{k} compile {v['compile']['p50_ms']:.3f} ms, mask per token "
+                     f"{v['mask']['p50_ms']:.4f} ms (P50, {lib['tokenizer_vocab']}-token "
+                     f"vocabulary)" for k, v in lib.items()
+                     if isinstance(v, dict) and "compile" in v)
+    return (f"A `json_schema` answer ({r['answer_tokens_p50']} tokens, `{r['answer']}`) on "
+            f"{r['model']} with {r['state_tokens']} tokens of state, its first token from the "
+            f"exact fast path (the cached logits, masked by the grammar) vs the same answer "
+            f"cold, interleaved, n={r['samples_per_path']} each (`cd benchmarks && python "
+            f"structured.py`; {m['date']}, load {m['loadavg_1m_at_start']} at start on "
+            f"{m['cpus']} cores). Fast and cold answers differing: "
+            f"{r['fast_cold_token_mismatches']}.\n\n" + "\n".join(lines)
+            + f"\n\n`structured_cold_over_fast_p50` = "
+            f"**{ratios['structured_cold_over_fast_p50']:.0f}x**; the grammar's cost on a fast "
+            f"first token: {ratios['structured_fast_over_plain_fast_ttft_p50']:.1f}x the "
+            f"unconstrained fast path." + (f" Library: {libs}." if libs else ""))
+
+
+def relaxed_table() -> str | None:
+    """`benchmarks/relaxed_risk.py`: the relaxed path's online risk gate, its targets."""
+    r = load("relaxed_risk.json")
+    if r is None:
+        return None
+    m, ok = r["machine"], r["targets_met"]
+    mix = ", ".join(f"{k} {v:.0%}" for k, v in r["mix"].items())
+
+    def met(key: str) -> str:
+        return "met" if ok.get(key) else "**not met**"
+
+    rows = [
+        ("served false-accept rate after warm-up (Wilson 95% upper)",
+         f"{r['served_false_accept']:.3f} ({r['served_false_accept_upper']:.3f})",
+         f"upper <= r_max {r['r_max']}", met("served_false_accept_upper")),
+        ("ineligible questions served relaxed", str(r["ineligible_served_relaxed"]), "0",
+         met("ineligible_served_relaxed")),
+        ("relaxed coverage on the eligible class / offline calibration's",
+         f"{r['eligible_coverage_ratio']:.2f}", ">= 0.9", met("eligible_coverage_ratio")),
+        ("P99 of cold requests, verification on / off",
+         f"{r['p99_cold_ratio_verification_on_off']:.2f}", "<= 1.1",
+         met("p99_cold_ratio_verification_on_off")),
+        ("corrections sent / disagreements found",
+         f"{r['corrections_sent']} / {r['disagreements_found']}", "equal",
+         met("corrections_equal_disagreements")),
+    ]
+    lines = ["| | measured | target | |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return (f"The bundled model in process, {r['sessions']} sessions, a mixed workload "
+            f"({mix}), new classes starting `{r['start']}`, every relaxed answer also checked "
+            f"against the full path untimed (`python benchmarks/relaxed_risk.py`; {m['date']}, "
+            f"load {m['loadavg_1m_at_start']} at start on {m['cpus']} cores).\n\n"
+            + "\n".join(lines))
+
+
 def native_table() -> str | None:
     """`benchmarks/native_decode.py`, one column per model it ran on."""
     runs = [(p.stem.removeprefix("native_decode_"), json.loads(p.read_text()))
@@ -481,8 +550,14 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 ## In front of real engines (`benchmarks/remote_decode.py`)
 {remote_table() or "Not run yet."}
 
+## Structured output (`benchmarks/structured.py`)
+{structured_table() or "Not run yet."}
+
 ## The gate on a real model (`prepos calibrate`)
 {real_models_gate() or "Not run yet."}
+
+## The relaxed path's online risk bound (`benchmarks/relaxed_risk.py`)
+{relaxed_table() or "Not run yet."}
 
 ## GPU run (`benchmarks/gpu.sh`)
 {gpu_md}
