@@ -40,6 +40,11 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
          [py, "benchmarks/native_decode.py", "--model", "smollm2",
           *(["--samples", "16", "--agentic-samples", "8", "--rounds", "1"] if quick else []),
           "NEEDS_LLAMA_SERVER", "NEEDS_SMOLLM2"]),
+        ("structured output: fast vs cold first token", [py, "benchmarks/structured.py",
+                                                          *n]),
+        ("relaxed path: online risk bound", [py, "benchmarks/relaxed_risk.py",
+                                             *(["--eligible", "256", "--warmup", "128"]
+                                               if quick else [])]),
         ("HW-6 energy", [py, "benchmarks/energy.py"]),
         ("closed form and simulator", [py, "-m", "prepos.sim.cli", "--check",
                                        "--trace", "results/hit_rate.json", "TAU_P"]),
