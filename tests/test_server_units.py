@@ -117,3 +117,16 @@ def test_limits():
     with pytest.raises(ApiError) as err:
         lim.check_input(Eng, "a " * 11, "data")
     assert err.value.status == 413 and "11 tokens" in err.value.message
+
+
+def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
+    from prepos.server.app import config_from_args, main, parse_args
+
+    cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "cold",
+                                       "--relaxed-r-max", "0.1", "--journal", "none"]))
+    assert cfg.engine.lookup_tokens == 0
+    assert (cfg.engine.relaxed.start, cfg.engine.relaxed.r_max) == ("cold", 0.1)
+    assert main(["--relaxed-r-max", "2", "--journal", "none"]) == 2
+    assert "r_max" in capsys.readouterr().err
+    assert main(["--lookup-tokens", "-1", "--journal", "none"]) == 2
+    assert "--lookup-tokens" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prepos.config import BudgetConfig, EngineConfig
+from prepos.config import BudgetConfig, EngineConfig, RelaxedConfig
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi
 from prepos.server import responses as R
@@ -125,6 +125,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "one to the event loop; more oversubscribes and stalls)")
     p.add_argument("--no-preposition", action="store_true",
                    help="never pre-position (every request pays its entry: the baseline)")
+    p.add_argument("--lookup-tokens", type=int, default=EngineConfig.lookup_tokens,
+                   help="prompt-lookup draft tokens verified per forward of a greedy answer "
+                        "(0: off)")
+    p.add_argument("--relaxed-r-max", type=float, default=RelaxedConfig.r_max,
+                   help="the relaxed fast path's risk budget: a question class is served "
+                        "while its verified false-accept rate's Wilson upper bound is within")
+    p.add_argument("--relaxed-start", default=RelaxedConfig.start, choices=["serve", "cold"],
+                   help="a new question class on the relaxed path: served on probation, each "
+                        "answer verified (serve), or by the full path until promoted (cold)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-sessions", type=int, default=1024)
     p.add_argument("--max-sessions-per-key", type=int)
@@ -163,6 +172,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from prepos.server.auth import load_keys
 
+    if args.lookup_tokens < 0:
+        raise ValueError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
     if args.journal is None:
         journal: Path | None = default_journal(args.model)
     elif args.journal.lower() in ("none", ""):
@@ -173,7 +184,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           backend=args.backend, kv_cells=args.kv_cells,
                           max_context=args.max_session_tokens,
                           preposition=not args.no_preposition,
-                          budget=BudgetConfig(args.max_session_cells, args.max_kv_cells))
+                          budget=BudgetConfig(args.max_session_cells, args.max_kv_cells),
+                          lookup_tokens=args.lookup_tokens,
+                          relaxed=RelaxedConfig(r_max=args.relaxed_r_max,
+                                                start=args.relaxed_start))
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
                     max_sessions_per_key=args.max_sessions_per_key, max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
@@ -201,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepos serve: no model at {args.model}: {exc}. Train the bundled model first "
               "(`prepos train`) or pass --model DIR, FILE.gguf or smollm2.", file=sys.stderr)
         return 2
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # an option out of its range
+        print(f"prepos serve: {exc}", file=sys.stderr)
+        return 2
     # the model worker runs Python between its kernels; a request arriving then waits for the
     # GIL up to the switch interval (5 ms by default): keep that wait well under the fast
     # path's budget
