@@ -245,11 +245,11 @@ def test_logprobs_of_drafted_tokens_are_their_positions_own(make_engine):
         assert abs(float(cold[tok]) - lp) <= tolerance(eng) * 4
 
 
-def test_lookup_is_configured_off_by_zero(make_engine):
+def test_lookup_is_off_by_zero_and_by_default(make_engine):
     eng = make_engine(lookup_tokens=0)
     _turn(eng, REPEAT, SamplingParams(max_tokens=20))
     assert eng.metrics()["lookup"] == {"proposed": 0, "accepted": 0, "verify_steps": 0}
-    assert EngineConfig().lookup_tokens == 4
+    assert EngineConfig().lookup_tokens == 0  # opt-in: drafts cost where answers do not copy
 
 
 def test_draft_counters_reach_prometheus(make_engine):

@@ -71,8 +71,9 @@ class EngineConfig:
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
     # greedy answers on back ends that verify drafts: up to this many tokens drafted per
-    # forward from the session's own context (prompt lookup, `prepos.lookup`); 0: off
-    lookup_tokens: int = 4
+    # forward from the session's own context (prompt lookup, `prepos.lookup`); 0: off, the
+    # default: on SmolLM2's own (non-repeating) answers drafts cost more than they save
+    lookup_tokens: int = 0
     lookup_ngram: int = 3  # the longest n-gram matched (then shorter, down to 1)
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
