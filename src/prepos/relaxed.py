@@ -30,6 +30,7 @@ from typing import Callable, Generator, Sequence
 
 from prepos.backends.base import Dist, Preempted
 from prepos.config import RelaxedConfig
+from prepos.entries import Split
 from prepos.kv import Forward, KVPool
 from prepos.question_class import classify
 from prepos.stats import wilson
@@ -250,7 +251,8 @@ class Verification:
     sid: str
     version: int
     cls: str
-    seq: tuple[int, ...]  # committed tokens + the question's entry
+    tokens: tuple[int, ...]  # the version's committed tokens
+    frame: Split  # the session's user-message frame at that version (`Entries.user`)
     served_token: int  # the header record's argmax
     answer_id: str | None  # None: nothing was served (evidence only)
     question: str
@@ -302,8 +304,9 @@ class Relaxed:
         return None
 
     def _check(self, s, snap, question: str, header, d: Decision) -> Verification:
-        entry = self.fmt.encode(self.fmt.frame(s.entries(snap).user, question))
-        return Verification(s.id, snap.version, d.cls, snap.tokens + tuple(entry),
+        """A check to book: no tokenizing here (this runs on a relaxed answer's path); the
+        question's entry is tokenized when the check runs, at idle priority."""
+        return Verification(s.id, snap.version, d.cls, snap.tokens, s.entries(snap).user,
                             header.argmax, d.answer_id, question, d.probe)
 
     def info(self, s) -> dict:
@@ -367,6 +370,7 @@ class Relaxed:
         greedy argmax compared with the served token. Dropped, never run, once the session
         has moved past the version (or closed), or when the cell budget has no room."""
         kv = self.pool.get(s.id)
+        seq = v.tokens + tuple(self.fmt.encode(self.fmt.frame(v.frame, v.question)))
         yielded = 0  # consecutive chunks stopped for a waiting request
         deferred = 0
         while True:
@@ -376,10 +380,10 @@ class Relaxed:
                 continue
             if s.closed or s.version != v.version:
                 return self._drop(v, "stale")
-            if len(v.seq) > budget or not self.pool.fits(s.id, v.seq):
+            if len(seq) > budget or not self.pool.fits(s.id, seq):
                 return self._drop(v, "budget")  # skipped, never evicting
             try:  # gives way between layers to a waiting request, at most max_yields times
-                step = yield Forward(kv, v.seq, self.chunk,
+                step = yield Forward(kv, seq, self.chunk,
                                      preemptible=yielded < self.max_yields)
                 yielded = 0
             except Preempted:
