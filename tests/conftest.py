@@ -26,6 +26,20 @@ def model_dirs(tmp_path_factory):
             for fam, arch in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def model(model_dirs) -> str:
+    """The served model id of a server on the chatml tiny model (its directory's name)."""
+    return model_dirs["chatml"].name
+
+
+@pytest.fixture(scope="session")
+def tok(model_dirs):
+    """The chatml tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dirs["chatml"]))
+
+
 @pytest.fixture(params=[f for f, _ in FAMILIES])
 def family(request):
     return request.param

@@ -15,7 +15,6 @@ import time
 import httpx
 import pytest
 from server_harness import ServerProc, sse_events, state_of
-from transformers import AutoTokenizer
 
 from helpers import fill_ids
 
@@ -36,14 +35,8 @@ def server(model_dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(model_dirs):
-    return model_dirs["chatml"].name
-
-
-@pytest.fixture(scope="module")
-def long_text(model_dirs):
+def long_text(tok):
     """Text within the per-request input limit (400 tokens) but over the context (256)."""
-    tok = AutoTokenizer.from_pretrained(str(model_dirs["chatml"]))
     text = ""
     while len(tok(text, add_special_tokens=False)["input_ids"]) < 300:
         text += "AAPL 101.2 zq "

@@ -8,7 +8,6 @@ import httpx
 import openai
 import pytest
 from server_harness import ServerProc
-from transformers import AutoTokenizer
 
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
@@ -27,16 +26,6 @@ def server(model_dirs, tmp_path_factory):
     with ServerProc(model_dirs["chatml"], tmp_path_factory.mktemp("srv-conformance"),
                     "--max-session-tokens", "256", "--allowed-origins", ORIGIN) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def model(model_dirs):
-    return model_dirs["chatml"].name
-
-
-@pytest.fixture(scope="module")
-def tok(model_dirs):
-    return AutoTokenizer.from_pretrained(str(model_dirs["chatml"]))
 
 
 @pytest.fixture

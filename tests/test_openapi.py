@@ -52,11 +52,6 @@ def doc(server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model(model_dirs) -> str:
-    return model_dirs["chatml"].name
-
-
-@pytest.fixture(scope="module")
 def client(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
