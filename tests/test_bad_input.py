@@ -138,6 +138,13 @@ def cases(model: str, t: dict, long_text: str):
          {"json": chat(response_format={"type": "json_schema", "json_schema": {
              "name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}}})}, 400,
          "invalid_request", "response_format"),
+        ("tool-call-arguments-nested-too-deep", "POST", V1,
+         {"json": chat([{"role": "user", "content": "Price?"},
+                        {"role": "assistant", "content": "", "tool_calls": [{
+                            "id": "c1", "type": "function", "function": {
+                                "name": "get_price", "arguments": "[" * 2000 + "]" * 2000}}]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "42"}])}, 400,
+         None, "arguments"),
         ("image-content", "POST", V1,
          {"json": chat([{"role": "user", "content": [{"type": "image_url",
                                                       "image_url": {"url": "x"}}]}])},

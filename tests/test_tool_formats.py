@@ -13,7 +13,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from prepos import tool_formats as tf
-from prepos.entries import ChatFormat
+from prepos.entries import ChatFormat, normalize_tool_call
+from prepos.errors import InvalidInput
 from prepos.lab.tiny import build_model, build_tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -204,3 +205,15 @@ def test_the_server_renders_tools_on_a_template_without_tool_support(plain_app):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == \
         "get_weather"
+
+
+def test_json_nested_deeper_than_the_decoder_recurses_is_no_call():
+    deep = "[" * 5000 + "]" * 5000
+    text = '<tool_call>{"name": "f", "arguments": ' + deep + '}</tool_call>'
+    assert tf.parse_prepos(text) == (text, [])
+    assert tf.parse_hermes(text) == (text, [])
+    assert tf.parse_llama3('{"name": "f", "parameters": ' + deep + '}')[1] == []
+    assert tf.parse_mistral("[TOOL_CALLS]" + deep)[1] == []
+    assert tf.parse_mistral("[TOOL_CALLS]f[ARGS]" + deep)[1] == []
+    with pytest.raises(InvalidInput, match="nested too deeply"):
+        normalize_tool_call({"function": {"name": "f", "arguments": deep}})

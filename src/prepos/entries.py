@@ -11,7 +11,6 @@ prompt adds to the committed text.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -194,15 +193,8 @@ def normalize_tool_call(call: object) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise InvalidInput("a tool call needs function.name")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as exc:
-            raise InvalidInput(f"tool call arguments are not JSON: {exc}") from None
-    if not isinstance(args, dict):
-        raise InvalidInput("tool call arguments must be a JSON object")
-    return _call(fn["name"], args)
-
-
-_call = tool_formats.call
+    try:
+        args = tool_formats.arguments(fn.get("arguments", {}))
+    except ValueError as exc:
+        raise InvalidInput(f"tool call arguments are not a JSON object: {exc}") from None
+    return tool_formats.call(fn["name"], args)

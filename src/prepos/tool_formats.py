@@ -36,29 +36,40 @@ def call(name: str, arguments: dict) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def loads(text: str) -> object:
+    """`json.loads`, refusing with ValueError whatever it cannot decode, nesting deeper
+    than the decoder recurses included."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def arguments(args: object) -> dict:
+    """A call's arguments as a JSON object: the object itself, or a JSON text of one (empty
+    text: none). ValueError for anything else."""
+    if isinstance(args, str):
+        args = loads(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ValueError(f"got {type(args).__name__}")
+    return args
+
+
 def as_call(obj: object, arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> dict | None:
     """A decoded JSON object as a call: a string "name" and a JSON-object argument field
     (a JSON text of one is taken too); None for anything else."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args: object = {}
-    for key in arg_keys:
-        if key in obj:
-            args = obj[key]
-            break
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
+    raw = next((obj[key] for key in arg_keys if key in obj), {})
+    try:
+        return call(obj["name"], arguments(raw))
+    except ValueError:
         return None
-    return call(obj["name"], args)
 
 
 def _json_call(raw: str) -> dict | None:
     try:
-        return as_call(json.loads(raw))
+        return as_call(loads(raw))
     except ValueError:
         return None
 
@@ -96,7 +107,7 @@ def parse_llama3(text: str) -> Parsed:
     while at < len(body):
         try:
             obj, end = dec.raw_decode(body, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         c = as_call(obj)
         if c is None:
@@ -130,7 +141,7 @@ def parse_mistral(text: str) -> Parsed:
 def _mistral_array(body: str) -> list[dict]:
     try:
         obj, end = json.JSONDecoder().raw_decode(body.lstrip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if not isinstance(obj, list) or not obj or body.lstrip()[end:].strip():
         return []
@@ -146,7 +157,7 @@ def _mistral_named(body: str) -> list[dict]:
         if not sep:
             return []
         try:
-            obj = json.loads(args)
+            obj = loads(args)
         except ValueError:
             return []
         c = as_call({"name": name.strip(), "arguments": obj})
