@@ -17,9 +17,9 @@ that a change in the machine's load hits both:
   agentic      a 60-token answer after a tool result, end to end: prepos from its
                pre-positioned tool-result envelope; llama-server with the state before the tool
                result in its prompt cache, asked for as many tokens as prepos produced;
-               measured twice: prepos with prompt-lookup drafts (`--lookup`, the engine's
-               default) and without (`agentic_60_ratio_no_lookup`). Every other figure runs
-               without drafts: a decode step's own time;
+               measured twice: prepos with prompt-lookup drafts (`--lookup`, 4 here;
+               the engine's default is off) and without (`agentic_60_ratio_no_lookup`).
+               Every other figure runs without drafts: a decode step's own time;
   idle wait    a request's wait for the model worker while another session pre-positions
                without pause (the abort callback stops a running idle chunk).
 torch's decode is measured on the same model (the HF directory for the timing model; for a
@@ -335,7 +335,8 @@ def agentic_only(gguf: Path, binary: Path, label: str, args, rng, out: dict) -> 
         eng.close()
     out["agentic_60_ratio_vs_llama_server"] = ratio(out["agentic"]["prepos"],
                                                     out["agentic"]["peer"])
-    write(args.out or RESULTS / f"native_decode_agentic_{Path(args.model).stem}.json", out)
+    # not native_decode_*.json: report.py's table reads those as full runs
+    write(args.out or RESULTS / f"native_agentic_{Path(args.model).stem}.json", out)
     ag = out["agentic"]
     print(json.dumps({"model": label, "lookup_tokens": args.lookup,
                       "agentic_60_ratio_vs_llama_server": out["agentic_60_ratio_vs_llama_server"],

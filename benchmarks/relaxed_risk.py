@@ -188,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-update", type=int, default=2, help="questions per data message")
     ap.add_argument("--r-max", type=float, default=0.15)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--start", default="cold", choices=["cold", "serve"],
-                    help="how a new class starts (the engine's default is serve)")
+    ap.add_argument("--start", default=RelaxedConfig.start, choices=["cold", "serve"],
+                    help="how a new class starts (default: the engine's); results go to "
+                         "results/relaxed_risk.json, or relaxed_risk_start_<start>.json "
+                         "for the other")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a small model)")
     args = ap.parse_args(argv)
     on = run(args.model, True, args)
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "verification_on": on, "verification_off": without_classes(off),
     }
-    write("relaxed_risk", summary)
+    write("relaxed_risk" if args.start == RelaxedConfig.start
+          else f"relaxed_risk_start_{args.start}", summary)
     print(json.dumps(summary))
     return 0
 
