@@ -6,13 +6,17 @@ import math
 
 import pytest
 import torch
+from conftest import NO_LLAMA_CPP
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prepos.backends import llama_cpp
 from prepos.core import Match, Path, ReadyRecord, Result
 from prepos.lab import calibration as cal
 from prepos.lab.task.market import decision_points
 from prepos.stream import Stream
+
+NEEDS_LLAMA_CPP = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
 
 # -- Wilson intervals ---------------------------------------------------------------------
 
@@ -257,6 +261,7 @@ def _packaged_gguf(tmp_path, monkeypatch):
     return gguf
 
 
+@NEEDS_LLAMA_CPP
 def test_calibrate_cli_resolves_an_alias_without_writing_into_its_package(tmp_path, monkeypatch):
     import json
 
@@ -273,6 +278,7 @@ def test_calibrate_cli_resolves_an_alias_without_writing_into_its_package(tmp_pa
     assert len(model["pairs"]) == 3 and model["header_tokens"]
 
 
+@NEEDS_LLAMA_CPP
 def test_calibrate_writes_the_gate_beside_a_gguf_the_user_names(tmp_path, monkeypatch):
     import json
     import shutil
