@@ -210,7 +210,6 @@ HERMES = ToolFormat("hermes", parse_hermes, ("<tool_call>",), ())
 LLAMA3 = ToolFormat("llama3", parse_llama3, (PYTHON_TAG,), ("{",))
 MISTRAL = ToolFormat("mistral", parse_mistral, (TOOL_CALLS,), ("[",))
 PREPOS = ToolFormat("prepos", parse_prepos, ("<tool_call>",), ("{",))
-FAMILIES = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, PREPOS)}
 
 
 def detect(template: str, rendered_call: str | None) -> ToolFormat:

@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from prepos.config import BudgetConfig, EngineConfig, RelaxedConfig
 from prepos.paths import DEFAULT_MODEL
-from prepos.server import errors, openapi
+from prepos.server import errors, openapi, results
 from prepos.server import responses as R
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.limits import BodyLimit, Limits
@@ -87,9 +87,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
     if config.allowed_origins:  # browser clients: preflight answered, responses allowed
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=["X-Prepos-Path", "X-Prepos-Match",
-                                           "X-Prepos-Version", "X-Prepos-Session",
-                                           "Server-Timing"], max_age=600)
+                           expose_headers=list(results.EXPOSED), max_age=600)
     return app
 
 

@@ -67,11 +67,6 @@ def _arguments(args) -> str:
     return args if isinstance(args, str) else json.dumps(args)
 
 
-def safe_prefix(text: str, fmt: ToolFormat = PREPOS) -> int:
-    """How much of `text` cannot be part of a tool call's markup in `fmt`'s family."""
-    return tool_formats.safe_prefix(text, fmt)
-
-
 class Reply:
     """What every response of one request shares: its id, creation time and model; `index`
     is the choice a copy of it writes."""
@@ -205,7 +200,8 @@ class ChatReply(Reply):
                 text = ev.text
                 if self.tools:
                     held += text
-                    safe = safe_prefix(sent + held, self.chat_format.tool_format) - len(sent)
+                    safe = tool_formats.safe_prefix(sent + held,
+                                                    self.chat_format.tool_format) - len(sent)
                     text, held = held[:max(safe, 0)], held[max(safe, 0):]
                 lp = None
                 if self.logprobs and ev.token >= 0 and ev.logprob is not None:

@@ -31,11 +31,9 @@ def extension(res: Result, session_id: str | None = None) -> dict:
             **({"answer_id": res.answer_id} if res.answer_id else {})}
 
 
-def usage(res: Result) -> dict:
-    prompt = res.prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": len(res.tokens),
-            "total_tokens": prompt + len(res.tokens),
-            "prompt_tokens_details": {"cached_tokens": cached_prompt_tokens(res)}}
+# every header `headers` may set: what browsers (CORS) are allowed to read
+EXPOSED = ("X-Prepos-Path", "X-Prepos-Match", "X-Prepos-Version", "X-Prepos-Session",
+           "X-Prepos-Answer-Id", "Server-Timing")
 
 
 def headers(res: Result, session_id: str | None = None) -> dict[str, str]:
