@@ -40,6 +40,15 @@ def tok(model_dirs):
     return AutoTokenizer.from_pretrained(str(model_dirs["chatml"]))
 
 
+@pytest.fixture
+def oai(server):
+    """An OpenAI SDK client of the module's `server` fixture (a `ServerProc`)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
 @pytest.fixture(params=[f for f, _ in FAMILIES])
 def family(request):
     return request.param

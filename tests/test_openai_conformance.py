@@ -28,12 +28,6 @@ def server(model_dirs, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture
-def oai(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def user(text="Hello?"):
     return [{"role": "user", "content": text}]
 

@@ -28,12 +28,6 @@ def model_name(model_dirs):
 
 
 @pytest.fixture
-def oai(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c

@@ -246,12 +246,6 @@ def server(model_dirs, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture
-def oai(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
 def test_the_sdk_parses_a_pydantic_model_stateless_and_from_the_fast_path(server, oai,
                                                                            model_dirs):
     model = model_dirs["chatml"].name
