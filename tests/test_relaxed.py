@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 
 import httpx
@@ -18,7 +19,7 @@ from prepos.config import EngineConfig, GateConfig, RelaxedConfig
 from prepos.core import Match, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.errors import InvalidInput, WrongSessionKind
-from prepos.question_class import check_options, classify, normalize
+from prepos.question_class import check_options, classify, normalize, patterns
 from prepos.relaxed import DEMOTED, PROBATION, PROMOTED, ClassGate, ClassStats
 from prepos.stats import wilson
 
@@ -349,3 +350,28 @@ def test_http_correction_event_names_the_relaxed_answer(tmp_path):
         # two outcomes: the served answer's verification, and the withheld one's full answer
         assert 'prepos:relaxed_verified_total{outcome="disagree"} 2.0' in metrics
         assert "prepos:relaxed_corrections_total 1.0" in metrics
+
+
+def _regex_match(key: str, cls: str) -> bool:
+    """The specification: each `*` one or more characters (optional spaces around it)."""
+    body = r"\s?.+?\s?".join(re.escape(p.strip()) for p in key.split("*"))
+    return re.fullmatch(body, cls) is not None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "ab", " ", "*"]), min_size=1, max_size=7),
+       st.text(alphabet="ab ", max_size=12))
+def test_a_declared_wording_matches_as_its_wildcard_regex_would(pieces, cls):
+    key = "".join(pieces).strip()
+    if not key.replace("*", "").strip():
+        return  # refused by check_options
+    (pattern,) = patterns((key,))
+    assert pattern.matches(cls) == _regex_match(pattern.key, cls)
+
+
+def test_many_wildcards_match_in_a_scan():
+    """The regex form backtracks exponentially here (seconds at 30 words); the scan answers
+    at once either way (checked by its result, not by its time)."""
+    (pattern,) = patterns(("a * a * a * a * a * a * z",))
+    assert not pattern.matches(" ".join(["a"] * 400))
+    assert pattern.matches(" ".join(["a"] * 400) + " z")

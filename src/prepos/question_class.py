@@ -50,10 +50,24 @@ class Pattern:
     normalized question, `*` standing for one or more characters)."""
 
     key: str
-    regex: re.Pattern
+    parts: tuple[str, ...]  # the literal text around each `*`, stripped
 
     def matches(self, cls: str) -> bool:
-        return self.regex.fullmatch(cls) is not None
+        """A scan, no regex (whose backtracking over several wildcards is exponential): the
+        first part a prefix, each middle part found leftmost after at least one character,
+        the last a suffix after at least one more."""
+        if len(self.parts) == 1:  # no wildcard
+            return cls == self.parts[0]
+        first, *middle, last = self.parts
+        if not cls.startswith(first):
+            return False
+        at = len(first)
+        for part in middle:
+            found = cls.find(part, at + 1)
+            if found < 0:
+                return False
+            at = found + len(part)
+        return cls.endswith(last) and len(cls) - len(last) >= at + 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -62,9 +76,7 @@ def patterns(wordings: tuple[str, ...]) -> tuple[Pattern, ...]:
     out = []
     for w in wordings:
         key = normalize(w, wildcards=True)
-        parts = [re.escape(p.strip()) for p in key.split("*")]
-        body = r"\s?.+?\s?".join(parts)
-        out.append(Pattern(key, re.compile(body)))
+        out.append(Pattern(key, tuple(p.strip() for p in key.split("*"))))
     return tuple(out)
 
 
@@ -87,10 +99,20 @@ def check_options(relaxed_queries: Sequence[str], r_max: float | None) -> None:
 
 def classify(question: str, declared: Sequence[str] = ()) -> str | None:
     """The question's class key; None when it has none (too long, or matching none of the
-    declared wordings of a session that declares some): it is never served relaxed."""
+    declared wordings of a session that declares some): it is never served relaxed. A
+    question asked before is a lookup (the relaxed fast path asks this on every answer)."""
+    if len(question) > 4 * MAX_CLASS_CHARS:  # never cached: it could hold long keys
+        return _classify(question, tuple(declared))
+    return _classify_cached(question, tuple(declared))
+
+
+def _classify(question: str, declared: tuple[str, ...]) -> str | None:
     cls = normalize(question)
     if not cls or len(cls) > MAX_CLASS_CHARS:
         return None
     if not declared:
         return cls
     return next((p.key for p in patterns(tuple(declared)) if p.matches(cls)), None)
+
+
+_classify_cached = functools.lru_cache(maxsize=4096)(_classify)

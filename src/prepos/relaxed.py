@@ -121,10 +121,10 @@ class ClassGate:
         verification booked; a served answer books a verification when there is room."""
         c = self.config
         r_max = r_max or c.r_max
-        if cls is None:
-            self.counters["no_class"] += 1
-            return Decision(None, False)
         with self._lock:
+            if cls is None:
+                self.counters["no_class"] += 1
+                return Decision(None, False)
             st = self._touch(sid, cls)
             status = st.status(r_max, c.min_verified)
             if status == PROMOTED:
@@ -370,7 +370,7 @@ class Relaxed:
         greedy argmax compared with the served token. Dropped, never run, once the session
         has moved past the version (or closed), or when the cell budget has no room."""
         kv = self.pool.get(s.id)
-        seq = v.tokens + tuple(self.fmt.encode(self.fmt.frame(v.frame, v.question)))
+        seq: tuple[int, ...] | None = None  # tokenized once the check is about to run
         yielded = 0  # consecutive chunks stopped for a waiting request
         deferred = 0
         while True:
@@ -380,6 +380,8 @@ class Relaxed:
                 continue
             if s.closed or s.version != v.version:
                 return self._drop(v, "stale")
+            if seq is None:
+                seq = v.tokens + tuple(self.fmt.encode(self.fmt.frame(v.frame, v.question)))
             if len(seq) > budget or not self.pool.fits(s.id, seq):
                 return self._drop(v, "budget")  # skipped, never evicting
             try:  # gives way between layers to a waiting request, at most max_yields times
