@@ -46,10 +46,10 @@ def during_idle_forwards(eng, fn):
     returns the function that stops it."""
     orig = eng.backend.extend_batch
 
-    def extend_batch(steps):
+    def extend_batch(steps, *rest):
         if in_idle_work():
             fn()
-        return orig(steps)
+        return orig(steps, *rest)
 
     eng.backend.extend_batch = extend_batch
     return lambda: delattr(eng.backend, "extend_batch")

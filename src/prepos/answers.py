@@ -168,7 +168,7 @@ class Answers:
                 events.close()
             out.finish("stop")  # the engine ended the answer without a stop token
             return
-        if self.eng.lookup.applies(sampling, out, self.eng.backend.verifies_drafts):
+        if self.eng.lookup.applies(sampling, self.eng.backend.verifies_drafts):
             yield from self.eng.lookup.decode(kv, seq, out, sampling, rng)
             return
         while True:

@@ -148,8 +148,7 @@ def run_forwards(backend: Backend, forwards: Sequence[Forward],
         done.append((kept, chunk, stop == len(f.target), start))
     t1 = time.perf_counter()
     every = [f.logits_from is not None for f in forwards]
-    # the one-argument call where no forward asks for every position's logits
-    outs = backend.extend_batch(steps, every) if any(every) else backend.extend_batch(steps)
+    outs = backend.extend_batch(steps, every if any(every) else None)
     t2 = time.perf_counter()
     result = []
     for f, (kept, chunk, reached, start), out in zip(forwards, done, outs):

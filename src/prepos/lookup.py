@@ -111,10 +111,10 @@ class Lookup:
         self.max_ngram = max_ngram
         self.stats = LookupStats()
 
-    def applies(self, sampling: SamplingParams, out: Generation, verifies: bool) -> bool:
-        """Greedy (no penalties, biases or response format), the back end verifies drafts,
-        drafting is on."""
-        return self.k > 0 and verifies and sampling.greedy and out.constraint is None
+    def applies(self, sampling: SamplingParams, verifies: bool) -> bool:
+        """Greedy (no penalties, biases or response format: `greedy` says so), the back end
+        verifies drafts, drafting is on."""
+        return self.k > 0 and verifies and sampling.greedy
 
     def decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
                sampling: SamplingParams, rng) -> Generator[Forward, Advance, None]:
