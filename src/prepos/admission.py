@@ -48,8 +48,13 @@ def prompt_ids(prompt: str | Sequence[int], fmt: ChatFormat, vocab: int) -> tupl
             raise InvalidInput("prompt must be a non-empty string or token ids")
         return tuple(fmt.encode_prompt(prompt))
     ids = tuple(prompt)
-    if not ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                      for t in ids):
+    if not valid_ids(ids, vocab):
         raise InvalidInput(f"prompt token ids must be a non-empty list of integers in "
                            f"[0, {vocab})")
     return ids
+
+
+def valid_ids(ids: Sequence[object], vocab: int) -> bool:
+    """A non-empty sequence of token ids, each an integer in the vocabulary."""
+    return bool(ids) and all(not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab
+                             for t in ids)

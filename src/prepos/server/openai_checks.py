@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from prepos.admission import valid_ids
 from prepos.core import SamplingParams
 from prepos.errors import InvalidResponseFormat
 from prepos.server.errors import ApiError
@@ -171,8 +172,7 @@ def completion_input(state, body: Completion) -> tuple[list[str | list[int]],
             if not p.strip():
                 raise ApiError(400, "invalid_request", f"{where} must not be empty", where)
             continue
-        if not p or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                        for t in p):
+        if not valid_ids(p, vocab):
             raise ApiError(400, "invalid_request", f"{where}: token ids must be a non-empty "
                            f"list of integers in [0, {vocab})", where)
     if len(prompts) * (body.n or 1) > MAX_N:
