@@ -416,7 +416,7 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=16384)
     ap.add_argument("--idle-chunk", type=int, default=64, help="idle chunk, idle-wait figure")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--lookup", type=int, default=4,
+    ap.add_argument("--lookup", type=int, default=EngineConfig.lookup_tokens,
                     help="prompt-lookup drafted tokens per forward (0: off)")
     ap.add_argument("--only", choices=["agentic"], help="measure this figure alone")
     ap.add_argument("--out", type=Path)

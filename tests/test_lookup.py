@@ -48,6 +48,14 @@ def test_extend_makes_new_tokens_matchable():
     assert idx.propose(2) == []
 
 
+def test_min_ngram_leaves_shorter_matches_undrafted():
+    idx = NgramIndex([1, 2, 9, 8, 2], max_ngram=3)
+    assert idx.propose(2) == [9, 8]  # the 1-gram (2,) occurred before
+    assert idx.propose(2, min_ngram=2) == []  # (8, 2) never did
+    idx.extend([9])
+    assert idx.propose(2, min_ngram=2) == [8, 2]  # (2, 9) did
+
+
 def test_the_accept_rule_takes_the_longest_agreeing_prefix():
     assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
@@ -60,6 +68,9 @@ def test_bad_settings_are_refused():
         Lookup(-1)
     with pytest.raises(ValueError):
         NgramIndex([1], max_ngram=0)
+    for bad in ({"min_ngram": 0}, {"min_ngram": 4}, {"max_batch": 0}):
+        with pytest.raises(ValueError):
+            Lookup(4, **bad)
 
 
 # -- the back ends: logits at every position ---------------------------------------------
@@ -245,11 +256,32 @@ def test_logprobs_of_drafted_tokens_are_their_positions_own(make_engine):
         assert abs(float(cold[tok]) - lp) <= tolerance(eng) * 4
 
 
-def test_lookup_is_off_by_zero_and_by_default(make_engine):
+def test_lookup_is_off_by_zero_and_on_by_default(make_engine):
     eng = make_engine(lookup_tokens=0)
     _turn(eng, REPEAT, SamplingParams(max_tokens=20))
     assert eng.metrics()["lookup"] == {"proposed": 0, "accepted": 0, "verify_steps": 0}
-    assert EngineConfig().lookup_tokens == 0  # opt-in: drafts cost where answers do not copy
+    eng = make_engine()
+    _turn(eng, REPEAT, SamplingParams(max_tokens=60))
+    assert EngineConfig().lookup_tokens > 0 and eng.metrics()["lookup"]["proposed"] > 0
+
+
+def test_the_draft_width_grows_while_drafts_are_accepted_whole(make_engine):
+    eng = make_engine(lookup_tokens=8)
+    _, res = _turn(eng, REPEAT, SamplingParams(max_tokens=60))
+    stats = eng.metrics()["lookup"]
+    # the tiny model ends in a repeating token: there the widths go 2, 4, 8, so the verifying
+    # forwards drafted more than Lookup.START tokens on average
+    assert stats["accepted"] > 0
+    assert stats["proposed"] > Lookup.START * stats["verify_steps"]
+    assert len(res.tokens) == 60
+
+
+def test_no_drafts_while_more_answers_run_than_max_batch(make_engine):
+    eng = make_engine(lookup_tokens=8, lookup_max_batch=2)
+    assert eng.lookup.running() == 0  # the scheduler's count of foreground tasks
+    eng.lookup.running = lambda: 3  # as if two more answers shared each forward
+    _turn(eng, REPEAT, SamplingParams(max_tokens=30))
+    assert eng.metrics()["lookup"]["proposed"] == 0
 
 
 def test_draft_counters_reach_prometheus(make_engine):

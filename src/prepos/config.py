@@ -71,10 +71,11 @@ class EngineConfig:
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
     # greedy answers on back ends that verify drafts: up to this many tokens drafted per
-    # forward from the session's own context (prompt lookup, `prepos.lookup`); 0: off, the
-    # default: on SmolLM2's own (non-repeating) answers drafts cost more than they save
-    lookup_tokens: int = 0
-    lookup_ngram: int = 3  # the longest n-gram matched (then shorter, down to 1)
+    # forward from the session's own context (prompt lookup, `prepos.lookup`); 0: off
+    lookup_tokens: int = 8
+    lookup_ngram: int = 3  # the longest n-gram matched (then shorter, down to lookup_min_ngram)
+    lookup_min_ngram: int = 2  # one-token matches draft too often where the answer does not copy
+    lookup_max_batch: int = 2  # drafts only while at most this many answers run at once
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     backend: str = "auto"  # auto | torch | llama.cpp (see prepos.loading)

@@ -58,7 +58,9 @@ class Engine:
                                     on_record=lambda s, key, rec: self._emit("record", s,
                                                                              (key, rec)))
         self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
-        self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram)  # greedy drafts
+        self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram,  # greedy drafts
+                             config.lookup_min_ngram, config.lookup_max_batch,
+                             self.scheduler.foreground)
         self.answers = Answers(self)
         self.relaxed = Relaxed(config.relaxed, fmt, self.pool, self.scheduler.submit,
                                config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,

@@ -4,7 +4,7 @@ drafts (`Backend.verifies_drafts`: the in-process torch and llama.cpp back ends)
 An agentic answer often copies from its own context: a tool result's values, a name from the
 conversation, the markup of a tool call. So the tokens that follow the answer's last `n`
 tokens the previous time those `n` appeared in the session's sequence (entry and answer so
-far; `n` from `max_ngram` down to 1) are a draft of what comes next, proposed with no model
+far; `n` from `max_ngram` down to `min_ngram`) are a draft of what comes next, proposed with no model
 (`NgramIndex`). One forward over the last token and up to `k` drafted tokens returns the
 logits at each of those positions; a draft is accepted while it equals the greedy choice at
 the position before it (`accepted`), and the choice at the first disagreement (or after the
@@ -19,7 +19,7 @@ max tokens and cancellation end the answer at the same token as without drafts.
 from __future__ import annotations
 
 import threading
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -53,15 +53,15 @@ class NgramIndex:
                 self._ends[n][tuple(toks[end - n:end])] = end
             toks.append(tok)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, min_ngram: int = 1) -> list[int]:
         """`k` tokens that followed the latest earlier occurrence of the sequence's last n
-        tokens, for the longest n (max_ngram down to 1) that occurred before; [] when none
-        did. Where that continuation runs into the sequence's end, the drafts go on copying
-        from themselves (a repeating pattern repeats on)."""
+        tokens, for the longest n (max_ngram down to min_ngram) that occurred before; []
+        when none did. Where that continuation runs into the sequence's end, the drafts go
+        on copying from themselves (a repeating pattern repeats on)."""
         toks = self.tokens
         if k < 1:
             return []
-        for n in range(min(self.max_ngram, len(toks) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(toks) - 1), max(min_ngram, 1) - 1, -1):
             end = self._ends[n].get(tuple(toks[len(toks) - n:]))
             if end is not None:
                 drafts = toks[end:end + k]
@@ -101,14 +101,29 @@ class LookupStats:
 
 
 class Lookup:
-    """The engine's prompt-lookup decoder: `k` drafted tokens at most per forward (0: off),
-    n-grams of up to `max_ngram` tokens."""
+    """The engine's prompt-lookup decoder: up to `k` drafted tokens per forward (0: off),
+    matched on n-grams of `max_ngram` down to `min_ngram` tokens, while at most `max_batch`
+    answers run (`running()`: the scheduler's foreground tasks).
 
-    def __init__(self, k: int, max_ngram: int = 3):
-        if k < 0 or max_ngram < 1:
-            raise ValueError(f"lookup needs k >= 0 and max_ngram >= 1, got {k}, {max_ngram}")
+    A verifying forward costs more than a plain step by every row it adds (on two CPU cores,
+    a Q4 SmolLM2-135M: 1.6x a step for one draft, 3.2x for four, 4.8x for eight), so drafts
+    pay only inside a span the answer copies, and only while few answers share the forward:
+    beside other sessions' steps, each draft row delays them all. Within an answer the width
+    adapts: it starts at `START`, doubles (up to `k`) while drafts are accepted whole, and
+    falls to what was accepted when one is refused."""
+
+    START = 2
+
+    def __init__(self, k: int, max_ngram: int = 3, min_ngram: int = 2, max_batch: int = 2,
+                 running: Callable[[], int] = lambda: 1):
+        if k < 0 or not 1 <= min_ngram <= max_ngram or max_batch < 1:
+            raise ValueError(f"lookup needs k >= 0, 1 <= min_ngram <= max_ngram and "
+                             f"max_batch >= 1, got {k}, {min_ngram}, {max_ngram}, {max_batch}")
         self.k = k
         self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_batch = max_batch
+        self.running = running
         self.stats = LookupStats()
 
     def applies(self, sampling: SamplingParams, verifies: bool) -> bool:
@@ -122,10 +137,12 @@ class Lookup:
         quantum: the last token and its drafts where the context has a match, else the last
         token alone (a plain step)."""
         index = NgramIndex(seq + tuple(out.tokens), self.max_ngram)
+        width = min(self.START, self.k)
         while True:
             ctx = index.tokens
             room = sampling.max_tokens - len(out.tokens) - 1  # the forward's own token aside
-            drafts = index.propose(min(self.k, room))
+            drafts = (index.propose(min(width, room), self.min_ngram)
+                      if self.running() <= self.max_batch else [])
             if not drafts:
                 step = yield Forward(kv, tuple(ctx))
                 tok = sample(step.logits, sampling, rng)
@@ -134,18 +151,20 @@ class Lookup:
                     return
                 continue
             step = yield Forward(kv, (*ctx, *drafts), logits_from=len(ctx) - 1)
-            if self._take(step.logits, drafts, out, index, sampling, rng):
+            n_ok, done = self._take(step.logits, drafts, out, index, sampling, rng)
+            if done:
                 return
+            width = min(self.k, 2 * width) if n_ok == len(drafts) else max(1, n_ok)
 
     def _take(self, rows: torch.Tensor, drafts: list[int], out: Generation, index: NgramIndex,
-              sampling: SamplingParams, rng) -> bool:
+              sampling: SamplingParams, rng) -> tuple[int, bool]:
         """Emit the greedy choice at each verified position, up to the first that disagrees
-        with its draft (that choice included); True when the answer finished."""
+        with its draft (that choice included): (drafts accepted, the answer finished)."""
         choices = [sample(rows[i], sampling, rng) for i in range(len(drafts) + 1)]
         n_ok = accepted(drafts, choices)
         self.stats.add(len(drafts), n_ok)
         for i in range(n_ok + 1):
             index.extend([choices[i]])
             if out.add(choices[i], rows[i]):
-                return True
-        return False
+                return n_ok, True
+        return n_ok, False

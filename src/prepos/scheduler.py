@@ -55,6 +55,7 @@ class Scheduler:
         self._idle: deque[Task] = deque()
         self._cv = threading.Condition()
         self._pending = 0  # submitted and not finished
+        self._fg_pending = 0  # of those, foreground tasks
         self._busy: set[str] = set()  # keys of running tasks
         self._idle_running = 0
         self._idle_cap = idle_workers or workers
@@ -81,11 +82,17 @@ class Scheduler:
             task.idle_mark = self.idle_steps
             (self._idle if idle else self._fg).append(task)
             self._pending += 1
+            self._fg_pending += not idle
             self._cv.notify_all()
         return task
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self._fg), len(self._idle)
+
+    def foreground(self) -> int:
+        """Foreground tasks submitted and not finished, running ones included (read without
+        the lock: an int is read whole)."""
+        return self._fg_pending
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._cv:
@@ -173,6 +180,7 @@ class Scheduler:
                     self._busy.discard(task.key)
                     if task in finished:
                         self._pending -= 1
+                        self._fg_pending -= not task.idle
                         task.done.set()
                     else:
                         (self._idle if task.idle else self._fg).append(task)
