@@ -14,12 +14,15 @@ that a change in the machine's load hits both:
   throughput   16 sessions generating 32 tokens each at once: aggregate tokens/s (prepos's
                batched steps; llama-server with -np 16 and 16 concurrent clients);
   fast         the exact-match fast path (a standing query, pre-positioned), to first token;
-  agentic      a 60-token answer after a tool result, end to end: prepos from its
-               pre-positioned tool-result envelope; llama-server with the state before the tool
-               result in its prompt cache, asked for as many tokens as prepos produced;
-               measured twice: prepos with prompt-lookup drafts (`--lookup`, 4 here;
-               the engine's default is off) and without (`agentic_60_ratio_no_lookup`).
-               Every other figure runs without drafts: a decode step's own time;
+  agentic      an answer of up to 60 tokens after a tool result, end to end: prepos from
+               its pre-positioned tool-result envelope; llama-server with the state before the
+               tool result in its prompt cache, asked for as many tokens as prepos produced.
+               Two workloads (AGENTIC_ASKS): a prose answer about the result and a chained
+               tool call that copies it (what greedy SmolLM2-135M-Instruct writes for each);
+               each measured with prompt-lookup drafts (`--lookup`, the engine's default)
+               and without (`agentic_*_ratio_no_lookup`). `agentic_60_ratio_vs_llama_server`
+               is the prose answer with drafts. Every other figure runs without drafts: a
+               decode step's own time;
   idle wait    a request's wait for the model worker while another session pre-positions
                without pause (the abort callback stops a running idle chunk).
 torch's decode is measured on the same model (the HF directory for the timing model; for a
