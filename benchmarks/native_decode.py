@@ -413,7 +413,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--throughput-tokens", type=int, default=32)
     ap.add_argument("--throughput-state", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds")
+    ap.add_argument("--rounds", type=int, default=8, help="throughput rounds")
     ap.add_argument("--agentic-samples", type=int, default=64)
     ap.add_argument("--agentic-tokens", type=int, default=60)
     ap.add_argument("--cells", type=int, default=16384)
