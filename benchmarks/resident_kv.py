@@ -1,0 +1,80 @@
+"""What other sessions' resident KV costs one session's decode step on the llama.cpp back end.
+
+The back end keeps every session as a sequence of one unified KV cache (one pool of cells,
+any session any size). A forward's attention runs over the cache's occupied span, every
+other session's cells included (masked out, but visited), so one session's decode step
+gets slower as more state stays resident beside it. This measures that directly on the
+back end: one session of `--state` tokens decoding one token at a time, alone, then with
+`--others` sessions of `--state` tokens each resident and idle; the two alternate in
+`--blocks` blocks so that a change in the machine's load hits both.
+
+    python benchmarks/resident_kv.py [--model smollm2|timing|FILE.gguf] [--samples 64]
+The last line printed is the JSON summary (`resident_slowdown`: P50 with the others
+resident / P50 alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from common import RESULTS, machine, summarize, write
+from native_decode import resolve
+from prepos.backends import llama_cpp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--state", type=int, default=300)
+    ap.add_argument("--others", type=int, default=15)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--cells", type=int, default=16384)
+    ap.add_argument("--blocks", type=int, default=4, help="alternations of alone / beside")
+    args = ap.parse_args()
+    if not llama_cpp.available():
+        sys.exit(f"the llama.cpp back end is not installed: {llama_cpp.IMPORT_ERROR}")
+    gguf, _, label = resolve(args.model)
+    rng = random.Random(0)
+    be = llama_cpp.LlamaCppBackend(gguf, n_ctx=args.cells, threads=args.threads)
+    try:
+        def new_session() -> tuple:
+            kv, toks = be.new_kv(), [rng.randrange(1000, 20000) for _ in range(args.state)]
+            be.extend(kv, [], toks)
+            return kv, toks
+
+        def step(kv, toks) -> float:
+            t0 = time.perf_counter()
+            be.extend(kv, toks, [rng.randrange(1000, 20000)])
+            dt = time.perf_counter() - t0
+            be.crop(kv, len(toks))
+            return dt
+
+        me = new_session()
+        alone, beside = [], []
+        per_block = max(1, args.samples // args.blocks)
+        for _ in range(args.blocks):
+            alone += [step(*me) for _ in range(per_block)]
+            others = [new_session() for _ in range(args.others)]
+            beside += [step(*me) for _ in range(per_block)]
+            for kv, _ in others:
+                be.release(kv)
+    finally:
+        be.close()
+    out = {"benchmark": "resident_kv", "model": label, "gguf": str(gguf), "threads": args.threads,
+           "state_tokens": args.state, "others": args.others, "machine": machine(),
+           "alone": summarize(alone), "beside_others": summarize(beside)}
+    out["resident_slowdown"] = round(out["beside_others"]["p50_ms"] / out["alone"]["p50_ms"], 3)
+    write(RESULTS / f"resident_kv_{args.model.replace('/', '_')}.json", out)
+    print(json.dumps({"model": label, "others": args.others, "state_tokens": args.state,
+                      "alone_p50_ms": round(out["alone"]["p50_ms"], 2),
+                      "beside_p50_ms": round(out["beside_others"]["p50_ms"], 2),
+                      "samples": args.samples, "resident_slowdown": out["resident_slowdown"]}))
+
+
+if __name__ == "__main__":
+    main()
