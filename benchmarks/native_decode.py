@@ -285,7 +285,7 @@ def quote(i: int) -> str:
                        "day_high": 103.1, "day_low": 100.2})
 
 
-def measure_agentic(eng: Engine, peer: Peer, args, rng, ask: str) -> dict:
+def measure_agentic(eng: Engine, peer: Peer, args, ask: str) -> dict:
     """The answer after a tool result, end to end: prepos from the pre-positioned envelope
     (`tool_result` with its turn), llama-server with the state before the result in its
     prompt cache, asked for as many tokens as prepos produced (`ignore_eos`)."""
@@ -355,7 +355,7 @@ def ratio(a: dict, b: dict) -> float:
     return round(a["p50_ms"] / b["p50_ms"], 3)
 
 
-def measure_agentic_all(gguf: Path, binary: Path, args, rng) -> dict:
+def measure_agentic_all(gguf: Path, binary: Path, args) -> dict:
     """Each workload of AGENTIC_ASKS, on an engine without drafts and on one drafting
     `--lookup` tokens per forward, with the drafts' counters per workload. One llama.cpp
     engine at a time: a second context's idle OpenMP threads slowed the running one's decode
@@ -369,9 +369,9 @@ def measure_agentic_all(gguf: Path, binary: Path, args, rng) -> dict:
             with engine(gguf, "llama.cpp", args.threads, True, args.cells, lookup) as eng:
                 for name, ask in AGENTIC_ASKS.items():
                     before = dict(eng.metrics()["lookup"])
-                    out[name][setting] = measure_agentic(eng, peer, args, rng, ask)
+                    out[name][setting] = measure_agentic(eng, peer, args, ask)
                     after = eng.metrics()["lookup"]
-                    if lookup:
+                    if setting == "drafts":
                         out[name]["lookup"] = {k: after[k] - before[k] for k in after}
     return out
 
@@ -390,9 +390,9 @@ def agentic_keys(out: dict) -> list[str]:
     return ["agentic_60_ratio_vs_llama_server", "agentic_60_ratio_no_lookup"] + keys
 
 
-def agentic_only(gguf: Path, binary: Path, label: str, args, rng, out: dict) -> None:
+def agentic_only(gguf: Path, binary: Path, label: str, args, out: dict) -> None:
     """`--only agentic`: the agentic answers against llama-server, nothing else."""
-    out["agentic"] = measure_agentic_all(gguf, binary, args, rng)
+    out["agentic"] = measure_agentic_all(gguf, binary, args)
     keys = agentic_keys(out)
     # not native_decode_*.json: report.py's table reads those as full runs
     write(args.out or RESULTS / f"native_agentic_{Path(args.model).stem}.json", out)
@@ -436,7 +436,7 @@ def main() -> None:
                  "llama_server": str(binary), "llama_cpp": llama_cpp.describe(),
                  "machine": machine(), "lookup_tokens": args.lookup}
     if args.only == "agentic":
-        return agentic_only(gguf, binary, label, args, rng, out)
+        return agentic_only(gguf, binary, label, args, out)
     eng = engine(gguf, "llama.cpp", args.threads, True, args.cells)
     try:
         with LlamaServer(binary, gguf, slots=1, ctx_per_slot=args.cells,
@@ -447,7 +447,7 @@ def main() -> None:
         out["throughput"] = measure_throughput(eng, binary, gguf, args, rng)
     finally:
         eng.close()
-    out["agentic"] = measure_agentic_all(gguf, binary, args, rng)
+    out["agentic"] = measure_agentic_all(gguf, binary, args)
     out["idle_wait"] = measure_idle_wait(gguf, args, rng)
     if hf_dir is not None and not args.no_torch:
         out["decode_torch"] = measure_torch_decode(hf_dir, args, rng)

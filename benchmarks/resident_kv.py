@@ -21,8 +21,9 @@ import random
 import sys
 import time
 
-from common import RESULTS, machine, summarize, write
 from native_decode import resolve
+
+from common import RESULTS, machine, summarize, write
 from prepos.backends import llama_cpp
 
 

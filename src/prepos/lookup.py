@@ -4,8 +4,8 @@ drafts (`Backend.verifies_drafts`: the in-process torch and llama.cpp back ends)
 An agentic answer often copies from its own context: a tool result's values, a name from the
 conversation, the markup of a tool call. So the tokens that follow the answer's last `n`
 tokens the previous time those `n` appeared in the session's sequence (entry and answer so
-far; `n` from `max_ngram` down to `min_ngram`) are a draft of what comes next, proposed with no model
-(`NgramIndex`). One forward over the last token and up to `k` drafted tokens returns the
+far; `n` from `max_ngram` down to `min_ngram`) are a draft of what comes next, proposed with
+no model (`NgramIndex`). One forward over the last token and up to `k` drafted tokens returns the
 logits at each of those positions; a draft is accepted while it equals the greedy choice at
 the position before it (`accepted`), and the choice at the first disagreement (or after the
 last draft) is the answer's next token too. So one forward yields 1 to k + 1 tokens, each the
@@ -103,14 +103,14 @@ class LookupStats:
 class Lookup:
     """The engine's prompt-lookup decoder: up to `k` drafted tokens per forward (0: off),
     matched on n-grams of `max_ngram` down to `min_ngram` tokens, while at most `max_batch`
-    answers run (`running()`: the scheduler's foreground tasks).
+    foreground tasks (answers, commits) run or wait (`running()`: the scheduler's count).
 
     A verifying forward costs more than a plain step by every row it adds (on two CPU cores,
-    a Q4 SmolLM2-135M: 1.6x a step for one draft, 3.2x for four, 4.8x for eight), so drafts
-    pay only inside a span the answer copies, and only while few answers share the forward:
-    beside other sessions' steps, each draft row delays them all. Within an answer the width
-    adapts: it starts at `START`, doubles (up to `k`) while drafts are accepted whole, and
-    falls to what was accepted when one is refused."""
+    a Q4 SmolLM2-135M, in a one-off probe: 1.6x a step for one draft, 3.2x for four, 4.8x
+    for eight), so drafts pay only inside a span the answer copies, and only while few
+    tasks share the forward: beside other sessions' steps, each draft row delays them all.
+    Within an answer the width adapts: it starts at `START`, doubles (up to `k`) while
+    drafts are accepted whole, and falls to what was accepted when one is refused."""
 
     START = 2
 
