@@ -134,13 +134,15 @@ class Peer:
 
 
 def engine(gguf_or_dir: Path, backend: str, threads: int, preposition: bool,
-           cells: int, lookup: int = 0) -> Engine:
+           cells: int, lookup: int = 0, streams: int | None = None) -> Engine:
     """An engine for one figure; `lookup` drafts per forward (prompt lookup) only where the
-    figure is an answer's end-to-end time: a decode step's own time is measured without."""
+    figure is an answer's end-to-end time: a decode step's own time is measured without.
+    `streams`: llama.cpp's streams layout of the cache, for that many sessions."""
+    layout = {"kv_layout": "streams", "max_sequences": streams} if streams else {}
     cfg = EngineConfig(backend=backend, threads=threads, preposition=preposition,
                        gate=GateConfig(tau=1e9, answers=()), kv_cells=cells,
                        budget=BudgetConfig(session_cells=cells, engine_cells=cells),
-                       lookup_tokens=lookup)
+                       lookup_tokens=lookup, **layout)
     return Engine.from_pretrained(gguf_or_dir, cfg)
 
 
@@ -447,6 +449,10 @@ def main() -> None:
         out["throughput"] = measure_throughput(eng, binary, gguf, args, rng)
     finally:
         eng.close()
+    # the same on the streams layout (a stream per session, as llama-server's slots)
+    with engine(gguf, "llama.cpp", args.threads, False, args.cells,
+                streams=args.sessions) as eng:
+        out["throughput_streams"] = measure_throughput(eng, binary, gguf, args, rng)
     out["agentic"] = measure_agentic_all(gguf, binary, args)
     out["idle_wait"] = measure_idle_wait(gguf, args, rng)
     if hf_dir is not None and not args.no_torch:
@@ -459,9 +465,13 @@ def main() -> None:
     tp = out["throughput"]
     out["throughput_ratio_vs_llama_server"] = round(
         tp["prepos_tokens_s_median"] / tp["peer_tokens_s_median"], 3)
+    ts = out["throughput_streams"]
+    out["throughput_streams_ratio_vs_llama_server"] = round(
+        ts["prepos_tokens_s_median"] / ts["peer_tokens_s_median"], 3)
     out["fast_p50_us"] = round(out["fast"]["p50_ms"] * 1e3, 1)
     keys = ["decode_ratio_vs_llama_server", "entry_ratio_vs_llama_server",
-            "decode_speedup_vs_torch", "throughput_ratio_vs_llama_server", "fast_p50_us",
+            "decode_speedup_vs_torch", "throughput_ratio_vs_llama_server",
+            "throughput_streams_ratio_vs_llama_server", "fast_p50_us",
             *agentic_keys(out)]
     out["request_wait_behind_idle_p99_ms"] = round(out["idle_wait"]["request_wait"]["p99_ms"], 3)
     keys.append("request_wait_behind_idle_p99_ms")

@@ -1,14 +1,16 @@
 """What other sessions' resident KV costs one session's decode step on the llama.cpp back end.
 
-The back end keeps every session as a sequence of one unified KV cache (one pool of cells,
-any session any size). A forward's attention runs over the cache's occupied span, every
-other session's cells included (masked out, but visited), so one session's decode step
-gets slower as more state stays resident beside it. This measures that directly on the
-back end: one session of `--state` tokens decoding one token at a time, alone, then with
-`--others` sessions of `--state` tokens each resident and idle; the two alternate in
-`--blocks` blocks so that a change in the machine's load hits both.
+In the unified layout of the back end's KV cache (one pool of cells, any session any size)
+a forward's attention runs over the cache's occupied span, every other session's cells
+included (masked out, but visited), so one session's decode step gets slower as more state
+stays resident beside it; in the streams layout (a stream per session) it attends to its own
+stream only. This measures it directly on the back end: one session of `--state` tokens
+decoding one token at a time, alone, then with `--others` sessions of `--state` tokens each
+resident and idle; the two alternate in `--blocks` blocks so that a change in the machine's
+load hits both.
 
     python benchmarks/resident_kv.py [--model smollm2|timing|FILE.gguf] [--samples 64]
+                                     [--kv-layout unified|streams]
 The last line printed is the JSON summary (`resident_slowdown`: P50 with the others
 resident / P50 alone).
 """
@@ -36,12 +38,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--cells", type=int, default=16384)
     ap.add_argument("--blocks", type=int, default=4, help="alternations of alone / beside")
+    ap.add_argument("--kv-layout", default="unified", choices=llama_cpp.LAYOUTS)
     args = ap.parse_args()
     if not llama_cpp.available():
         sys.exit(f"the llama.cpp back end is not installed: {llama_cpp.IMPORT_ERROR}")
     gguf, _, label = resolve(args.model)
     rng = random.Random(0)
-    be = llama_cpp.LlamaCppBackend(gguf, n_ctx=args.cells, threads=args.threads)
+    be = llama_cpp.LlamaCppBackend(gguf, n_ctx=args.cells, threads=args.threads,
+                                   max_sequences=args.others + 1, kv_layout=args.kv_layout)
     try:
         def new_session() -> tuple:
             kv, toks = be.new_kv(), [rng.randrange(1000, 20000) for _ in range(args.state)]
@@ -67,11 +71,13 @@ def main() -> None:
     finally:
         be.close()
     out = {"benchmark": "resident_kv", "model": label, "gguf": str(gguf), "threads": args.threads,
-           "state_tokens": args.state, "others": args.others, "machine": machine(),
+           "state_tokens": args.state, "others": args.others, "kv_layout": args.kv_layout,
+           "machine": machine(),
            "alone": summarize(alone), "beside_others": summarize(beside)}
     out["resident_slowdown"] = round(out["beside_others"]["p50_ms"] / out["alone"]["p50_ms"], 3)
-    write(RESULTS / f"resident_kv_{args.model.replace('/', '_')}.json", out)
-    print(json.dumps({"model": label, "others": args.others, "state_tokens": args.state,
+    write(RESULTS / f"resident_kv_{args.model.replace('/', '_')}_{args.kv_layout}.json", out)
+    print(json.dumps({"model": label, "kv_layout": args.kv_layout, "others": args.others,
+                      "state_tokens": args.state,
                       "alone_p50_ms": round(out["alone"]["p50_ms"], 2),
                       "beside_p50_ms": round(out["beside_others"]["p50_ms"], 2),
                       "samples": args.samples, "resident_slowdown": out["resident_slowdown"]}))

@@ -54,10 +54,15 @@ def family(request):
     return request.param
 
 
-@pytest.fixture(params=BACKENDS)
+# llama.cpp's second cache layout: a stream of 16384 / 16 = 1024 cells per session
+STREAMS = {"kv_layout": "streams", "max_sequences": 16, "kv_cells": 16384}
+
+
+@pytest.fixture(params=[*BACKENDS, "llama.cpp/streams"])
 def backend(request):
-    """Each in-process back end: the engine's tests run on both."""
-    if request.param == "llama.cpp" and not llama_cpp.available():
+    """Each in-process back end, llama.cpp in both its cache layouts: the engine's tests run
+    on all three."""
+    if request.param.startswith("llama.cpp") and not llama_cpp.available():
         pytest.skip(NO_LLAMA_CPP)
     return request.param
 
@@ -65,10 +70,11 @@ def backend(request):
 @pytest.fixture
 def make_engine(model_dirs, backend):
     engines = []
+    name, _, layout = backend.partition("/")
 
     def make(family: str = "chatml", **overrides) -> Engine:
-        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), "backend": backend,
-                              "threads": 2, **overrides})
+        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), "backend": name,
+                              "threads": 2, **(STREAMS if layout else {}), **overrides})
         eng = Engine.from_pretrained(model_dirs[family], cfg)
         engines.append(eng)
         return eng

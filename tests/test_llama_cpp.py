@@ -1,5 +1,6 @@
-"""The in-process llama.cpp back end: sequences of one unified KV cache, crop, batched decode
-across sessions, the abort callback, and how far logits move with the batch they ran in."""
+"""The in-process llama.cpp back end, in both layouts of its KV cache (one pool, a stream per
+sequence): crop, batched decode across sessions, the abort callback, and how far logits move
+with the batch they ran in."""
 
 import threading
 
@@ -13,7 +14,7 @@ from prepos.backends.base import Preempted, idle_work
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
-from prepos.errors import TooManySessions
+from prepos.errors import OverBudget, TooManySessions
 from prepos.loading import exported_gguf
 
 pytestmark = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
@@ -22,10 +23,11 @@ Q = "What is the trend?"
 TOKENS = [(7 * i + 3) % 400 + 10 for i in range(90)]
 
 
-@pytest.fixture(scope="module")
-def backend(model_dirs):
+@pytest.fixture(scope="module", params=llama_cpp.LAYOUTS)
+def backend(model_dirs, request):
+    """Each layout of the cache: one pool, or a stream of 4096 / 8 = 512 cells a sequence."""
     be = llama_cpp.LlamaCppBackend(exported_gguf(model_dirs["chatml"]), n_ctx=4096, threads=2,
-                                   max_sequences=8)
+                                   max_sequences=8, kv_layout=request.param)
     yield be
     be.close()
 
@@ -62,6 +64,68 @@ def test_a_batch_of_sessions_matches_each_alone_within_the_tolerance(backend):
     finally:
         for kv in kvs:
             backend.release(kv)
+
+
+def test_a_batch_in_any_order_with_gaps_between_its_sequences_matches_each_alone(backend):
+    """Steps given out of sequence order, of unequal lengths, skipping held sequences (which
+    the streams layout runs as several ubatches): each step's logits are those of it alone,
+    returned in the order the steps were given."""
+    kvs = [backend.new_kv() for _ in range(6)]
+    try:
+        for kv in kvs:
+            backend.extend(kv, [], TOKENS[:30])
+        picked = [kvs[4], kvs[0], kvs[2], kvs[5]]  # 1 and 3 stay out: gaps in the ids
+        news = [TOKENS[30:31], TOKENS[40:47], TOKENS[50:51], TOKENS[60:63]]
+        together = backend.extend_batch([(kv, TOKENS[:30], t) for kv, t in zip(picked, news)])
+        for kv, t, got in zip(picked, news, together):
+            backend.crop(kv, 30)
+            alone = backend.extend(kv, TOKENS[:30], t)
+            assert float((alone - got).abs().max()) <= backend.logit_tolerance
+    finally:
+        for kv in kvs:
+            backend.release(kv)
+
+
+def test_sequences_are_handed_out_lowest_first(backend):
+    """Sessions held together get neighbouring ids, which the streams layout batches as one."""
+    a, b, c = backend.new_kv(), backend.new_kv(), backend.new_kv()
+    backend.release(b)
+    d = backend.new_kv()
+    try:
+        assert (a.seq, d.seq, c.seq) == (0, 1, 2)
+    finally:
+        for kv in (a, c, d):
+            backend.release(kv)
+
+
+def test_a_stream_caps_the_context_the_pool_does_not(backend):
+    trained = int(llama_cpp._ll.llama_model_n_ctx_train(backend.model))
+    assert backend.kv_cells == 4096
+    stream = 512 if backend.kv_layout == "streams" else 4096
+    assert backend.max_context == min(stream, trained) and trained > 512
+
+
+def test_a_stream_too_small_to_hold_a_session_is_refused(model_dirs):
+    with pytest.raises(ValueError, match="at least 256"):
+        llama_cpp.LlamaCppBackend(exported_gguf(model_dirs["chatml"]), n_ctx=4096,
+                                  max_sequences=32, kv_layout="streams")
+    with pytest.raises(ValueError, match="kv_layout"):
+        llama_cpp.LlamaCppBackend(exported_gguf(model_dirs["chatml"]), kv_layout="paged")
+
+
+def test_on_streams_a_request_longer_than_its_stream_is_refused_clearly(model_dirs):
+    cfg = EngineConfig(backend="llama.cpp", threads=2, kv_layout="streams", kv_cells=2048,
+                       max_sequences=8, gate=GateConfig(tau=0.0, answers=()))
+    with Engine.from_pretrained(model_dirs["chatml"], cfg) as eng:
+        assert eng.max_context == 256
+        sid = eng.create_session("streaming", system="You read market data.")
+        with pytest.raises(OverBudget, match="256"):
+            eng.query(sid, Q, Request(SamplingParams(max_tokens=400))).result(timeout=60)
+        for i in range(40):  # the data window shifts within the stream
+            eng.append(sid, f"AAPL {100 + i} {101 + i} {99 + 2 * i}")
+        assert len(eng.session(sid).snap.tokens) <= 256
+        assert len(eng.query(sid, Q, Request(SamplingParams(max_tokens=4)))
+                   .result(timeout=60).tokens) >= 1
 
 
 def test_crop_removes_the_positions_it_drops(backend):

@@ -24,13 +24,17 @@ CALL = {"type": "function", "function": {"name": "get_price", "arguments": {"t":
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[*BACKENDS, "llama.cpp/streams"])
 def engine(model_dirs, request):
-    if request.param == "llama.cpp" and not llama_cpp.available():
+    """Each in-process back end, and llama.cpp's second cache layout (a stream per session,
+    of 1024 cells: as much as max_context)."""
+    backend, _, layout = request.param.partition("/")
+    if backend == "llama.cpp" and not llama_cpp.available():
         pytest.skip(NO_LLAMA_CPP)
     eng = Engine.from_pretrained(model_dirs["chatml"], EngineConfig(
-        backend=request.param, threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48,
-        budget=BudgetConfig(session_cells=4096, engine_cells=1 << 20)))
+        backend=backend, threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48,
+        budget=BudgetConfig(session_cells=4096, engine_cells=1 << 20),
+        kv_layout=layout or "unified", max_sequences=8, kv_cells=8192))
     vocab = eng.fmt.tokenizer.batch_decode([[i] for i in range(len(eng.fmt.tokenizer))])
     eng.set_gate(GateConfig(tau=-1.0, answers=tuple({t.strip() for t in vocab if t.strip()})))
     yield eng

@@ -125,7 +125,12 @@ def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
     cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "cold",
                                        "--relaxed-r-max", "0.1", "--journal", "none"]))
     assert cfg.engine.lookup_tokens == 0
+    assert (cfg.engine.kv_layout, cfg.engine.max_sequences) == ("unified", 256)
     assert (cfg.engine.relaxed.start, cfg.engine.relaxed.r_max) == ("cold", 0.1)
+    cfg = config_from_args(parse_args(["--kv-layout", "streams", "--kv-sequences", "16",
+                                       "--kv-cells", "65536", "--journal", "none"]))
+    assert (cfg.engine.kv_layout, cfg.engine.max_sequences, cfg.engine.kv_cells) == (
+        "streams", 16, 65536)
     assert main(["--relaxed-r-max", "2", "--journal", "none"]) == 2
     assert "r_max" in capsys.readouterr().err
     assert main(["--lookup-tokens", "-1", "--journal", "none"]) == 2

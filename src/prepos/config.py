@@ -80,8 +80,11 @@ class EngineConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     backend: str = "auto"  # auto | torch | llama.cpp (see prepos.loading)
     threads: int | None = None  # compute threads (None: the back end's default)
-    kv_cells: int = 16384  # llama.cpp: cells of the one KV cache all sessions share
+    kv_cells: int = 16384  # llama.cpp: cells of the KV cache all sessions share
     max_sequences: int = 256  # llama.cpp: sessions holding a KV at once (at most 256)
+    # llama.cpp: "unified" (one pool: a session may use all of it, every step scans every
+    # session's cells) or "streams" (kv_cells / max_sequences per session, scanned alone)
+    kv_layout: str = "unified"
     workers: int = 1  # model-worker threads: 1 in process; more for remote back ends
     idle_workers: int | None = None  # at most this many idle steps at once (default: workers)
     # back ends that return top-k logprobs only (remote engines): allow temperature sampling

@@ -118,7 +118,7 @@ def _llama_cpp(path: Path, config: EngineConfig) -> Backend:
 
     gguf = path if path.suffix == ".gguf" else exported_gguf(path)
     return LlamaCppBackend(gguf, n_ctx=config.kv_cells, threads=config.threads,
-                           max_sequences=config.max_sequences)
+                           max_sequences=config.max_sequences, kv_layout=config.kv_layout)
 
 
 def _cached(kind: str, name: str, sources: list[Path]) -> Path:

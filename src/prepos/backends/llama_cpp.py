@@ -1,11 +1,21 @@
 """In-process back end: llama.cpp through llama-cpp-python's low-level C API.
 
-One model and one context for the whole engine. The context's KV cache is unified: every
-session is a sequence (`seq_id`) of it, so the steps of many sessions run as one
-`llama_decode` (`extend_batch`), each token tagged with its session's sequence and position.
-`crop` removes a sequence's positions from `length` on, `release` the whole sequence. The
-context size (`n_ctx`) is the engine's cell budget, so the budget's "skip, never evict" is
-what keeps llama.cpp from running out of cells.
+One model and one context for the whole engine. Every session is a sequence (`seq_id`) of
+its KV cache, so the steps of many sessions run as one `llama_decode` (`extend_batch`), each
+token tagged with its session's sequence and position. `crop` removes a sequence's positions
+from `length` on, `release` the whole sequence. The context size (`n_ctx`) is the engine's
+cell budget, so the budget's "skip, never evict" is what keeps llama.cpp from running out of
+cells.
+
+Two layouts of the cache (`kv_layout`):
+- "unified": one pool of `n_ctx` cells shared by every sequence. A session may grow to the
+  whole pool, but each token's attention scans every occupied cell of every session (masked
+  out, yet read): the more KV other sessions keep resident, the slower every step.
+- "streams": a stream of `n_ctx / max_sequences` cells per sequence (as llama-server's slots).
+  A step attends to its own session's cells only, and a session is capped at its stream
+  (`max_context`). llama.cpp runs a batch's sequences together only where their ids are
+  consecutive and their token counts equal, so rows are sent in sequence order and ids are
+  handed out lowest first; other batches run as several ubatches.
 
 Idle forwards give way to a waiting request: while one runs, llama.cpp's abort callback
 (polled between graph nodes) returns true once a request is queued; llama_decode then stops,
@@ -20,6 +30,7 @@ running it again reproduces its logits exactly.
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 import threading
 from pathlib import Path
@@ -40,6 +51,8 @@ else:
     IMPORT_ERROR = None
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sessions with a KV at once
+LAYOUTS = ("unified", "streams")
+MIN_STREAM = 256  # llama.cpp pads a stream to a multiple of 256 cells
 
 
 class LlamaCppError(PreposError):
@@ -66,11 +79,22 @@ class LlamaCppBackend(Backend):
     verifies_drafts = True  # a step's every token can carry the batch's logits flag
 
     def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
-                 n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05):
+                 n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05,
+                 kv_layout: str = "unified"):
         if _ll is None:
             raise LlamaCppError(IMPORT_ERROR)
         if not Path(gguf).is_file():
             raise FileNotFoundError(f"no GGUF file at {gguf}")
+        if n_ctx < 256:
+            raise ValueError(f"n_ctx must be >= 256, got {n_ctx}")
+        if kv_layout not in LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(LAYOUTS)}, got {kv_layout!r}")
+        n_seq = max(1, min(max_sequences, MAX_SEQUENCES))
+        if kv_layout == "streams" and n_ctx // n_seq < MIN_STREAM:
+            raise ValueError(f"the streams layout gives each of {n_seq} sequences "
+                             f"{n_ctx} // {n_seq} = {n_ctx // n_seq} cells; it needs at least "
+                             f"{MIN_STREAM}: raise the cells (--kv-cells) or lower the sequences "
+                             f"(--kv-sequences)")
         _quiet_logs()
         _ll.llama_backend_init()
         mparams = _ll.llama_model_default_params()
@@ -78,18 +102,19 @@ class LlamaCppBackend(Backend):
         if not self.model:
             raise LlamaCppError(f"llama.cpp could not load {gguf}")
         threads = threads or os.cpu_count() or 1
-        if n_ctx < 256:
-            raise ValueError(f"n_ctx must be >= 256, got {n_ctx}")
         n_batch = min(n_batch, n_ctx)
-        self.n_seq = max(1, min(max_sequences, MAX_SEQUENCES))
+        self.n_seq = n_seq
+        self.kv_layout = kv_layout
         self.max_sessions = self.n_seq  # the engine admits no more sessions than this
+        if kv_layout == "streams":  # whole streams, within the cells asked for
+            n_ctx = n_ctx // n_seq // MIN_STREAM * MIN_STREAM * n_seq
         cparams = _ll.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = self.n_seq
         cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = True  # one pool of cells shared by every sequence
+        cparams.kv_unified = kv_layout == "unified"
         cparams.no_perf = True
         self.ctx = _ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -100,14 +125,15 @@ class LlamaCppBackend(Backend):
         self.vocab_size = int(_ll.llama_vocab_n_tokens(vocab))
         self.n_ctx = int(_ll.llama_n_ctx(self.ctx))
         self.kv_cells = self.n_ctx
-        self.max_context = min(self.n_ctx, int(_ll.llama_model_n_ctx_train(self.model)))
+        self.max_context = min(int(_ll.llama_n_ctx_seq(self.ctx)),  # a stream, or the pool
+                               int(_ll.llama_model_n_ctx_train(self.model)))
         self.threads = threads
         self.n_batch = n_batch
         self.max_batch = self.n_seq
         self.max_batch_tokens = n_batch
         self.logit_tolerance = logit_tolerance
         self._batch = _ll.llama_batch_init(n_batch, 0, 1)
-        self._free = list(range(self.n_seq - 1, -1, -1))
+        self._free = list(range(self.n_seq))  # a heap: the lowest id first
         self._free_lock = threading.Lock()
         self._should_yield = None
         self._abort = _ll.ggml_abort_callback(self._abort_requested)
@@ -119,14 +145,14 @@ class LlamaCppBackend(Backend):
             if not self._free:
                 raise TooManySessions(f"the llama.cpp back end holds the KV of at most "
                                       f"{self.n_seq} sessions at once")
-            return SeqKV(self._free.pop())
+            return SeqKV(heapq.heappop(self._free))
 
     def release(self, kv: SeqKV) -> None:
         if self._closed:
             return
         _ll.llama_memory_seq_rm(self.mem, kv.seq, -1, -1)
         with self._free_lock:
-            self._free.append(kv.seq)
+            heapq.heappush(self._free, kv.seq)
 
     def crop(self, kv: SeqKV, length: int) -> None:
         if not _ll.llama_memory_seq_rm(self.mem, kv.seq, length, -1):
@@ -142,8 +168,10 @@ class LlamaCppBackend(Backend):
         the logits of each step's last token, or of every token of a step flagged in
         `all_logits` (a [len(tokens), vocab] tensor)."""
         every = list(all_logits) if all_logits is not None else [False] * len(steps)
+        order = sorted(range(len(steps)), key=lambda j: steps[j][0].seq)  # see kv_layout
         rows = [(kv.seq, len(past) + i, tok, every[j] or i == len(tokens) - 1, j)
-                for j, (kv, past, tokens) in enumerate(steps) for i, tok in enumerate(tokens)]
+                for j in order for kv, past, tokens in (steps[j],)
+                for i, tok in enumerate(tokens)]
         out: list[torch.Tensor | None] = [None] * len(steps)
         per_step: dict[int, list[torch.Tensor]] = {j: [] for j, flag in enumerate(every) if flag}
         should_yield = getattr(_work, "should_yield", None)
@@ -212,6 +240,8 @@ class LlamaCppBackend(Backend):
 
 _LOG_CB = None
 _ABORTING = threading.Event()  # an idle forward was stopped on purpose: its failure is no news
+# a pool larger than the model's training context: sessions are capped at it (max_context)
+_NO_NEWS = b"possible training context overflow\n"
 
 
 def _quiet_logs() -> None:
@@ -221,8 +251,8 @@ def _quiet_logs() -> None:
         return
 
     def log(level: int, text: bytes, _data) -> None:
-        if level in (3, 4) and not _ABORTING.is_set():  # GGML_LOG_LEVEL_WARN, _ERROR
-            os.write(2, text)
+        if level in (3, 4) and not _ABORTING.is_set() and not text.endswith(_NO_NEWS):
+            os.write(2, text)  # GGML_LOG_LEVEL_WARN, _ERROR
 
     _LOG_CB = _ll.llama_log_callback(log)
     _ll.llama_log_set(_LOG_CB, ctypes.c_void_p(0))

@@ -40,8 +40,10 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
          [py, "benchmarks/native_decode.py", "--model", "smollm2",
           *(["--samples", "16", "--agentic-samples", "8", "--rounds", "1"] if quick else []),
           "NEEDS_LLAMA_SERVER", "NEEDS_SMOLLM2"]),
-        ("resident KV: one session's decode step beside 15 resident sessions (SmolLM2)",
-         [py, "benchmarks/resident_kv.py", "--model", "smollm2", *n, "NEEDS_SMOLLM2"]),
+        *((f"resident KV: one session's decode step beside 15 resident sessions (SmolLM2, "
+           f"{layout} cache)",
+           [py, "benchmarks/resident_kv.py", "--model", "smollm2", "--kv-layout", layout, *n,
+            "NEEDS_SMOLLM2"]) for layout in ("unified", "streams")),
         ("structured output: fast vs cold first token", [py, "benchmarks/structured.py",
                                                           *n]),
         ("relaxed path: online risk bound", [py, "benchmarks/relaxed_risk.py",

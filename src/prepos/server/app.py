@@ -104,8 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "%(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="auto: llama.cpp where it is installed (GGUF files always), else torch")
-    p.add_argument("--kv-cells", type=int, default=16384,
+    p.add_argument("--kv-cells", type=int, default=EngineConfig.kv_cells,
                    help="llama.cpp: cells of the KV cache all sessions share")
+    p.add_argument("--kv-sequences", type=int, default=EngineConfig.max_sequences,
+                   help="llama.cpp: sessions holding a KV at once (at most 256)")
+    p.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=["unified", "streams"],
+                   help="llama.cpp: unified (one pool; every step scans all sessions' cells) "
+                   "or streams (kv-cells / kv-sequences cells per session, each step scans "
+                   "its own: faster with many sessions resident or decoding at once)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
@@ -180,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         journal = Path(args.journal)
     engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
                           backend=args.backend, kv_cells=args.kv_cells,
+                          max_sequences=args.kv_sequences, kv_layout=args.kv_layout,
                           max_context=args.max_session_tokens,
                           preposition=not args.no_preposition,
                           budget=BudgetConfig(args.max_session_cells, args.max_kv_cells),
