@@ -7,12 +7,14 @@ stays resident beside it; in the streams layout (a stream per session) it attend
 stream only. This measures it directly on the back end: one session of `--state` tokens
 decoding one token at a time, alone, then with `--others` sessions of `--state` tokens each
 resident and idle; the two alternate in `--blocks` blocks so that a change in the machine's
-load hits both.
+load hits both. Then, with all of them resident, half of them decode one token at once:
+neighbouring sequence ids against every other id (a batch the streams layout runs as one
+ubatch per run of consecutive ids), alternating the same way.
 
     python benchmarks/resident_kv.py [--model smollm2|timing|FILE.gguf] [--samples 64]
                                      [--kv-layout unified|streams]
 The last line printed is the JSON summary (`resident_slowdown`: P50 with the others
-resident / P50 alone).
+resident / P50 alone; `gapped_batch_slowdown`: P50 every other id / P50 neighbours).
 """
 
 from __future__ import annotations
@@ -68,19 +70,43 @@ def main() -> None:
             beside += [step(*me) for _ in range(per_block)]
             for kv, _ in others:
                 be.release(kv)
+
+        def batch_step(group) -> float:
+            t0 = time.perf_counter()
+            be.extend_batch([(kv, toks, [rng.randrange(1000, 20000)]) for kv, toks in group])
+            dt = time.perf_counter() - t0
+            for kv, toks in group:
+                be.crop(kv, len(toks))
+            return dt
+
+        # half the sessions decoding at once: neighbouring sequence ids, or every other id
+        # (the streams layout runs a batch as one ubatch per run of consecutive ids)
+        held = sorted([me, *(new_session() for _ in range(args.others))], key=lambda s: s[0].seq)
+        near, spread = held[:len(held) // 2], held[::2]
+        neighbours, gapped = [], []
+        for _ in range(args.blocks):
+            neighbours += [batch_step(near) for _ in range(per_block)]
+            gapped += [batch_step(spread) for _ in range(per_block)]
     finally:
         be.close()
     out = {"benchmark": "resident_kv", "model": label, "gguf": str(gguf), "threads": args.threads,
            "state_tokens": args.state, "others": args.others, "kv_layout": args.kv_layout,
            "machine": machine(),
-           "alone": summarize(alone), "beside_others": summarize(beside)}
+           "alone": summarize(alone), "beside_others": summarize(beside),
+           "batch_neighbours": summarize(neighbours), "batch_every_other": summarize(gapped),
+           "batch_size": len(near)}
     out["resident_slowdown"] = round(out["beside_others"]["p50_ms"] / out["alone"]["p50_ms"], 3)
+    out["gapped_batch_slowdown"] = round(out["batch_every_other"]["p50_ms"]
+                                         / out["batch_neighbours"]["p50_ms"], 3)
     write(RESULTS / f"resident_kv_{args.model.replace('/', '_')}_{args.kv_layout}.json", out)
     print(json.dumps({"model": label, "kv_layout": args.kv_layout, "others": args.others,
                       "state_tokens": args.state,
                       "alone_p50_ms": round(out["alone"]["p50_ms"], 2),
                       "beside_p50_ms": round(out["beside_others"]["p50_ms"], 2),
-                      "samples": args.samples, "resident_slowdown": out["resident_slowdown"]}))
+                      "samples": args.samples, "resident_slowdown": out["resident_slowdown"],
+                      "batch_neighbours_p50_ms": round(out["batch_neighbours"]["p50_ms"], 2),
+                      "batch_every_other_p50_ms": round(out["batch_every_other"]["p50_ms"], 2),
+                      "gapped_batch_slowdown": out["gapped_batch_slowdown"]}))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,40 @@ def test_a_batch_in_any_order_with_gaps_between_its_sequences_matches_each_alone
             backend.release(kv)
 
 
+def test_a_decode_batch_with_gaps_leaves_the_sequences_between_as_they_were(backend,
+                                                                           monkeypatch):
+    """One token each for sequences 0, 2, 4 and 6 (the streams layout fills the gaps between
+    with throwaway rows so that the batch runs as one ubatch): each step's logits are those
+    of it alone, and the sequences in the gaps (1 and 3 holding tokens, 5 empty) hold
+    exactly what they held."""
+    filled = []
+    fillers = backend._fillers
+    monkeypatch.setattr(backend, "_fillers", lambda rows: filled.append(fillers(rows))
+                        or filled[-1])
+    kvs = [backend.new_kv() for _ in range(7)]
+    try:
+        pasts = [TOKENS[:20 + k] for k in range(5)] + [[], TOKENS[:9]]
+        for kv, past in zip(kvs, pasts):
+            if past:
+                backend.extend(kv, [], past)
+        gap_before = backend.extend(kvs[1], pasts[1], [TOKENS[50]])
+        backend.crop(kvs[1], len(pasts[1]))
+        picked = [0, 2, 4, 6]
+        together = backend.extend_batch([(kvs[k], pasts[k], [TOKENS[40 + k]]) for k in picked])
+        if backend.kv_layout == "streams":
+            assert sorted(r[0] for r in filled[-1]) == [1, 3, 5]
+        for k, got in zip(picked, together):
+            backend.crop(kvs[k], len(pasts[k]))
+            alone = backend.extend(kvs[k], pasts[k], [TOKENS[40 + k]])
+            assert float((alone - got).abs().max()) <= backend.logit_tolerance
+        pos_max = llama_cpp._ll.llama_memory_seq_pos_max
+        assert [pos_max(backend.mem, kvs[k].seq) for k in (1, 3, 5)] == [20, 22, -1]
+        assert torch.equal(backend.extend(kvs[1], pasts[1], [TOKENS[50]]), gap_before)
+    finally:
+        for kv in kvs:
+            backend.release(kv)
+
+
 def test_sequences_are_handed_out_lowest_first(backend):
     """Sessions held together get neighbouring ids, which the streams layout batches as one."""
     a, b, c = backend.new_kv(), backend.new_kv(), backend.new_kv()

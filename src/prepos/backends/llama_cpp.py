@@ -14,8 +14,9 @@ Two layouts of the cache (`kv_layout`):
 - "streams": a stream of `n_ctx / max_sequences` cells per sequence (as llama-server's slots).
   A step attends to its own session's cells only, and a session is capped at its stream
   (`max_context`). llama.cpp runs a batch's sequences together only where their ids are
-  consecutive and their token counts equal, so rows are sent in sequence order and ids are
-  handed out lowest first; other batches run as several ubatches.
+  consecutive and their token counts equal, so rows are sent in sequence order, ids are
+  handed out lowest first and small gaps in a decode batch are filled (`_fillers`); other
+  batches run as several ubatches.
 
 Idle forwards give way to a waiting request: while one runs, llama.cpp's abort callback
 (polled between graph nodes) returns true once a request is queued; llama_decode then stops,
@@ -53,6 +54,7 @@ else:
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sessions with a KV at once
 LAYOUTS = ("unified", "streams")
 MIN_STREAM = 256  # llama.cpp pads a stream to a multiple of 256 cells
+FILL_GAP = 4  # streams: gaps of up to this many sequence ids in a decode batch are filled
 
 
 class LlamaCppError(PreposError):
@@ -172,6 +174,9 @@ class LlamaCppBackend(Backend):
         rows = [(kv.seq, len(past) + i, tok, every[j] or i == len(tokens) - 1, j)
                 for j in order for kv, past, tokens in (steps[j],)
                 for i, tok in enumerate(tokens)]
+        fillers = self._fillers(rows) if self.kv_layout == "streams" else []
+        if fillers:
+            rows = sorted(rows + fillers, key=lambda r: r[0])
         out: list[torch.Tensor | None] = [None] * len(steps)
         per_step: dict[int, list[torch.Tensor]] = {j: [] for j, flag in enumerate(every) if flag}
         should_yield = getattr(_work, "should_yield", None)
@@ -188,6 +193,8 @@ class LlamaCppBackend(Backend):
                     elif wanted:
                         out[j] = self._logits(i)
         finally:
+            for seq, pos, *_ in fillers:  # a filler's cell goes as it came
+                _ll.llama_memory_seq_rm(self.mem, seq, pos, -1)
             if should_yield is not None:
                 _ll.llama_set_abort_callback(self.ctx, ctypes.cast(None, _ll.ggml_abort_callback),
                                              None)
@@ -198,6 +205,25 @@ class LlamaCppBackend(Backend):
         return out  # type: ignore[return-value]
 
     # -- internals -------------------------------------------------------------------------
+    def _fillers(self, rows: list[tuple]) -> list[tuple]:
+        """Streams layout, a batch of one token per sequence: llama.cpp runs one ubatch per
+        run of consecutive sequence ids, each reading the weights again. A gap of up to
+        FILL_GAP ids is filled with a throwaway row per id (at the end of that sequence,
+        logits not computed, removed after the forward), so the batch runs as one ubatch."""
+        seqs = [r[0] for r in rows]
+        if len(rows) < 2 or len(set(seqs)) != len(seqs):
+            return []
+        out = []
+        for a, b in zip(seqs, seqs[1:]):
+            if not 1 < b - a <= FILL_GAP + 1:
+                continue
+            for seq in range(a + 1, b):
+                pos = int(_ll.llama_memory_seq_pos_max(self.mem, seq)) + 1  # 0 if empty
+                if pos >= self.max_context:
+                    return []  # no room in that stream: leave the batch as it is
+                out.append((seq, pos, 0, False, None))
+        return out
+
     def _decode(self, rows: list[tuple], steps: Sequence[Step]) -> None:
         b = self._batch
         for i, (seq, pos, tok, wanted, _) in enumerate(rows):
