@@ -135,3 +135,25 @@ def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
     assert "r_max" in capsys.readouterr().err
     assert main(["--lookup-tokens", "-1", "--journal", "none"]) == 2
     assert "--lookup-tokens" in capsys.readouterr().err
+
+
+def test_default_threads_count_each_physical_core_once(monkeypatch):
+    """Four CPUs, two cores of two hyperthreads each: two threads; without topology files
+    each CPU counts; `prepos serve` defaults to it."""
+    from pathlib import Path
+
+    from prepos import config
+    from prepos.server.app import parse_args
+
+    siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+
+    def read_text(self):
+        return siblings[int(self.parent.parent.name.removeprefix("cpu"))] + "\n"
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert config.default_threads() == 2
+    monkeypatch.setattr(Path, "read_text", lambda self: (_ for _ in ()).throw(OSError()))
+    assert config.default_threads() == 4
+    monkeypatch.undo()
+    assert parse_args([]).threads == config.default_threads() >= 1

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+
+def default_threads() -> int:
+    """Compute threads by default: one per physical core this process may run on (as
+    llama.cpp's own default), the hyperthreads of one core counted once."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(
+        os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+                      .read_text().strip())
+        except OSError:  # no topology here: each CPU a core
+            cores.add(str(cpu))
+    return max(1, len(cores))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from prepos.backends.base import Backend, Preempted, Step, _work
+from prepos.config import default_threads
 from prepos.errors import OverBudget, PreposError, TooManySessions
 
 try:  # the binding is optional: without it the torch back end still serves
@@ -103,7 +104,7 @@ class LlamaCppBackend(Backend):
         self.model = _ll.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self.model:
             raise LlamaCppError(f"llama.cpp could not load {gguf}")
-        threads = threads or os.cpu_count() or 1
+        threads = threads or default_threads()
         n_batch = min(n_batch, n_ctx)
         self.n_seq = n_seq
         self.kv_layout = kv_layout

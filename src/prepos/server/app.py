@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prepos.config import BudgetConfig, EngineConfig, RelaxedConfig
+from prepos.config import BudgetConfig, EngineConfig, RelaxedConfig, default_threads
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
@@ -124,9 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-keys-file", help="file of keys, one a line")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="compute threads (default: one less than the CPUs, leaving "
-                   "one to the event loop; more oversubscribes and stalls)")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="compute threads (default: one per physical core this process may "
+                   "run on, as llama.cpp's own default)")
     p.add_argument("--no-preposition", action="store_true",
                    help="never pre-position (every request pays its entry: the baseline)")
     p.add_argument("--lookup-tokens", type=int, default=EngineConfig.lookup_tokens,
