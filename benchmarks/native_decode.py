@@ -12,7 +12,8 @@ that a change in the machine's load hits both:
                whose state is resident, llama-server's /completion with that state in its
                prompt cache (sent alone just before);
   throughput   16 sessions generating 32 tokens each at once: aggregate tokens/s (prepos's
-               batched steps; llama-server with -np 16 and 16 concurrent clients);
+               batched steps; llama-server with -np 16 and 16 concurrent clients), on
+               the unified cache and again on the streams cache (a stream per session);
   fast         the exact-match fast path (a standing query, pre-positioned), to first token;
   agentic      an answer of up to 60 tokens after a tool result, end to end: prepos from
                its pre-positioned tool-result envelope; llama-server with the state before the
@@ -462,12 +463,10 @@ def main() -> None:
     out["entry_ratio_vs_llama_server"] = ratio(de["entry_prepos"], de["entry_peer"])
     if "decode_torch" in out:
         out["decode_speedup_vs_torch"] = ratio(out["decode_torch"], de["decode_prepos"])
-    tp = out["throughput"]
-    out["throughput_ratio_vs_llama_server"] = round(
-        tp["prepos_tokens_s_median"] / tp["peer_tokens_s_median"], 3)
-    ts = out["throughput_streams"]
-    out["throughput_streams_ratio_vs_llama_server"] = round(
-        ts["prepos_tokens_s_median"] / ts["peer_tokens_s_median"], 3)
+    for name in ("throughput", "throughput_streams"):
+        tp = out[name]
+        out[f"{name}_ratio_vs_llama_server"] = round(
+            tp["prepos_tokens_s_median"] / tp["peer_tokens_s_median"], 3)
     out["fast_p50_us"] = round(out["fast"]["p50_ms"] * 1e3, 1)
     keys = ["decode_ratio_vs_llama_server", "entry_ratio_vs_llama_server",
             "decode_speedup_vs_torch", "throughput_ratio_vs_llama_server",

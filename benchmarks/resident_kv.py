@@ -54,24 +54,8 @@ def main() -> None:
             be.extend(kv, [], toks)
             return kv, toks
 
-        def step(kv, toks) -> float:
-            t0 = time.perf_counter()
-            be.extend(kv, toks, [rng.randrange(1000, 20000)])
-            dt = time.perf_counter() - t0
-            be.crop(kv, len(toks))
-            return dt
-
-        me = new_session()
-        alone, beside = [], []
-        per_block = max(1, args.samples // args.blocks)
-        for _ in range(args.blocks):
-            alone += [step(*me) for _ in range(per_block)]
-            others = [new_session() for _ in range(args.others)]
-            beside += [step(*me) for _ in range(per_block)]
-            for kv, _ in others:
-                be.release(kv)
-
-        def batch_step(group) -> float:
+        def step(*group) -> float:
+            """One token for each (kv, tokens) of `group`, in one forward; then cropped."""
             t0 = time.perf_counter()
             be.extend_batch([(kv, toks, [rng.randrange(1000, 20000)]) for kv, toks in group])
             dt = time.perf_counter() - t0
@@ -79,14 +63,24 @@ def main() -> None:
                 be.crop(kv, len(toks))
             return dt
 
+        me = new_session()
+        alone, beside = [], []
+        per_block = max(1, args.samples // args.blocks)
+        for _ in range(args.blocks):
+            alone += [step(me) for _ in range(per_block)]
+            others = [new_session() for _ in range(args.others)]
+            beside += [step(me) for _ in range(per_block)]
+            for kv, _ in others:
+                be.release(kv)
+
         # half the sessions decoding at once: neighbouring sequence ids, or every other id
         # (the streams layout runs a batch as one ubatch per run of consecutive ids)
         held = sorted([me, *(new_session() for _ in range(args.others))], key=lambda s: s[0].seq)
         near, spread = held[:len(held) // 2], held[::2]
         neighbours, gapped = [], []
         for _ in range(args.blocks):
-            neighbours += [batch_step(near) for _ in range(per_block)]
-            gapped += [batch_step(spread) for _ in range(per_block)]
+            neighbours += [step(*near) for _ in range(per_block)]
+            gapped += [step(*spread) for _ in range(per_block)]
     finally:
         be.close()
     out = {"benchmark": "resident_kv", "model": label, "gguf": str(gguf), "threads": args.threads,

@@ -10,7 +10,10 @@ from prepos.engine import Engine
 from prepos.lab.tiny import build_model
 
 FAMILIES = [("chatml", "llama"), ("llama3", "qwen2")]
-BACKENDS = ["torch", "llama.cpp"]
+# every in-process back end, llama.cpp in both its cache layouts ("/streams": a stream of
+# 16384 / 16 = 1024 cells per session)
+BACKENDS = ["torch", "llama.cpp", "llama.cpp/streams"]
+STREAMS = {"kv_layout": "streams", "max_sequences": 16, "kv_cells": 16384}
 NO_LLAMA_CPP = (f"LOUD SKIP: the llama.cpp back end is not installed ({llama_cpp.IMPORT_ERROR}); "
                 "run scripts/build_llama_cpp_python.sh")
 
@@ -54,27 +57,28 @@ def family(request):
     return request.param
 
 
-# llama.cpp's second cache layout: a stream of 16384 / 16 = 1024 cells per session
-STREAMS = {"kv_layout": "streams", "max_sequences": 16, "kv_cells": 16384}
-
-
-@pytest.fixture(params=[*BACKENDS, "llama.cpp/streams"])
-def backend(request):
-    """Each in-process back end, llama.cpp in both its cache layouts: the engine's tests run
-    on all three."""
-    if request.param.startswith("llama.cpp") and not llama_cpp.available():
+def backend_config(param: str) -> dict:
+    """The EngineConfig fields of one of BACKENDS (skipping where llama.cpp is missing)."""
+    name, _, layout = param.partition("/")
+    if name == "llama.cpp" and not llama_cpp.available():
         pytest.skip(NO_LLAMA_CPP)
+    return {"backend": name, **(STREAMS if layout else {})}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each of BACKENDS: the engine's tests run on all three."""
+    backend_config(request.param)
     return request.param
 
 
 @pytest.fixture
 def make_engine(model_dirs, backend):
     engines = []
-    name, _, layout = backend.partition("/")
 
     def make(family: str = "chatml", **overrides) -> Engine:
-        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), "backend": name,
-                              "threads": 2, **(STREAMS if layout else {}), **overrides})
+        cfg = EngineConfig(**{"gate": GateConfig(tau=0.0, answers=()), "threads": 2,
+                              **backend_config(backend), **overrides})
         eng = Engine.from_pretrained(model_dirs[family], cfg)
         engines.append(eng)
         return eng

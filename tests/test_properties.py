@@ -7,13 +7,12 @@ pre-positions (racing with mutations: chunks of 2 tokens, idle work not awaited)
 """
 
 import pytest
-from conftest import BACKENDS, NO_LLAMA_CPP
+from conftest import BACKENDS, backend_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from helpers import cold_logits, greedy_agrees, tolerance
-from prepos.backends import llama_cpp
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import Match, Path, Request, SamplingParams
 from prepos.engine import Engine
@@ -24,17 +23,14 @@ CALL = {"type": "function", "function": {"name": "get_price", "arguments": {"t":
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
 
 
-@pytest.fixture(scope="module", params=[*BACKENDS, "llama.cpp/streams"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def engine(model_dirs, request):
-    """Each in-process back end, and llama.cpp's second cache layout (a stream per session,
-    of 1024 cells: as much as max_context)."""
-    backend, _, layout = request.param.partition("/")
-    if backend == "llama.cpp" and not llama_cpp.available():
-        pytest.skip(NO_LLAMA_CPP)
+    """Each in-process back end, llama.cpp in both cache layouts (a stream holds 1024 cells:
+    as much as max_context)."""
     eng = Engine.from_pretrained(model_dirs["chatml"], EngineConfig(
-        backend=backend, threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48,
+        threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48,
         budget=BudgetConfig(session_cells=4096, engine_cells=1 << 20),
-        kv_layout=layout or "unified", max_sequences=8, kv_cells=8192))
+        **backend_config(request.param)))
     vocab = eng.fmt.tokenizer.batch_decode([[i] for i in range(len(eng.fmt.tokenizer))])
     eng.set_gate(GateConfig(tau=-1.0, answers=tuple({t.strip() for t in vocab if t.strip()})))
     yield eng

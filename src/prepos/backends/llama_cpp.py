@@ -171,10 +171,9 @@ class LlamaCppBackend(Backend):
         the logits of each step's last token, or of every token of a step flagged in
         `all_logits` (a [len(tokens), vocab] tensor)."""
         every = list(all_logits) if all_logits is not None else [False] * len(steps)
-        order = sorted(range(len(steps)), key=lambda j: steps[j][0].seq)  # see kv_layout
         rows = [(kv.seq, len(past) + i, tok, every[j] or i == len(tokens) - 1, j)
-                for j in order for kv, past, tokens in (steps[j],)
-                for i, tok in enumerate(tokens)]
+                for j, (kv, past, tokens) in enumerate(steps) for i, tok in enumerate(tokens)]
+        rows.sort(key=lambda r: r[0])  # in sequence order (see kv_layout); stable
         fillers = self._fillers(rows) if self.kv_layout == "streams" else []
         if fillers:
             rows = sorted(rows + fillers, key=lambda r: r[0])
