@@ -294,3 +294,62 @@ def test_draft_counters_reach_prometheus(make_engine):
     assert f'prepos:lookup_drafts_total{{outcome="proposed"}} {float(stats["proposed"])}' in text
     assert f'prepos:lookup_drafts_total{{outcome="accepted"}} {float(stats["accepted"])}' in text
     assert f'prepos:lookup_verify_steps_total {float(stats["verify_steps"])}' in text
+
+
+# -- drafts from the session's earlier answers ----------------------------------------------
+def test_a_prior_corpus_drafts_and_the_sequence_s_own_occurrence_wins():
+    idx = NgramIndex([7, 1, 2], max_ngram=2, prior=[1, 2, 5, 6])
+    assert idx.tokens == [7, 1, 2] and len(idx) == 3
+    assert idx.propose(2) == [5, 6]  # (1, 2) occurred in the prior only
+    idx.extend([9, 1, 2])
+    assert idx.tokens == [7, 1, 2, 9, 1, 2]
+    assert idx.propose(2) == [9, 1]  # and now in the sequence too, later
+    assert NgramIndex([3], prior=[3, 4]).propose(1) == []  # the sequence's last n are its own
+
+
+def test_a_session_keeps_the_last_tokens_of_its_answers(make_engine):
+    eng = make_engine(lookup_said_tokens=5)
+    s = eng.session(eng.create_session("streaming"))
+    s.remember_answer([1, 2, 3])
+    s.remember_answer([])
+    s.remember_answer([4, 5, 6])
+    assert s.said() == (2, 3, 4, 5, 6)
+    off = make_engine(lookup_said_tokens=0)
+    s = off.session(off.create_session("streaming"))
+    s.remember_answer([1, 2])
+    assert s.said() == ()
+
+
+def _query_twice(eng, question, sampling):
+    """A streaming session asked `question` twice on the same data: the answer never enters
+    the context, so only the first answer, kept by the session, can draft the second."""
+    sid = eng.create_session("streaming", system="You read sensor values.")
+    eng.append(sid, "t=1 temp=21.5 hum=40 t=2 temp=21.7 hum=41")
+    first = eng.query(sid, question, Request(sampling)).result()
+    before = dict(eng.metrics()["lookup"])
+    second = eng.query(sid, question, Request(sampling)).result()
+    after = eng.metrics()["lookup"]
+    return sid, first, second, {k: after[k] - before[k] for k in after}
+
+
+def test_a_query_asked_again_drafts_from_the_earlier_answer(make_engine):
+    sampling = SamplingParams(max_tokens=32)
+    question = "What changed between the two readings?"
+    said_eng = make_engine(lookup_tokens=8)
+    ctx_eng = make_engine(lookup_tokens=8, lookup_said_tokens=0)
+    plain_eng = make_engine(lookup_tokens=0)
+    sid, first, second, said = _query_twice(said_eng, question, sampling)
+    _, _, ctx_second, ctx = _query_twice(ctx_eng, question, sampling)
+    _, _, plain, _ = _query_twice(plain_eng, question, sampling)
+    prompt = tuple(said_eng.session(sid).snap.tokens)  # + the query's entry: same on each
+    assert len(plain.tokens) > 8, plain.tokens
+    for spec in (second, ctx_second):
+        _same_answer(said_eng, prompt, plain.tokens, spec.tokens)
+    assert said_eng.session(sid).said()[-len(second.tokens):] == tuple(second.tokens)
+    # the same state, the same greedy answer (where logits move with the batch, it may not)
+    assert second.tokens == first.tokens or tolerance(said_eng) > 0
+    if second.tokens == first.tokens:  # the same answer again: most of it drafted
+        decoded = len(second.tokens) - 1  # the entry's forward gave the first token
+        # forwards = decoded - accepted (each verifying forward gives 1 + its accepted)
+        assert said["accepted"] >= decoded // 2, (said, ctx, second.tokens)
+        assert said["accepted"] > ctx["accepted"] or ctx["accepted"] >= decoded // 2

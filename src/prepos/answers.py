@@ -82,8 +82,8 @@ class Answers:
                      prompt_tokens=rec.p)
         stream = Stream()
         grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
-        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish),
-                         grammar)
+        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs,
+                         self._finisher(s, on_finish), grammar)
         rng = generator_for(sampling, grammar)
         dist = cached(rec)
         # greedy: the argmax found when the record was made; otherwise sample the cached logits
@@ -98,7 +98,7 @@ class Answers:
             # the first token is out at once; on a machine with few cores the decode behind it
             # would take the CPU its writer needs, so it waits (briefly) until it was delivered
             stream.first_delivered.wait(FIRST_TOKEN_GRACE_S)
-            yield from self.decode(kv, seq, out, sampling, rng)
+            yield from self.decode(kv, seq, out, sampling, rng, s.said())
 
         eng.scheduler.submit(rest(), key=s.id, on_error=stream.fail)
         return stream
@@ -114,8 +114,8 @@ class Answers:
         stream = Stream()
         res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
         grammar = self.grammars.constraint(sampling)
-        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs, self._finisher(on_finish),
-                         grammar)
+        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs,
+                         self._finisher(s, on_finish), grammar)
 
         def run():
             tm = res.timing
@@ -144,18 +144,19 @@ class Answers:
             eng._count("fall" if used else "cold")
             rng = generator_for(sampling, grammar)
             if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
-                yield from self.decode(kv, seq, out, sampling, rng)
+                yield from self.decode(kv, seq, out, sampling, rng, s.said())
 
         eng.scheduler.submit(run(), key=s.id, on_error=stream.fail)
         return stream
 
     def decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
-               sampling: SamplingParams, rng):
+               sampling: SamplingParams, rng, said: tuple[int, ...] = ()):
         """The rest of the answer after `seq` and `out`'s tokens: one decode step per
         scheduler quantum, batched with other sessions' steps; or, on a back end that
         streams answers, every token from one streamed request (the engine's own sampling;
         one token per quantum is read from it). A greedy answer on a back end that verifies
-        drafts runs several tokens per step where its context predicts them (`prepos.lookup`)."""
+        drafts runs several tokens per step where its context or `said` (the session's latest
+        answers) predicts them (`prepos.lookup`)."""
         if self.eng.backend.streams_answers:
             events = kv.stream(seq + tuple(out.tokens), sampling,
                                sampling.max_tokens - len(out.tokens), self.eng.fmt.end_of_turn)
@@ -169,15 +170,17 @@ class Answers:
             out.finish("stop")  # the engine ended the answer without a stop token
             return
         if self.eng.lookup.applies(sampling, self.eng.backend.verifies_drafts):
-            yield from self.eng.lookup.decode(kv, seq, out, sampling, rng)
+            yield from self.eng.lookup.decode(kv, seq, out, sampling, rng, said)
             return
         while True:
             step = yield Forward(kv, seq + tuple(out.tokens))
             if out.add(sample(step.logits, sampling, rng), step.logits):
                 return
 
-    def _finisher(self, then: Callable[[Result], None] | None) -> Callable[[Result], None]:
+    def _finisher(self, s: Session, then: Callable[[Result], None] | None
+                  ) -> Callable[[Result], None]:
         def finish(res: Result) -> None:
+            s.remember_answer(res.tokens)
             if then is not None:
                 then(res)
             self.eng._observe(res)

@@ -92,6 +92,7 @@ class EngineConfig:
     lookup_ngram: int = 3  # the longest n-gram matched (then shorter, down to lookup_min_ngram)
     lookup_min_ngram: int = 2  # one-token matches draft too often where the answer does not copy
     lookup_max_batch: int = 2  # drafts only while at most this many foreground tasks run
+    lookup_said_tokens: int = 1024  # drafts from this many tokens of a session's latest answers
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     backend: str = "auto"  # auto | torch | llama.cpp (see prepos.loading)

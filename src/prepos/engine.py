@@ -111,7 +111,8 @@ class Engine:
                 self.fmt.check_text(json.dumps(m), f"messages[{i}]")
         c = self.config
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
-                    c.reserve_tokens, history, admit=self._admit)
+                    c.reserve_tokens, history, admit=self._admit,
+                    said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s)
         self._emit("create", s, s.snap)
         self._committed(s, s.snap, None, wait=False)

@@ -5,10 +5,15 @@ An agentic answer often copies from its own context: a tool result's values, a n
 conversation, the markup of a tool call. So the tokens that follow the answer's last `n`
 tokens the previous time those `n` appeared in the session's sequence (entry and answer so
 far; `n` from `max_ngram` down to `min_ngram`) are a draft of what comes next, proposed with
-no model (`NgramIndex`). One forward over the last token and up to `k` drafted tokens returns the
-logits at each of those positions; a draft is accepted while it equals the greedy choice at
-the position before it (`accepted`), and the choice at the first disagreement (or after the
-last draft) is the answer's next token too. So one forward yields 1 to k + 1 tokens, each the
+no model (`NgramIndex`). The session's latest answers are searched too (`Session.said`, up to
+`lookup_said_tokens`): a standing query asked again after an update, or an agent's answer
+after the next call of the same tool, says much of what the last one said, and a streaming
+session's answers never enter its context.
+
+One forward over the last token and up to `k` drafted tokens returns the logits at each of
+those positions; a draft is accepted while it equals the greedy choice at the position before
+it (`accepted`), and the choice at the first disagreement (or after the last draft) is the
+answer's next token too. So one forward yields 1 to k + 1 tokens, each the
 one a plain greedy decode would have chosen from the same logits. Rejected drafts stay in the
 KV until the next forward, whose restore crops them (the KV's common prefix).
 
@@ -31,22 +36,31 @@ from prepos.sampling import sample
 
 class NgramIndex:
     """A token sequence and, for each n-gram of length 1..max_ngram, where it last ended
-    with a token after it; `propose` looks the sequence's own last n tokens up there."""
+    with a token after it; `propose` looks the sequence's own last n tokens up there. A
+    `prior` corpus (a session's earlier answers) is indexed before the sequence: it drafts
+    too, and the sequence's own occurrences, being later, win where both have the n-gram."""
 
-    def __init__(self, tokens: Sequence[int], max_ngram: int = 3):
+    def __init__(self, tokens: Sequence[int], max_ngram: int = 3, prior: Sequence[int] = ()):
         if max_ngram < 1:
             raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
         self.max_ngram = max_ngram
-        self.tokens: list[int] = []
+        self._all: list[int] = []  # prior, then the sequence
         # per n: n-gram -> the (exclusive) end of its latest occurrence that has a follower
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+        self.extend(prior)
+        self._start = len(self._all)
         self.extend(tokens)
 
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence (without the prior)."""
+        return self._all[self._start:]
+
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self._all) - self._start
 
     def extend(self, tokens: Sequence[int]) -> None:
-        toks = self.tokens
+        toks = self._all
         for tok in tokens:
             end = len(toks)  # the grams ending here get `tok` as their follower
             for n in range(1, min(self.max_ngram, end) + 1):
@@ -58,10 +72,10 @@ class NgramIndex:
         tokens, for the longest n (max_ngram down to min_ngram) that occurred before; []
         when none did. Where that continuation runs into the sequence's end, the drafts go
         on copying from themselves (a repeating pattern repeats on)."""
-        toks = self.tokens
+        toks = self._all
         if k < 1:
             return []
-        for n in range(min(self.max_ngram, len(toks) - 1), max(min_ngram, 1) - 1, -1):
+        for n in range(min(self.max_ngram, len(self) - 1), max(min_ngram, 1) - 1, -1):
             end = self._ends[n].get(tuple(toks[len(toks) - n:]))
             if end is not None:
                 drafts = toks[end:end + k]
@@ -132,11 +146,12 @@ class Lookup:
         return self.k > 0 and verifies and sampling.greedy
 
     def decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
-               sampling: SamplingParams, rng) -> Generator[Forward, Advance, None]:
+               sampling: SamplingParams, rng, said: Sequence[int] = ()
+               ) -> Generator[Forward, Advance, None]:
         """The rest of a greedy answer after `seq` and `out`'s tokens, one forward per
-        quantum: the last token and its drafts where the context has a match, else the last
-        token alone (a plain step)."""
-        index = NgramIndex(seq + tuple(out.tokens), self.max_ngram)
+        quantum: the last token and its drafts where the context (or `said`, the session's
+        earlier answers) has a match, else the last token alone (a plain step)."""
+        index = NgramIndex(seq + tuple(out.tokens), self.max_ngram, prior=said)
         width = min(self.START, self.k)
         while True:
             ctx = index.tokens

@@ -109,10 +109,11 @@ class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
                  max_versions: int, shift_keep: float, reserve: int,
                  history: Sequence[tuple[int, Sequence[dict]]] = (),
-                 admit: Callable[[Session, int], None] | None = None):
+                 admit: Callable[[Session, int], None] | None = None, said_tokens: int = 0):
         """A new session, or with `history` ((version, messages) pairs, oldest first, the
         last being current) one restored from a journal. `admit(session, n)` may refuse, by
-        raising, a committed state of n tokens (the engine's cell budget)."""
+        raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
+        how many tokens of its latest answers it keeps as draft material (`said`)."""
         self.admit = admit
         self.id = sid
         self.spec = spec
@@ -121,12 +122,14 @@ class Session:
         self.max_versions = max_versions
         self.shift_keep = shift_keep
         self.reserve = reserve
-        self.lock = threading.Lock()  # guards snap, ready, history (held briefly)
+        self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
         # committed versions for rollback; restored ones are rendered when rolled back to
         self.history: OrderedDict[int, Snapshot | tuple[dict, ...]] = OrderedDict()
         self._entries: tuple[int, Entries] | None = None
+        self.said_tokens = said_tokens
+        self._said: tuple[int, ...] = ()
         if not history:
             history = [(0, [{"role": "system", "content": spec.system}] if spec.system else [])]
         for version, messages in history[:-1]:
@@ -151,6 +154,21 @@ class Session:
         """The committed snapshot and the ready records computed from it, read together."""
         with self.lock:
             return self.snap, dict(self.ready.records) if self.ready.valid else {}
+
+    def said(self) -> tuple[int, ...]:
+        """The tokens of its latest answers, oldest first, at most `said_tokens`: what its
+        next greedy answer may draft from besides its context (`prepos.lookup`). A standing
+        query asked again after an update, or an agent's next call of the same tool, says
+        much of it again, and a streaming session's answers never enter its context. Not
+        journalled, not versioned: drafts are verified, so it cannot make an answer stale."""
+        with self.lock:
+            return self._said
+
+    def remember_answer(self, tokens: Sequence[int]) -> None:
+        if self.said_tokens <= 0 or not tokens:
+            return
+        with self.lock:
+            self._said = (self._said + tuple(tokens))[-self.said_tokens:]
 
     def at(self, version: int | None) -> Snapshot:
         """A committed version still rendered (the current one otherwise)."""
