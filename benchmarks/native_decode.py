@@ -20,9 +20,15 @@ that a change in the machine's load hits both:
                tool result in its prompt cache, asked for as many tokens as prepos produced.
                Two workloads (AGENTIC_ASKS): a prose answer about the result and a chained
                tool call that copies it (what greedy SmolLM2-135M-Instruct writes for each);
-               each measured with prompt-lookup drafts (`--lookup`, the engine's default)
-               and without (`agentic_*_ratio_no_lookup`). `agentic_60_ratio_vs_llama_server`
-               is the prose answer with drafts. Every other figure runs without drafts: a
+  standing     a dashboard's standing query after a data update, end to end: prepos from
+               the entry it pre-positioned after the update; llama-server with the state
+               before the update in its prompt cache. Each of these answers is measured
+               (SETTINGS) with prompt-lookup drafts from the context (`--lookup`), without
+               drafts (`*_ratio_no_lookup`), and with drafts from the session's earlier
+               answers too (`*_ratio_said`: the 63 answers before it in the same session,
+               each at the same point with another tool result or update).
+               `agentic_60_ratio_vs_llama_server` is the prose answer with drafts from its
+               context alone (a first answer). Every other figure runs without drafts: a
                decode step's own time;
   idle wait    a request's wait for the model worker while another session pre-positions
                without pause (the abort callback stops a running idle chunk).
@@ -135,15 +141,18 @@ class Peer:
 
 
 def engine(gguf_or_dir: Path, backend: str, threads: int, preposition: bool,
-           cells: int, lookup: int = 0, streams: int | None = None) -> Engine:
+           cells: int, lookup: int = 0, streams: int | None = None, said: bool = False
+           ) -> Engine:
     """An engine for one figure; `lookup` drafts per forward (prompt lookup) only where the
     figure is an answer's end-to-end time: a decode step's own time is measured without.
-    `streams`: llama.cpp's streams layout of the cache, for that many sessions."""
+    `said`: drafts from the session's earlier answers too. `streams`: llama.cpp's streams
+    layout of the cache, for that many sessions."""
     layout = {"kv_layout": "streams", "max_sequences": streams} if streams else {}
     cfg = EngineConfig(backend=backend, threads=threads, preposition=preposition,
                        gate=GateConfig(tau=1e9, answers=()), kv_cells=cells,
                        budget=BudgetConfig(session_cells=cells, engine_cells=cells),
-                       lookup_tokens=lookup, **layout)
+                       lookup_tokens=lookup, **layout,
+                       **({} if said else {"lookup_said_tokens": 0}))
     return Engine.from_pretrained(gguf_or_dir, cfg)
 
 
@@ -358,36 +367,84 @@ def ratio(a: dict, b: dict) -> float:
     return round(a["p50_ms"] / b["p50_ms"], 3)
 
 
+DASHBOARD_ASK = "Is ACME going up or down? Explain the trend in two sentences."
+
+
+def measure_standing(eng: Engine, peer: Peer, args) -> dict:
+    """A dashboard's standing query after a data update, end to end: prepos from the entry it
+    pre-positioned after the update (the first token from the cache), llama-server with the
+    state before the update in its prompt cache (it has no idle time to do the update's part),
+    asked for as many tokens as prepos produced. Each sample rolls back to the same base and
+    appends another update; the session's earlier answers are what a dashboard's session
+    would have said before."""
+    rng = random.Random(1)
+    sid = eng.create_session("streaming", system="You are a market analyst. Readings of ACME "
+                             "arrive as lines of six prices.", standing=[DASHBOARD_ASK])
+    fill(eng, sid, args.state, rng)
+    base = eng.session(sid).snap
+    ours, theirs, counts = [], [], []
+    for i in range(args.agentic_samples):
+        eng.append(sid, "ACME " + " ".join(f"{101.25 + 0.37 * i + 0.1 * j:.2f}"
+                                           for j in range(6)))
+        eng.wait_idle()  # the standing query's entry is pre-positioned
+        prompt = entry_ids(eng, sid, DASHBOARD_ASK)
+        t0 = time.perf_counter()
+        sampling = SamplingParams(max_tokens=args.agentic_tokens)
+        res = eng.query(sid, DASHBOARD_ASK, Request(sampling)).result()
+        ours.append(time.perf_counter() - t0)
+        n = len(res.tokens) or 1
+        counts.append(n)
+        eng.rollback(sid, base.version)
+        eng.wait_idle()  # nothing of prepos runs while the peer is timed
+        peer.warm(list(base.tokens))
+        t0 = time.perf_counter()
+        peer.stream(prompt, n)
+        theirs.append(time.perf_counter() - t0)
+    eng.close_session(sid)
+    return {"prepos": summarize(ours), "peer": summarize(theirs),
+            "tokens_mean": statistics.fmean(counts), "example": res.text}
+
+
+# per setting: lookup drafts, and drafts from the session's earlier answers too
+SETTINGS = {"plain": (False, False), "drafts": (True, False), "said": (True, True)}
+# the figure's key prefix per workload (the agentic asks, then the standing query)
+PREFIX = {**{name: f"agentic_{name}" for name in AGENTIC_ASKS}, "standing": "standing_query"}
+
+
 def measure_agentic_all(gguf: Path, binary: Path, args) -> dict:
-    """Each workload of AGENTIC_ASKS, on an engine without drafts and on one drafting
-    `--lookup` tokens per forward, with the drafts' counters per workload. One llama.cpp
-    engine at a time: a second context's idle OpenMP threads slowed the running one's decode
-    by 40-50% here (libgomp stops spinning at its barriers once it manages more threads than
-    the machine has cores)."""
-    out: dict = {name: {} for name in AGENTIC_ASKS}
+    """Each workload (the agentic asks and the standing query) on an engine per SETTINGS, with
+    the drafts' counters per workload and setting. One llama.cpp engine at a time: a second
+    context's idle OpenMP threads slowed the running one's decode by 40-50% here (libgomp
+    stops spinning at its barriers once it manages more threads than the machine has cores)."""
+    out: dict = {name: {"lookup": {}} for name in PREFIX}
     with LlamaServer(binary, gguf, slots=1, ctx_per_slot=args.cells,
                      threads=args.threads) as srv:
         peer = Peer(srv.url)
-        for setting, lookup in (("plain", 0), ("drafts", args.lookup)):
-            with engine(gguf, "llama.cpp", args.threads, True, args.cells, lookup) as eng:
-                for name, ask in AGENTIC_ASKS.items():
+        for setting, (drafts, said) in SETTINGS.items():
+            with engine(gguf, "llama.cpp", args.threads, True, args.cells,
+                        args.lookup if drafts else 0, said=said) as eng:
+                for name in PREFIX:
                     before = dict(eng.metrics()["lookup"])
-                    out[name][setting] = measure_agentic(eng, peer, args, ask)
+                    out[name][setting] = (measure_standing(eng, peer, args) if name == "standing"
+                                          else measure_agentic(eng, peer, args,
+                                                               AGENTIC_ASKS[name]))
                     after = eng.metrics()["lookup"]
-                    if setting == "drafts":
-                        out[name]["lookup"] = {k: after[k] - before[k] for k in after}
+                    if drafts:
+                        out[name]["lookup"][setting] = {k: after[k] - before[k] for k in after}
     return out
 
 
 def agentic_keys(out: dict) -> list[str]:
-    """The agentic ratios from out["agentic"]: per workload, with drafts and without; the
-    issue's agentic_60 figure is the prose workload."""
+    """The answers' ratios from out["agentic"]: per workload, with drafts (from the context),
+    without, and with drafts from the session's earlier answers too; the issue's agentic_60
+    figure is the prose workload with drafts from its context (a first answer)."""
     keys = []
     for name, r in out["agentic"].items():
-        out[f"agentic_{name}_ratio_vs_llama_server"] = ratio(r["drafts"]["prepos"],
-                                                             r["drafts"]["peer"])
-        out[f"agentic_{name}_ratio_no_lookup"] = ratio(r["plain"]["prepos"], r["plain"]["peer"])
-        keys += [f"agentic_{name}_ratio_vs_llama_server", f"agentic_{name}_ratio_no_lookup"]
+        for setting, suffix in (("drafts", "vs_llama_server"), ("plain", "no_lookup"),
+                                ("said", "said")):
+            key = f"{PREFIX[name]}_ratio_{suffix}"
+            out[key] = ratio(r[setting]["prepos"], r[setting]["peer"])
+            keys.append(key)
     out["agentic_60_ratio_vs_llama_server"] = out["agentic_prose_ratio_vs_llama_server"]
     out["agentic_60_ratio_no_lookup"] = out["agentic_prose_ratio_no_lookup"]
     return ["agentic_60_ratio_vs_llama_server", "agentic_60_ratio_no_lookup"] + keys

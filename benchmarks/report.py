@@ -122,21 +122,29 @@ def gpu_table(root: Path) -> str | None:
     return "\n".join(lines)
 
 
-def _agentic(r: dict, name: str) -> str:
-    """One agentic workload: with the engine's prompt-lookup drafts, then without them."""
+def _agentic(r: dict, name: str, prefix: str) -> str:
+    """One answer workload: with prompt-lookup drafts from the context, without drafts, and
+    with drafts from the session's earlier answers too."""
     w = r["agentic"][name]
-    lk, d, p = w.get("lookup", {}), w["drafts"], w["plain"]
+    lk = w.get("lookup", {})
 
     def pq(x: dict) -> str:
         return f"{x['p50_ms']:.0f} / {x['p99_ms']:.0f} (n={x['n']})"
 
+    def drafts(setting: str) -> str:
+        d = lk.get(setting, {})
+        return (f"accepted {d.get('accepted')} of {d.get('proposed')} in "
+                f"{d.get('verify_steps')} verifying forwards")
+
+    d, p, sd = w["drafts"], w["plain"], w["said"]
     target = " (target <= 0.9)" if name == "prose" else ""
     return (f"{pq(d['prepos'])} vs {pq(d['peer'])} ({d['tokens_mean']:.0f} tokens): "
-            f"**{r[f'agentic_{name}_ratio_vs_llama_server']:.3f}x**{target}, drafts "
-            f"(up to {r['lookup_tokens']} per forward) accepted {lk.get('accepted')} of "
-            f"{lk.get('proposed')} in {lk.get('verify_steps')} verifying forwards; without "
+            f"**{r[f'{prefix}_ratio_vs_llama_server']:.3f}x**{target}, drafts "
+            f"(up to {r['lookup_tokens']} per forward) {drafts('drafts')}; without "
             f"drafts {pq(p['prepos'])} vs {pq(p['peer'])}: "
-            f"{r[f'agentic_{name}_ratio_no_lookup']:.3f}x")
+            f"{r[f'{prefix}_ratio_no_lookup']:.3f}x; drafting from the session's earlier "
+            f"answers too {pq(sd['prepos'])} vs {pq(sd['peer'])}: "
+            f"**{r[f'{prefix}_ratio_said']:.3f}x**, {drafts('said')}")
 
 
 def structured_table() -> str | None:
@@ -254,8 +262,9 @@ def native_table() -> str | None:
                         r.get("throughput_streams_ratio_vs_llama_server")),
             f"**{r['fast_p50_us']:.1f} us** P50, {r['fast']['p99_ms'] * 1e3:.1f} us P99 "
             f"(n={r['fast']['n']}; target <= 100 us)",
-            _agentic(r, "prose"),
-            _agentic(r, "tool_chain"),
+            _agentic(r, "prose", "agentic_prose"),
+            _agentic(r, "tool_chain", "agentic_tool_chain"),
+            _agentic(r, "standing", "standing_query"),
             (f"{pq(iw['request_wait'])}, {iw['prepositions_preempted']} idle chunks of "
              f"{iw['idle_chunk_tokens']} tokens stopped") if iw else "not measured",
         ]
@@ -269,6 +278,7 @@ def native_table() -> str | None:
              "agentic answer after a tool result (prose), end to end, ms P50 / P99: "
              "prepos vs llama-server",
              "agentic answer after a tool result (a chained tool call copying it)",
+             "a dashboard's standing query after a data update (prose), end to end",
              "a request's wait behind continuous pre-positioning, ms"]
     cols = [col(r) for _, r in runs]
     head = "| | " + " | ".join(r["model"] for _, r in runs) + " |"
@@ -283,7 +293,8 @@ def native_table() -> str | None:
             f"GGUF, {first['threads']} threads, {first['state_tokens']} tokens of state, "
             f"measured in one run, prepos and llama-server interleaved round by round "
             f"(`python benchmarks/native_decode.py --model MODEL`). Every figure but the "
-            f"agentic answers runs without prompt-lookup drafts (a decode step's own time). "
+            f"answers end to end (agentic and standing query) runs without prompt-lookup "
+            f"drafts (a decode step's own time). "
             f"Throughput runs on both layouts of the KV cache, each against its own "
             f"llama-server run: the default unified one (one pool of cells) and streams "
             f"(`--kv-layout streams`: a stream per session, as llama-server's `-np 16` slots "
@@ -291,7 +302,13 @@ def native_table() -> str | None:
             f"The agentic answers follow a tool result in a session of a watchlist and "
             f"questions about it; the prose one is asked to explain the quote, the other "
             f"(asked to check the ticker) is a new tool call that copies the result's fields: "
-            f"what greedy SmolLM2-135M-Instruct writes for each. The timing model has random "
+            f"what greedy SmolLM2-135M-Instruct writes for each. The standing query asks a "
+            f"streaming session of price readings which way they move, after each update: "
+            f"prepos answers from the entry it pre-positioned after the update, llama-server "
+            f"has the state before the update in its prompt cache. Each answer is measured "
+            f"64 times in one session, rolled back to the same point with another tool "
+            f"result or update each time; drafting from the session's earlier answers uses "
+            f"the answers before it. The timing model has random "
             f"weights: its answers repeat, which drafts copy perfectly, so its agentic "
             f"figures with drafts are upper bounds, not forecasts. "
             f"Runs: {when}. llama.cpp: "

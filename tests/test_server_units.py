@@ -123,8 +123,9 @@ def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
     from prepos.server.app import config_from_args, main, parse_args
 
     cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "cold",
-                                       "--relaxed-r-max", "0.1", "--journal", "none"]))
-    assert cfg.engine.lookup_tokens == 0
+                                       "--relaxed-r-max", "0.1", "--lookup-said-tokens", "64",
+                                       "--journal", "none"]))
+    assert (cfg.engine.lookup_tokens, cfg.engine.lookup_said_tokens) == (0, 64)
     assert (cfg.engine.kv_layout, cfg.engine.max_sequences) == ("unified", 256)
     assert (cfg.engine.relaxed.start, cfg.engine.relaxed.r_max) == ("cold", 0.1)
     cfg = config_from_args(parse_args(["--kv-layout", "streams", "--kv-sequences", "16",
@@ -135,6 +136,8 @@ def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
     assert "r_max" in capsys.readouterr().err
     assert main(["--lookup-tokens", "-1", "--journal", "none"]) == 2
     assert "--lookup-tokens" in capsys.readouterr().err
+    assert main(["--lookup-said-tokens", "-1", "--journal", "none"]) == 2
+    assert "--lookup-said-tokens" in capsys.readouterr().err
 
 
 def test_default_threads_count_each_physical_core_once(monkeypatch):

@@ -132,6 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lookup-tokens", type=int, default=EngineConfig.lookup_tokens,
                    help="prompt-lookup draft tokens verified per forward of a greedy answer "
                         "(0: off)")
+    p.add_argument("--lookup-said-tokens", type=int, default=EngineConfig.lookup_said_tokens,
+                   help="tokens of a session's latest answers its next greedy answer drafts "
+                        "from besides its context (0: the context only)")
     p.add_argument("--relaxed-r-max", type=float, default=RelaxedConfig.r_max,
                    help="the relaxed fast path's risk budget: a question class is served "
                         "while its verified false-accept rate's Wilson upper bound is within")
@@ -176,8 +179,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from prepos.server.auth import load_keys
 
-    if args.lookup_tokens < 0:
-        raise ValueError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
+    for flag in ("lookup_tokens", "lookup_said_tokens"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
+                             f"{getattr(args, flag)}")
     if args.journal is None:
         journal: Path | None = default_journal(args.model)
     elif args.journal.lower() in ("none", ""):
@@ -191,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           preposition=not args.no_preposition,
                           budget=BudgetConfig(args.max_session_cells, args.max_kv_cells),
                           lookup_tokens=args.lookup_tokens,
+                          lookup_said_tokens=args.lookup_said_tokens,
                           relaxed=RelaxedConfig(r_max=args.relaxed_r_max,
                                                 start=args.relaxed_start))
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
