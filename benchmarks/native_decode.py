@@ -270,10 +270,10 @@ AGENTIC_ASKS = {"prose": "What is ACME doing today? Explain it to me in a few se
                 "tool_chain": "Check ACME for me."}
 
 
-def agentic_session(eng: Engine, args, rng, ask: str) -> tuple[str, int]:
+def agentic_session(eng: Engine, args, rng, ask: str) -> str:
     """An agentic session of `--state` tokens or more (a watchlist in the system message, then
     questions and one-line answers about it), `ask`, and the model's call of get_quote: the
-    session waits for the tool's result. Returns the session and the length to roll back to."""
+    session waits for the tool's result."""
     system = ("You are a market analyst who writes notes for clients. Yesterday's closing "
               "prices:\n" + "\n".join(f"{t}: " + ", ".join(f"{rng.uniform(90, 110):.2f}"
                                                           for _ in range(6)) for t in TICKERS))
@@ -288,7 +288,8 @@ def agentic_session(eng: Engine, args, rng, ask: str) -> tuple[str, int]:
     eng.add_message(sid, "user", ask)
     call = {"type": "function", "function": {"name": "get_quote",
                                              "arguments": {"ticker": "ACME"}}}
-    return sid, eng.add_message(sid, "assistant", "", tool_calls=[call])
+    eng.add_message(sid, "assistant", "", tool_calls=[call])
+    return sid
 
 
 def quote(i: int) -> str:
@@ -297,31 +298,43 @@ def quote(i: int) -> str:
                        "day_high": 103.1, "day_low": 100.2})
 
 
-def measure_agentic(eng: Engine, peer: Peer, args, ask: str) -> dict:
-    """The answer after a tool result, end to end: prepos from the pre-positioned envelope
-    (`tool_result` with its turn), llama-server with the state before the result in its
-    prompt cache, asked for as many tokens as prepos produced (`ignore_eos`)."""
-    sid, base = agentic_session(eng, args, random.Random(0), ask)  # the same on both engines
+def race(eng: Engine, peer: Peer, args, sid: str, before, ask, prompt_of) -> dict:
+    """An answer end to end, prepos against llama-server, `--agentic-samples` times from
+    the session's current state: `before(i)` readies the session (its pre-positioning then
+    runs to the end), `ask(i)` starts prepos's answer (timed to its last token), and
+    `prompt_of(res)` is the prompt llama-server is sent with that state in its prompt cache,
+    asked for as many tokens as prepos produced (`ignore_eos`). Each sample rolls the session
+    back to that state; the session is closed at the end."""
+    base = eng.session(sid).snap
     ours, theirs, counts = [], [], []
     for i in range(args.agentic_samples):
-        eng.wait_idle()  # the tool-result envelope is pre-positioned
-        state = list(eng.session(sid).snap.tokens)
-        sampling = SamplingParams(max_tokens=args.agentic_tokens)
+        before(i)
+        eng.wait_idle()
         t0 = time.perf_counter()
-        res = eng.tool_result(sid, quote(i), Request(sampling)).result()
+        res = ask(i).result()
         ours.append(time.perf_counter() - t0)
         n = len(res.tokens) or 1
         counts.append(n)
-        prompt = list(eng.session(sid).snap.tokens[:res.prompt_tokens])
-        eng.rollback(sid, base)
+        prompt = prompt_of(res)
+        eng.rollback(sid, base.version)
         eng.wait_idle()  # nothing of prepos runs while the peer is timed
-        peer.warm(state)
+        peer.warm(list(base.tokens))
         t0 = time.perf_counter()
         peer.stream(prompt, n)
         theirs.append(time.perf_counter() - t0)
     eng.close_session(sid)
     return {"prepos": summarize(ours), "peer": summarize(theirs),
             "tokens_mean": statistics.fmean(counts), "example": res.text}
+
+
+def measure_agentic(eng: Engine, peer: Peer, args, ask: str) -> dict:
+    """The answer after a tool result: prepos from the pre-positioned envelope (`tool_result`
+    with its turn), llama-server with the state before the result in its prompt cache."""
+    sid = agentic_session(eng, args, random.Random(0), ask)  # the same on both engines
+    sampling = SamplingParams(max_tokens=args.agentic_tokens)
+    return race(eng, peer, args, sid, lambda i: None,
+                lambda i: eng.tool_result(sid, quote(i), Request(sampling)),
+                lambda res: list(eng.session(sid).snap.tokens[:res.prompt_tokens]))
 
 
 def measure_idle_wait(gguf: Path, args, rng) -> dict:
@@ -371,38 +384,20 @@ DASHBOARD_ASK = "Is ACME going up or down? Explain the trend in two sentences."
 
 
 def measure_standing(eng: Engine, peer: Peer, args) -> dict:
-    """A dashboard's standing query after a data update, end to end: prepos from the entry it
+    """A dashboard's standing query after a data update: prepos from the entry it
     pre-positioned after the update (the first token from the cache), llama-server with the
-    state before the update in its prompt cache (it has no idle time to do the update's part),
-    asked for as many tokens as prepos produced. Each sample rolls back to the same base and
-    appends another update; the session's earlier answers are what a dashboard's session
-    would have said before."""
-    rng = random.Random(1)
+    state before the update in its prompt cache (it has no idle time to do the update's
+    part). Each sample appends another update to the same base; the session's earlier
+    answers are what a dashboard's session would have said before."""
     sid = eng.create_session("streaming", system="You are a market analyst. Readings of ACME "
                              "arrive as lines of six prices.", standing=[DASHBOARD_ASK])
-    fill(eng, sid, args.state, rng)
-    base = eng.session(sid).snap
-    ours, theirs, counts = [], [], []
-    for i in range(args.agentic_samples):
-        eng.append(sid, "ACME " + " ".join(f"{101.25 + 0.37 * i + 0.1 * j:.2f}"
-                                           for j in range(6)))
-        eng.wait_idle()  # the standing query's entry is pre-positioned
-        prompt = entry_ids(eng, sid, DASHBOARD_ASK)
-        t0 = time.perf_counter()
-        sampling = SamplingParams(max_tokens=args.agentic_tokens)
-        res = eng.query(sid, DASHBOARD_ASK, Request(sampling)).result()
-        ours.append(time.perf_counter() - t0)
-        n = len(res.tokens) or 1
-        counts.append(n)
-        eng.rollback(sid, base.version)
-        eng.wait_idle()  # nothing of prepos runs while the peer is timed
-        peer.warm(list(base.tokens))
-        t0 = time.perf_counter()
-        peer.stream(prompt, n)
-        theirs.append(time.perf_counter() - t0)
-    eng.close_session(sid)
-    return {"prepos": summarize(ours), "peer": summarize(theirs),
-            "tokens_mean": statistics.fmean(counts), "example": res.text}
+    fill(eng, sid, args.state, random.Random(1))
+    sampling = SamplingParams(max_tokens=args.agentic_tokens)
+    return race(eng, peer, args, sid,
+                lambda i: eng.append(sid, "ACME " + " ".join(f"{101.25 + 0.37 * i + 0.1 * j:.2f}"
+                                                             for j in range(6))),
+                lambda i: eng.query(sid, DASHBOARD_ASK, Request(sampling)),
+                lambda res: entry_ids(eng, sid, DASHBOARD_ASK))
 
 
 # per setting: lookup drafts, and drafts from the session's earlier answers too

@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+KV_LAYOUTS = ("unified", "streams")  # llama.cpp's cache layouts (EngineConfig.kv_layout)
+
 
 def default_threads() -> int:
     """Compute threads by default: one per physical core this process may run on (as

@@ -44,22 +44,21 @@ class NgramIndex:
         if max_ngram < 1:
             raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
         self.max_ngram = max_ngram
-        self._all: list[int] = []  # prior, then the sequence
+        self.tokens: list[int] = []  # the sequence
+        self._all: list[int] = []  # what is indexed: the prior, then the sequence
         # per n: n-gram -> the (exclusive) end of its latest occurrence that has a follower
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
-        self.extend(prior)
-        self._start = len(self._all)
+        self._index(prior)
         self.extend(tokens)
 
-    @property
-    def tokens(self) -> list[int]:
-        """The sequence (without the prior)."""
-        return self._all[self._start:]
-
     def __len__(self) -> int:
-        return len(self._all) - self._start
+        return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        self._index(tokens)
+        self.tokens.extend(tokens)
+
+    def _index(self, tokens: Sequence[int]) -> None:
         toks = self._all
         for tok in tokens:
             end = len(toks)  # the grams ending here get `tok` as their follower

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from prepos.backends.base import Backend, Preempted, Step, _work
+from prepos.config import KV_LAYOUTS as LAYOUTS
 from prepos.config import default_threads
 from prepos.errors import OverBudget, PreposError, TooManySessions
 
@@ -53,7 +54,6 @@ else:
     IMPORT_ERROR = None
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sessions with a KV at once
-LAYOUTS = ("unified", "streams")
 MIN_STREAM = 256  # llama.cpp pads a stream to a multiple of 256 cells
 FILL_GAP = 4  # streams: gaps of up to this many sequence ids in a decode batch are filled
 

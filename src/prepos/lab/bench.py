@@ -15,6 +15,7 @@ import time
 from tqdm import tqdm
 
 from prepos.backends.llama_server import find_binary
+from prepos.config import KV_LAYOUTS
 from prepos.paths import ROOT
 
 
@@ -43,7 +44,7 @@ def steps(quick: bool) -> list[tuple[str, list[str]]]:
         *((f"resident KV: one session's decode step beside 15 resident sessions (SmolLM2, "
            f"{layout} cache)",
            [py, "benchmarks/resident_kv.py", "--model", "smollm2", "--kv-layout", layout, *n,
-            "NEEDS_SMOLLM2"]) for layout in ("unified", "streams")),
+            "NEEDS_SMOLLM2"]) for layout in KV_LAYOUTS),
         ("structured output: fast vs cold first token", [py, "benchmarks/structured.py",
                                                           *n]),
         ("relaxed path: online risk bound", [py, "benchmarks/relaxed_risk.py",

@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prepos.config import BudgetConfig, EngineConfig, RelaxedConfig, default_threads
+from prepos.config import KV_LAYOUTS, BudgetConfig, EngineConfig, RelaxedConfig, default_threads
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="llama.cpp: cells of the KV cache all sessions share")
     p.add_argument("--kv-sequences", type=int, default=EngineConfig.max_sequences,
                    help="llama.cpp: sessions holding a KV at once (at most 256)")
-    p.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=["unified", "streams"],
+    p.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=KV_LAYOUTS,
                    help="llama.cpp: unified (one pool; every step scans all sessions' cells) "
                    "or streams (kv-cells / kv-sequences cells per session, each step scans "
                    "its own: faster with many sessions resident or decoding at once)")
