@@ -48,14 +48,14 @@ def trace_point(eng: Engine, rho: float, n_pp: int, update_s: float, seed: int) 
     for _ in range(3):
         eng.append(sid, next(msgs))
     eng.wait_idle()
-    c0 = dict(eng.prepos.counters.__dict__)
+    c0 = dict(eng.prepositioner.counters.__dict__)
     lam_u, lam_q = 1.0 / update_s, rho / update_s
     t = time.perf_counter()
     next_u = t + rng.expovariate(lam_u)
     next_q = t + rng.expovariate(lam_q)
     updates = queries = 0
     while True:
-        c = eng.prepos.counters
+        c = eng.prepositioner.counters
         settled = (c.consumed - c0["consumed"]) + (c.invalidated - c0["invalidated"])
         if settled >= n_pp:
             break
@@ -75,7 +75,7 @@ def trace_point(eng: Engine, rho: float, n_pp: int, update_s: float, seed: int) 
             next_q += rng.expovariate(lam_q)
     eng.append(sid, next(msgs), wait=False)  # settle the last pre-position
     eng.wait_idle()
-    c = eng.prepos.counters
+    c = eng.prepositioner.counters
     hits = c.consumed - c0["consumed"]
     wasted = c.invalidated - c0["invalidated"]
     superseded = c.superseded - c0["superseded"]

@@ -371,7 +371,7 @@ def measure_idle_wait(gguf: Path, args, rng) -> dict:
         finally:
             stop.set()
             t.join()
-        preempted = eng.prepos.counters.preempted
+        preempted = eng.prepositioner.counters.preempted
     return {"request_wait": summarize(waits), "idle_chunk_tokens": args.idle_chunk,
             "prepositions_preempted": preempted}
 

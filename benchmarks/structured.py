@@ -26,8 +26,9 @@ from common import machine, model_args, model_dir, model_label, summarize, write
 from prepos.config import EngineConfig
 from prepos.core import Path, Request, SamplingParams
 from prepos.engine import Engine
+from prepos.response_format import JSON_OPTIONS, normalize, schema_of
 from prepos.session import query_key
-from prepos.structured import JSON_OPTIONS, Grammars, normalize, schema_of
+from prepos.structured import Grammars
 
 SCHEMA = {"type": "object", "properties": {
     "trend": {"enum": ["up", "down", "flat"]},

@@ -51,7 +51,7 @@ def test_fall_through_pays_only_the_delta(make_engine, family):
     assert res.timing.cached_tokens == len(prefix)
     assert res.timing.prefill_tokens == len(entry) - len(prefix)
     assert greedy_agrees(eng, s.snap.tokens + entry, res.tokens[0])
-    assert eng.prepos.counters.consumed == 1
+    assert eng.prepositioner.counters.consumed == 1
 
 
 def test_exact_match_serves_the_cached_distribution(make_engine, family):
@@ -126,7 +126,7 @@ def test_every_mutation_invalidates_and_bumps_the_version(make_engine):
     res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert res.version == s.version
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
-    assert eng.prepos.counters.invalidated >= 1
+    assert eng.prepositioner.counters.invalidated >= 1
 
 
 def test_rollback_restores_an_earlier_version(make_engine):
@@ -204,7 +204,7 @@ def test_agentic_envelope_is_pre_positioned_and_resumed_delta_only(make_engine, 
     assert greedy_agrees(eng, base + tuple(realized), res.tokens[0])
     # the generated answer is committed as the next assistant turn
     assert s.snap.messages[-1]["role"] == "assistant"
-    assert eng.prepos.counters.consumed >= 1
+    assert eng.prepositioner.counters.consumed >= 1
 
 
 def test_agentic_generation_prompt_is_an_exact_match(make_engine, family):
@@ -280,7 +280,7 @@ def test_budget_skip_never_evicts(make_engine):
     eng.wait_idle()
     t = eng.session(tight)
     assert t.ready.records == {}
-    assert eng.prepos.counters.skipped >= 2  # header and the standing query
+    assert eng.prepositioner.counters.skipped >= 2  # header and the standing query
     assert eng.pool.get(tight).tokens[: len(t.snap.tokens)] == list(t.snap.tokens)
     assert eng.pool.get(sid).tokens[: n] == list(s.snap.tokens)  # the other session untouched
 
@@ -296,7 +296,7 @@ def test_engine_budget_skips_pre_positions_and_protects_live_state(make_engine):
     eng.wait_idle()
     s = eng.session(sid)
     assert len(s.snap.tokens) == n
-    assert s.ready.records == {} and eng.prepos.counters.skipped >= 1
+    assert s.ready.records == {} and eng.prepositioner.counters.skipped >= 1
     assert eng.pool.get(sid).tokens == list(s.snap.tokens)
     # a request that cannot fit even after reclaiming speculative cells is refused
     with pytest.raises(OverBudget):
@@ -342,13 +342,13 @@ def test_seeded_sampling_is_reproducible(make_engine):
 def test_hit_rate_counts_consumed_and_wasted(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng)  # two appends: the first pre-position may be wasted
-    c0 = eng.prepos.counters.as_dict()
+    c0 = eng.prepositioner.counters.as_dict()
     eng.query(sid, Q, Request(GREEDY1)).result()  # consumes the current one
     eng.append(sid, "AAPL 104")
     eng.wait_idle()
     eng.append(sid, "AAPL 105")  # the previous was never used: wasted
     eng.wait_idle()
-    c = eng.prepos.counters.as_dict()
+    c = eng.prepositioner.counters.as_dict()
     assert c["consumed"] == c0["consumed"] + 1
     assert c["invalidated"] == c0["invalidated"] + 1
     assert 0 < c["hit_rate"] < 1 and c["wasted"] == pytest.approx(1 - c["hit_rate"])
@@ -493,7 +493,7 @@ def test_a_waiting_request_stops_an_idle_chunk_between_layers(make_engine, famil
     finally:
         stop()
     assert order == ["submitted", "request"]
-    assert eng.prepos.counters.preempted == 1
+    assert eng.prepositioner.counters.preempted == 1
     s = eng.session(sid)
     for key, rec in s.ready.records.items():
         ref = cold_logits(eng, s.snap.tokens + rec.entry)
@@ -584,7 +584,7 @@ def test_idle_work_progresses_when_requests_keep_arriving(make_engine):
         stop()
     # each stop is followed by a chunk that runs through: about one request per forward,
     # far below the cap that would otherwise be the only way out
-    assert eng.prepos.counters.preempted >= 1 and len(served) < 500
+    assert eng.prepositioner.counters.preempted >= 1 and len(served) < 500
     s = eng.session(sid)
     rec = s.ready.records[query_key(Q)]
     ref = cold_logits(eng, s.snap.tokens + rec.entry)

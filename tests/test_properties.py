@@ -174,7 +174,7 @@ def test_interleavings_keep_the_invariants(engine):
     # the interleavings did reach every path and did race pre-positions with mutations
     paths = engine.paths
     assert paths["fast_exact"] > 0 and paths["fast_relaxed"] > 0 and paths["fall"] > 0
-    counters = engine.prepos.counters
+    counters = engine.prepositioner.counters
     # mutations raced pre-positions: caught in flight (discarded) or before they started
     assert counters.discarded + counters.superseded > 0
     assert counters.skipped > 0 and counters.invalidated > 0

@@ -25,8 +25,9 @@ from prepos.core import Match, Path, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.entries import ChatFormat
 from prepos.errors import InvalidResponseFormat, InvalidSampling
+from prepos.response_format import normalize, schema_of
 from prepos.session import TURN, query_key
-from prepos.structured import Grammars, normalize, schema_of
+from prepos.structured import Grammars
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

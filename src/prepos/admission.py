@@ -1,6 +1,7 @@
 """What a request must satisfy before any of it runs: a request object, sampling the back end
 can honour, a prompt of valid token ids, room in the context and in the session's budget.
-Each check raises a typed error and changes nothing."""
+Each check raises a typed error and changes nothing. `Room` also frees KV cells for a task
+about to run (speculative cells only)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from prepos.backends.base import Backend
 from prepos.core import Request, SamplingParams
 from prepos.entries import ChatFormat
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
+from prepos.kv import KVPool
+from prepos.scheduler import Scheduler
+from prepos.session import Session, SessionStore
 
 
 def check_request(req: Request, backend: Backend, topk_sampling: bool) -> SamplingParams:
@@ -58,3 +62,34 @@ def valid_ids(ids: Sequence[object], vocab: int) -> bool:
     """A non-empty sequence of token ids, each an integer in the vocabulary."""
     return bool(ids) and all(not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab
                              for t in ids)
+
+
+class Room:
+    """Room for sessions' tokens: in the context and the session's budget (a request's
+    prompt and answer), in the engine's cell budget (committed state across sessions: only
+    speculative cells are reclaimable, live state never is), and the cells a task frees in
+    the pool before it runs (`make`)."""
+
+    def __init__(self, max_context: int, session_cells: int, pool: KVPool,
+                 sessions: SessionStore, scheduler: Scheduler):
+        self.max_context, self.session_cells = max_context, session_cells
+        self.pool, self.sessions, self.scheduler = pool, sessions, scheduler
+
+    def check(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
+        check_room(prompt_len, sampling, self.max_context, s.budget(self.session_cells))
+
+    def admit(self, s: Session, n: int) -> None:
+        """`s` may commit `n` tokens: committed state across all sessions fits the pool."""
+        others = sum(len(o.snap.tokens) for o in self.sessions.all() if o is not s)
+        if others + n > self.pool.engine_cells:
+            raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells cannot "
+                             f"hold {n} more committed tokens ({others} committed elsewhere)")
+
+    def make(self, s: Session, target: Sequence[int]) -> None:
+        """On the worker: free cells for `s`'s KV to hold `target`."""
+        self.pool.make_room(s.id, target, self._committed_len, self.scheduler.reserve,
+                            self.scheduler.release)
+
+    def _committed_len(self, sid: str) -> int:
+        s = self.sessions.find(sid)
+        return len(s.snap.tokens) if s is not None else 0

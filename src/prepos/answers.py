@@ -17,22 +17,26 @@ renormalized.
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections import Counter
+from typing import Callable
 
 import torch
 
-from prepos.backends.base import Dist
+from prepos.admission import Room
+from prepos.backends.base import Backend, Dist
 from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
+from prepos.entries import ChatFormat
 from prepos.generation import Generation
-from prepos.kv import Forward, KVSequence
+from prepos.kv import Forward, KVPool, KVSequence
+from prepos.lookup import Lookup
+from prepos.prepositioner import Prepositioner
 from prepos.sampling import generator_for, sample, top_logprobs
+from prepos.scheduler import Scheduler
 from prepos.session import ReadySet, Session, Snapshot
 from prepos.stream import Stream
 from prepos.structured import Grammars
-
-if TYPE_CHECKING:
-    from prepos.engine import Engine
 
 
 def cached(rec: ReadyRecord) -> torch.Tensor | Dist:
@@ -44,18 +48,32 @@ FIRST_TOKEN_GRACE_S = 0.003  # at most this long an exact answer's decode waits 
 
 
 class Answers:
-    """Serves requests for the engine that owns it (its pool, scheduler, pre-positioner and
-    counters)."""
+    """Serves the requests the engine routes to it, with the engine's parts: the KV pool and
+    the room checks, the scheduler, the pre-positioner (its hit counters), the drafts; owns
+    the count of answers by path."""
 
-    def __init__(self, engine: Engine):
-        self.eng = engine
-        self.grammars = Grammars(engine.fmt)  # response formats, compiled once each
+    def __init__(self, fmt: ChatFormat, backend: Backend, pool: KVPool, scheduler: Scheduler,
+                 prepositioner: Prepositioner, lookup: Lookup, room: Room,
+                 observe: Callable[[Result], None]):
+        self.fmt, self.backend, self.pool, self.scheduler = fmt, backend, pool, scheduler
+        self.prepositioner, self.lookup, self.room, self.observe = (prepositioner, lookup,
+                                                                     room, observe)
+        self.grammars = Grammars(fmt)  # response formats, compiled once each
+        self._paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
+        self._lock = threading.Lock()
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            self._paths[name] += 1
+
+    def path_counts(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self._paths)
 
     def relaxed(self, ready: ReadySet, rec: ReadyRecord, sampling: SamplingParams,
                 logprobs: bool, t0: float, answer_id: str | None = None) -> Stream:
         """The gate fired: one cached token, the question-independent answer."""
-        eng = self.eng
-        eng.prepos.consume(ready)
+        self.prepositioner.consume(ready)
         res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
                      finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p,
                      answer_id=answer_id)
@@ -64,10 +82,10 @@ class Answers:
         if sampling.top_logprobs:
             res.top_logprobs.append(top_logprobs(cached(rec), sampling.top_logprobs))
         res.timing.ttft = res.timing.total = time.perf_counter() - t0
-        eng._count("fast_relaxed")
+        self.count("fast_relaxed")
         stream = Stream()
         stream.finish(res)
-        eng._observe(res)
+        self.observe(res)
         return stream
 
     def exact(self, s: Session, snap: Snapshot, ready: ReadySet, rec: ReadyRecord,
@@ -75,24 +93,23 @@ class Answers:
               on_finish: Callable[[Result], None] | None = None) -> Stream:
         """First token from the cached logits with the request's own sampling; further
         tokens decode on from the resident entry KV."""
-        eng = self.eng
-        eng.prepos.consume(ready)
-        eng._count("fast_exact")
+        self.prepositioner.consume(ready)
+        self.count("fast_exact")
         res = Result(Path.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)
         stream = Stream()
         grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
-        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs,
-                         self._finisher(s, on_finish), grammar)
         rng = generator_for(sampling, grammar)
+        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
+                         self._finisher(s, on_finish), rng)
         dist = cached(rec)
         # greedy: the argmax found when the record was made; otherwise sample the cached logits
         first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
         if out.add(first, dist, rec.top_logprobs[0] if sampling.greedy else None):
             return stream
         seq = snap.tokens + rec.entry
-        eng._check_room(s, len(seq), sampling)
-        kv = eng.pool.get(s.id)
+        self.room.check(s, len(seq), sampling)
+        kv = self.pool.get(s.id)
 
         def rest():
             # the first token is out at once; on a machine with few cores the decode behind it
@@ -100,7 +117,7 @@ class Answers:
             stream.first_delivered.wait(FIRST_TOKEN_GRACE_S)
             yield from self.decode(kv, seq, out, sampling, rng, s.said())
 
-        eng.scheduler.submit(rest(), key=s.id, on_error=stream.fail)
+        self.scheduler.submit(rest(), key=s.id, on_error=stream.fail)
         return stream
 
     def prefill(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,
@@ -109,13 +126,12 @@ class Answers:
                 settle_dropped: bool = False) -> Stream:
         """Fall-through or cold, decided by what the KV holds: restore to the longest
         resident prefix, prefill only the delta, then decode."""
-        eng = self.eng
-        eng._check_room(s, len(seq), sampling)
+        self.room.check(s, len(seq), sampling)
         stream = Stream()
         res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
-        grammar = self.grammars.constraint(sampling)
-        out = Generation(eng.fmt, sampling, stream, res, t0, logprobs,
-                         self._finisher(s, on_finish), grammar)
+        rng = generator_for(sampling, self.grammars.constraint(sampling))
+        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
+                         self._finisher(s, on_finish), rng)
 
         def run():
             tm = res.timing
@@ -123,9 +139,9 @@ class Answers:
             if stream.cancelled:  # the client left while this waited: no model work
                 out.finish("cancelled")
                 return
-            eng._make_room(s, seq)
-            kv = eng.pool.get(s.id)
-            if eng.backend.streams_answers:  # the first token is the stream's first event
+            self.room.make(s, seq)
+            kv = self.pool.get(s.id)
+            if self.backend.streams_answers:  # the first token is the stream's first event
                 kept = kv.common_prefix(seq)
                 step = None
             else:
@@ -138,15 +154,14 @@ class Answers:
             used = tm.cached_tokens > 0
             if used:
                 res.path = Path.FALL
-                eng.prepos.consume(ready)
+                self.prepositioner.consume(ready)
             elif settle_dropped:
-                eng.prepos.invalidated(ready)
-            eng._count("fall" if used else "cold")
-            rng = generator_for(sampling, grammar)
+                self.prepositioner.invalidated(ready)
+            self.count("fall" if used else "cold")
             if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
                 yield from self.decode(kv, seq, out, sampling, rng, s.said())
 
-        eng.scheduler.submit(run(), key=s.id, on_error=stream.fail)
+        self.scheduler.submit(run(), key=s.id, on_error=stream.fail)
         return stream
 
     def decode(self, kv: KVSequence, seq: tuple[int, ...], out: Generation,
@@ -157,9 +172,9 @@ class Answers:
         one token per quantum is read from it). A greedy answer on a back end that verifies
         drafts runs several tokens per step where its context or `said` (the session's latest
         answers) predicts them (`prepos.lookup`)."""
-        if self.eng.backend.streams_answers:
+        if self.backend.streams_answers:
             events = kv.stream(seq + tuple(out.tokens), sampling,
-                               sampling.max_tokens - len(out.tokens), self.eng.fmt.end_of_turn)
+                               sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn)
             try:
                 for token, dist in events:
                     if out.add(token, dist):
@@ -169,8 +184,8 @@ class Answers:
                 events.close()
             out.finish("stop")  # the engine ended the answer without a stop token
             return
-        if self.eng.lookup.applies(sampling, self.eng.backend.verifies_drafts):
-            yield from self.eng.lookup.decode(kv, seq, out, sampling, rng, said)
+        if self.lookup.applies(sampling, self.backend.verifies_drafts):
+            yield from self.lookup.decode(kv, seq, out, sampling, rng, said)
             return
         while True:
             step = yield Forward(kv, seq + tuple(out.tokens))
@@ -183,6 +198,6 @@ class Answers:
             s.remember_answer(res.tokens)
             if then is not None:
                 then(res)
-            self.eng._observe(res)
+            self.observe(res)
 
         return finish

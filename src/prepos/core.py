@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prepos.errors import InvalidInput, InvalidSampling
+from prepos.response_format import normalize
 
 
 class Path(str, enum.Enum):
@@ -37,7 +38,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     # an OpenAI response_format (a dict or its JSON text), kept as its canonical JSON text
-    # (prepos.structured); None for free text. Constrains every token, the first included
+    # (prepos.response_format, checked once per distinct format); None for free text.
+    # Constrains every token, the first included
     response_format: str | None = None
 
     def __post_init__(self) -> None:
@@ -74,8 +76,6 @@ class SamplingParams:
             raise InvalidSampling(f"top_logprobs must be an integer in [0, 20], got "
                                   f"{self.top_logprobs!r}")
         if self.response_format is not None:
-            from prepos.structured import normalize  # checked once per distinct format
-
             object.__setattr__(self, "response_format", normalize(self.response_format))
 
     @property

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import Counter
 from pathlib import Path as FsPath
 from typing import Callable, Sequence
 
-from prepos.admission import check_request, check_room, prompt_ids
+from prepos.admission import Room, check_request, prompt_ids
 from prepos.answers import Answers
 from prepos.backends.base import Backend
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import ReadyRecord, Request, Result, SamplingParams
+from prepos.core import ReadyRecord, Request, Result
 from prepos.entries import ChatFormat, normalize_tool_call
-from prepos.errors import Conflict, InvalidInput, OverBudget
+from prepos.errors import Conflict, InvalidInput
 from prepos.gate import Gate
 from prepos.kv import Forward, KVPool
+from prepos.loading import load_parts
 from prepos.lookup import Lookup
 from prepos.prepositioner import MAX_YIELDS, Prepositioner
 from prepos.relaxed import Relaxed
@@ -53,32 +53,33 @@ class Engine:
                                         backend.kv_cells or config.budget.engine_cells))
         self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,
                                    backend.max_batch_tokens)
-        self.prepos = Prepositioner(fmt, self.pool, config.chunk_tokens,
-                                    config.budget.session_cells,
-                                    on_record=lambda s, key, rec: self._emit("record", s,
-                                                                             (key, rec)))
-        self.paths: Counter[str] = Counter()  # fast_exact, fast_relaxed, gate_miss, fall, cold
+        self.room = Room(self.max_context, config.budget.session_cells, self.pool,
+                         self.sessions, self.scheduler)
+        self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,
+                                           config.budget.session_cells,
+                                           on_record=lambda s, key, rec: self._emit(
+                                               "record", s, (key, rec)))
         self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram,  # greedy drafts
                              config.lookup_min_ngram, config.lookup_max_batch,
                              self.scheduler.foreground)
-        self.answers = Answers(self)
-        self.relaxed = Relaxed(config.relaxed, fmt, self.pool, self.scheduler.submit,
-                               config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,
-                               lambda: self.prepos.in_flight,
-                               lambda s, ev: self._emit("correction", s, ev))
         self.observers: list[Callable[[Result], None]] = []  # called with every finished result
         # called as fn(event, session, payload) for "create", "commit" (payload: the new
         # Snapshot), "record" (payload: (key, ReadyRecord)) and "close"; keep them quick
         self.listeners: list[Callable[[str, Session, object], None]] = []
-        self._lock = threading.Lock()
+        self.answers = Answers(fmt, backend, self.pool, self.scheduler, self.prepositioner,
+                               self.lookup, self.room, self._observe)
+        self.relaxed = Relaxed(config.relaxed, fmt, self.pool, self.scheduler.submit,
+                               config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,
+                               lambda: self.prepositioner.in_flight,
+                               lambda s, ev: self._emit("correction", s, ev))
 
     @classmethod
     def from_pretrained(cls, path: str | FsPath, config: EngineConfig | None = None) -> Engine:
-        """Load a local model: an HF causal-LM directory or a GGUF file, on the back end
-        `config.backend` names (see `prepos.loading`). Nothing is fetched from a hub."""
-        from prepos.loading import load_engine
-
-        return load_engine(path, config)
+        """Load a local model: an HF causal-LM directory, a GGUF file or a known model's name
+        (`smollm2`), on the back end `config.backend` names (see `prepos.loading`). Nothing
+        is fetched from a hub."""
+        parts = load_parts(path, config)
+        return cls(parts.backend, parts.fmt, parts.config, model_name=parts.model_name)
 
     # == sessions ==========================================================================
     def create_session(self, kind: str, system: str | None = None, tools: Sequence[dict] = (),
@@ -111,7 +112,7 @@ class Engine:
                 self.fmt.check_text(json.dumps(m), f"messages[{i}]")
         c = self.config
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
-                    c.reserve_tokens, history, admit=self._admit,
+                    c.reserve_tokens, history, admit=self.room.admit,
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s)
         self._emit("create", s, s.snap)
@@ -143,6 +144,28 @@ class Engine:
 
     def session(self, sid: str) -> Session:
         return self.sessions.get(sid)
+
+    def all_sessions(self) -> list[Session]:
+        return self.sessions.all()
+
+    def session_count(self) -> int:
+        return len(self.sessions)
+
+    def has_session(self, sid: str) -> bool:
+        """Whether `sid` is in the store (open, or closing and not yet removed)."""
+        return self.sessions.find(sid) is not None
+
+    def new_session_id(self) -> str:
+        return self.sessions.new_id()
+
+    @property
+    def session_limit(self) -> int:
+        """The sessions the engine holds at most (the back end's bound, where it has one)."""
+        return self.sessions.max_sessions
+
+    def limit_sessions(self, n: int) -> None:
+        """Hold at most `n` sessions (at most the back end's bound)."""
+        self.sessions.max_sessions = min(n, self.sessions.max_sessions)
 
     def info(self, sid: str) -> dict:
         s = self.sessions.get(sid)
@@ -191,7 +214,7 @@ class Engine:
     def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None,
                    wait: bool) -> None:
         """After every commit: settle the dropped pre-position, ingest, pre-position."""
-        self.prepos.invalidated(dropped)
+        self.prepositioner.invalidated(dropped)
         self._abandon(s, dropped)
         if dropped is not None:
             self._emit("commit", s, snap)
@@ -201,13 +224,14 @@ class Engine:
         if c.preposition and s.spec.preposition:
             _, ready = s.current()
             if ready.version == snap.version and ready.valid:
-                self.prepos.scheduled(ready)
-                self.scheduler.submit(self.prepos.job(s, snap, ready), idle=True, key=s.id)
+                self.prepositioner.scheduled(ready)
+                self.scheduler.submit(self.prepositioner.job(s, snap, ready), idle=True,
+                                      key=s.id)
 
     def _ingest(self, s: Session, snap: Snapshot):
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
-            self._make_room(s, snap.tokens)
+            self.room.make(s, snap.tokens)
             yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
@@ -240,7 +264,7 @@ class Engine:
                     evidence = self.relaxed.withheld(s, snap, question, header, d,
                                                      sampling.greedy)
                 else:
-                    self._count("gate_miss")
+                    self.answers.count("gate_miss")
         ent = s.entries(snap)
         entry = self.fmt.encode(self.fmt.frame(ent.user, question))
         return self.answers.prefill(s, snap.tokens + tuple(entry), len(snap.tokens),
@@ -284,7 +308,7 @@ class Engine:
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, expected_version=req.expected_version,
-                check=lambda n: self._check_room(s, n + n_header, sampling))
+                check=lambda n: self.room.check(s, n + n_header, sampling))
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
@@ -331,26 +355,6 @@ class Engine:
         if kv is not None:
             cancel(kv.handle)
 
-    def _check_room(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
-        check_room(prompt_len, sampling, self.max_context,
-                   s.budget(self.config.budget.session_cells))
-
-    def _admit(self, s: Session, n: int) -> None:
-        """Committed state across all sessions must fit the engine's cell budget: only
-        speculative cells are reclaimable, live state never is."""
-        others = sum(len(o.snap.tokens) for o in self.sessions.all() if o is not s)
-        if others + n > self.pool.engine_cells:
-            raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells cannot "
-                             f"hold {n} more committed tokens ({others} committed elsewhere)")
-
-    def _make_room(self, s: Session, target: Sequence[int]) -> None:
-        self.pool.make_room(s.id, target, self._committed_len, self.scheduler.reserve,
-                            self.scheduler.release)
-
-    def _committed_len(self, sid: str) -> int:
-        s = self.sessions.find(sid)
-        return len(s.snap.tokens) if s is not None else 0
-
     def _emit(self, event: str, s: Session, payload: object) -> None:
         for fn in self.listeners:
             fn(event, s, payload)
@@ -359,10 +363,6 @@ class Engine:
         for fn in self.observers:
             fn(res)
 
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.paths[name] += 1
-
     def _call(self, gen, key: str | None = None) -> None:
         """Run a task at foreground priority and wait for it."""
         err: list[BaseException] = []
@@ -370,6 +370,11 @@ class Engine:
         task.done.wait()
         if err:
             raise err[0]
+
+    @property
+    def paths(self) -> Counter[str]:
+        """Answers by path so far: fast_exact, fast_relaxed, gate_miss, fall, cold."""
+        return self.answers.path_counts()
 
     def set_gate(self, config: GateConfig) -> None:
         """Load a (re)calibrated gate; it applies to the next request."""
@@ -385,11 +390,9 @@ class Engine:
 
     def metrics(self) -> dict:
         fg, idle = self.scheduler.queue_lengths()
-        with self._lock:
-            paths = dict(self.paths)
         return {
-            "prepositions": self.prepos.counters.as_dict(),
-            "paths": paths,
+            "prepositions": self.prepositioner.counters.as_dict(),
+            "paths": dict(self.paths),
             "sessions": len(self.sessions),
             "kv_cells_used": self.pool.used,
             "kv_cells_budget": self.pool.engine_cells,
@@ -436,3 +439,8 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def load_engine(path: str | FsPath, config: EngineConfig | None = None) -> Engine:
+    """`Engine.from_pretrained`: a local model (directory, GGUF file or known name) served."""
+    return Engine.from_pretrained(path, config)

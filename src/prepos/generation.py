@@ -11,18 +11,16 @@ import torch
 from prepos.backends.base import Dist
 from prepos.core import Result, SamplingParams
 from prepos.entries import ChatFormat
-from prepos.sampling import token_logprob, top_logprobs
+from prepos.sampling import grammar_finished, token_logprob, top_logprobs
 from prepos.stream import Stream, TokenEvent
-from prepos.structured import Constraint
 
 
 class Generation:
     def __init__(self, fmt: ChatFormat, sampling: SamplingParams, stream: Stream,
                  result: Result, t0: float, want_logprobs: bool = False,
-                 on_finish: Callable[[Result], None] | None = None,
-                 constraint: Constraint | None = None):
+                 on_finish: Callable[[Result], None] | None = None, sampler=None):
         self.fmt = fmt
-        self.constraint = constraint  # the response format's grammar: complete ends it
+        self.sampler = sampler  # the request's sampling state: its grammar, complete, ends it
         self.sampling = sampling
         self.stream = stream
         self.result = result
@@ -59,7 +57,7 @@ class Generation:
             self._text = text[:stop_at]
             return self.finish("stop", token, logprob, top)
         self._text = text
-        if self.constraint is not None and self.constraint.finished:
+        if grammar_finished(self.sampler):
             return self.finish("stop", token, logprob, top)
         safe = len(text) - self._hold
         if text.endswith("\ufffd"):  # an incomplete character: wait for its next byte

@@ -1,5 +1,5 @@
-"""From a model on disk to an Engine: pick the back end, load the tokenizer and chat template,
-find a calibrated gate. Nothing is fetched from a hub.
+"""From a model on disk to the parts an Engine is built of (`Parts`: the back end, the chat
+format, the configuration with its calibrated gate). Nothing is fetched from a hub.
 
 - an HF directory (config.json, safetensors, tokenizer with a chat template): the torch back
   end, or llama.cpp through a float32 GGUF exported once (`gguf_export`) and cached;
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prepos.backends.base import Backend
@@ -73,20 +73,33 @@ def resolve_backend(path: Path, config: EngineConfig) -> str:
     return "torch"
 
 
-def load_engine(path: str | Path, config: EngineConfig | None = None):
-    from prepos.engine import Engine
+@dataclass(frozen=True)
+class Parts:
+    """What an Engine is built of: `Engine(parts.backend, parts.fmt, parts.config,
+    parts.model_name)`."""
 
-    path = resolve_model(path)
-    config = config or EngineConfig()
-    gguf = path.suffix == ".gguf"
-    home = path.parent if gguf else path
+    backend: Backend
+    fmt: ChatFormat
+    config: EngineConfig
+    model_name: str
+
+
+def with_gate(config: EngineConfig, home: Path) -> EngineConfig:
+    """The config with the calibrated gate kept in `home` (its `gate.json`), unless the
+    config brings its own fast-answer set."""
     if not config.gate.answers and (home / "gate.json").is_file():
-        config = replace(config, gate=GateConfig.load(home / "gate.json"))
+        return replace(config, gate=GateConfig.load(home / "gate.json"))
+    return config
+
+
+def load_parts(path: str | Path, config: EngineConfig | None = None) -> Parts:
+    path = resolve_model(path)
+    gguf = path.suffix == ".gguf"
+    config = with_gate(config or EngineConfig(), path.parent if gguf else path)
     kind = resolve_backend(path, config)
     tokenizer = _tokenizer(path)
     backend = _llama_cpp(path, config) if kind == "llama.cpp" else _torch(path, config)
-    name = path.stem if gguf else path.name
-    return Engine(backend, ChatFormat(tokenizer), config, model_name=name)
+    return Parts(backend, ChatFormat(tokenizer), config, path.stem if gguf else path.name)
 
 
 def _tokenizer(path: Path):

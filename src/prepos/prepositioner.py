@@ -77,7 +77,7 @@ class Prepositioner:
         self.session_cells = session_cells
         self.counters = Counters()
         self.in_flight = 0  # jobs queued or running (idle work ranked below them waits)
-        self._lock = threading.Lock()  # counters are bumped from the worker and callers
+        self._lock = threading.Lock()  # counters and in_flight: bumped from the worker and callers
 
     # -- what to pre-position ------------------------------------------------------------
     def targets(self, session: Session, snap: Snapshot) -> list[Target]:
@@ -116,7 +116,8 @@ class Prepositioner:
                             self._bump("discarded")
                         return
                     if not started:
-                        started = ready.started = True
+                        started = True
+                        ready.mark(started=True)
                         self._bump("started")
                     try:  # a request that arrives mid-chunk stops it between layers; after
                         # MAX_YIELDS such stops in a row the chunk runs through, so idle
@@ -131,17 +132,16 @@ class Prepositioner:
                     if step.done:
                         break
                 if target.key is not None:
-                    self._record(session, ready, target, seq, step.logits)
-            ready.done = True
+                    self._record(ready, session, target, seq, step.logits)
             if started and ready.valid:
                 self._bump("recorded")
         finally:
-            ready.done = True
+            ready.mark(done=True)
             if ready.scheduled:  # counted in flight when queued
                 with self._lock:
                     self.in_flight -= 1
 
-    def _record(self, session: Session, ready: ReadySet, target: Target, seq: tuple,
+    def _record(self, ready: ReadySet, session: Session, target: Target, seq: tuple,
                 logits) -> None:
         dist = logits if isinstance(logits, Dist) else Dist.from_logits(logits)
         rec = ReadyRecord(
@@ -149,7 +149,7 @@ class Prepositioner:
             top_logprobs=dist.top_logprobs, gap=dist.gap, version=ready.version,
             top_text=self.fmt.decode([dist.top_ids[0]]),
         )
-        if not session.record(ready, target.key, rec):  # its version is no longer current
+        if not ready.record(target.key, rec):  # its version is no longer current
             return
         if self.on_record is not None:
             self.on_record(session, target.key, rec)
@@ -157,31 +157,20 @@ class Prepositioner:
     # -- accounting ----------------------------------------------------------------------
     def scheduled(self, ready: ReadySet) -> None:
         """A pre-position job for this ready set is being queued."""
-        ready.scheduled = True
+        ready.mark(scheduled=True)
         with self._lock:
             self.in_flight += 1
 
     def consume(self, ready: ReadySet | None) -> None:
         """A request used this ready set (a record, or its pre-paid KV): a hit."""
-        if ready is None:
-            return
-        with self._lock:
-            if not ready.consumed and not ready.wasted:
-                ready.consumed = True
-                self.counters.consumed += 1
+        if ready is not None and ready.consume():
+            self._bump("consumed")
 
     def invalidated(self, dropped: ReadySet | None) -> None:
         """A mutation cleared this ready set; it is waste if work started and nothing used it."""
-        if dropped is None:
-            return
-        with self._lock:
-            if dropped.consumed or dropped.wasted:
-                return
-            dropped.wasted = True
-            if dropped.started:
-                self.counters.invalidated += 1
-            elif dropped.scheduled:
-                self.counters.superseded += 1
+        waste = dropped.waste() if dropped is not None else None
+        if waste is not None:
+            self._bump(waste)
 
     def _bump(self, name: str) -> None:
         with self._lock:

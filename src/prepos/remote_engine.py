@@ -4,14 +4,14 @@ and the back end does not."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from prepos.backends.remote import RemoteBackend
-from prepos.config import EngineConfig, GateConfig
+from prepos.config import EngineConfig
 from prepos.engine import Engine
 from prepos.entries import ChatFormat
+from prepos.loading import with_gate
 
 # Pre-positions run at this priority on engines that schedule by priority (lower runs
 # earlier; answers are sent at the default, 0). An engine that refuses it is sent none.
@@ -38,8 +38,7 @@ def remote_engine(kind: str, urls: Sequence[str] | str, tokenizer_dir: str | Pat
     # several workers: their steps wait on the network, not on local cores; bigger chunks:
     # each chunk of a pre-position is one request
     config = config or EngineConfig(workers=4, idle_workers=2, chunk_tokens=64)
-    if not config.gate.answers and (path / "gate.json").is_file():
-        config = replace(config, gate=GateConfig.load(path / "gate.json"))
+    config = with_gate(config, path)
     if kind in ("vllm", "sglang"):
         kwargs.setdefault("background_priority", BACKGROUND_PRIORITY)
     backend = RemoteBackend.from_urls(kind, urls, vocab, max_context, **kwargs)

@@ -32,6 +32,13 @@ class SamplerState:
         self.constraint = constraint
 
 
+def grammar_finished(gen: torch.Generator | SamplerState | None) -> bool:
+    """Whether the response format's grammar (held by the request's sampling state, its one
+    owner) can take nothing more: the answer ends there."""
+    return (isinstance(gen, SamplerState) and gen.constraint is not None
+            and gen.constraint.finished)
+
+
 def _generator(params: SamplingParams) -> torch.Generator:
     gen = torch.Generator()
     if params.seed is not None:

@@ -9,7 +9,7 @@ import itertools
 import threading
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prepos.conversation import awaits_tool
@@ -60,18 +60,57 @@ class Entries:
     tool: Split | None  # the tool-result envelope, when a tool result is awaited
 
 
-@dataclass
 class ReadySet:
-    """The ready records of one committed version (one pre-position, Algorithm 1)."""
+    """The ready records of one committed version (one pre-position, Algorithm 1) and where
+    its pre-position stands. It is its own one writer: every change is a method below, under
+    its lock; the others only read. The session invalidates it in the critical section that
+    commits the next version (`Session._commit`), so a record is stored only while valid."""
 
-    version: int
-    records: dict[tuple, ReadyRecord] = field(default_factory=dict)
-    valid: bool = True
-    consumed: bool = False
-    wasted: bool = False  # invalidated before any request used it
-    scheduled: bool = False  # a background job was queued for it
-    started: bool = False  # the background job began its first forward
-    done: bool = False  # the background job finished (recorded, skipped or discarded)
+    def __init__(self, version: int):
+        self.version = version
+        self.records: dict[tuple, ReadyRecord] = {}  # written by `record` alone
+        self.valid = True
+        self.consumed = False  # a request used it (a record, or its pre-paid KV)
+        self.wasted = False  # invalidated before any request used it
+        self.scheduled = False  # a background job was queued for it
+        self.started = False  # the background job began its first forward
+        self.done = False  # the background job finished (recorded, skipped or discarded)
+        self._lock = threading.Lock()
+
+    def record(self, key: tuple, rec: ReadyRecord) -> bool:
+        """Store a ready record, only while the set is valid (its version current)."""
+        with self._lock:
+            if self.valid:
+                self.records[key] = rec
+            return self.valid
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self.valid = False
+
+    def mark(self, scheduled: bool = False, started: bool = False, done: bool = False) -> None:
+        """Its pre-position job was queued / began / finished."""
+        with self._lock:
+            self.scheduled |= scheduled
+            self.started |= started
+            self.done |= done
+
+    def consume(self) -> bool:
+        """A request used it; True the first time (a hit to count), unless already wasted."""
+        with self._lock:
+            hit = not self.consumed and not self.wasted
+            self.consumed |= hit
+            return hit
+
+    def waste(self) -> str | None:
+        """A mutation cleared it before any request used it: "invalidated" if its job had
+        started, "superseded" if it was only queued, None if it was used or already counted
+        (or had no job)."""
+        with self._lock:
+            if self.consumed or self.wasted:
+                return None
+            self.wasted = True
+            return "invalidated" if self.started else "superseded" if self.scheduled else None
 
 
 @dataclass
@@ -198,18 +237,10 @@ class Session:
             },
         }
 
-    def record(self, ready: ReadySet, key: tuple, rec) -> bool:
-        """Store a ready record, only if `ready` is still valid (its version current)."""
-        with self.lock:
-            if not ready.valid:
-                return False
-            ready.records[key] = rec
-            return True
-
     def invalidate(self) -> None:
         """The session is closing: nothing of it may be served any more."""
         with self.lock:
-            self.ready.valid = False
+            self.ready.invalidate()
 
     def _snapshot(self, version: int, messages: tuple[dict, ...]) -> Snapshot:
         text = self.fmt.render(messages, self.spec.tools) if messages else ""
@@ -364,7 +395,7 @@ class Session:
             snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
             dropped = self.ready
             if dropped is not None:
-                dropped.valid = False
+                dropped.invalidate()
             self.ready = ReadySet(snap.version)
             self.snap = snap
             self.history[snap.version] = snap

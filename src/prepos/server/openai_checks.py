@@ -10,9 +10,9 @@ from dataclasses import replace
 from prepos.admission import valid_ids
 from prepos.core import SamplingParams
 from prepos.errors import InvalidResponseFormat
+from prepos.response_format import normalize
 from prepos.server.errors import ApiError
 from prepos.server.schemas import ChatCompletion, Completion, OpenAISampling
-from prepos.structured import normalize
 
 MAX_N = 16  # choices (or prompts times choices) per request
 

@@ -127,10 +127,10 @@ def _info(state: ServerState, eng, sid: str) -> dict:
 async def list_sessions(request: Request):
     c = await ServerState.open(request)
     out = []
-    for s in c.engine.sessions.all():
+    for s in c.engine.all_sessions():
         if not c.state.visible(s, c.owner):
             continue
-        snap = s.snap
+        snap, _ = s.current()
         out.append({"id": s.id, "kind": s.kind, "version": snap.version,
                     "tokens": len(snap.tokens), "messages": len(snap.messages)})
     return json_response({"object": "list", "data": out})

@@ -287,7 +287,7 @@ class ServerState:
             raise
 
     def persistent_sessions(self, engine: Engine) -> int:
-        return len(engine.sessions) - self.ephemeral
+        return engine.session_count() - self.ephemeral
 
     @contextmanager
     def new_session(self, engine: Engine, owner: str | None):
@@ -296,7 +296,7 @@ class ServerState:
         it (the check and the reservation happen on the event loop, with no await between
         them)."""
         self.check_new_session(engine, owner)
-        sid = engine.sessions.new_id()
+        sid = engine.new_session_id()
         self.creating[sid] = owner
         try:
             yield sid
@@ -306,14 +306,14 @@ class ServerState:
     def _pending(self, engine: Engine, owner: str | None = None, mine: bool = False) -> int:
         """Sessions being created and not yet in the engine's store."""
         return sum(1 for sid, o in list(self.creating.items())
-                   if (not mine or o == owner) and engine.sessions.find(sid) is None)
+                   if (not mine or o == owner) and not engine.has_session(sid))
 
     def _session_cap(self, engine: Engine) -> int:
         """The persistent sessions this server admits: --max-sessions, or fewer where the
         back end holds fewer sessions' KV, an eighth of those kept for stateless requests."""
         lim = self.limits
-        held = engine.sessions.max_sessions  # the back end's bound, where it has one
-        engine.sessions.max_sessions = min(held, lim.max_sessions + lim.max_queue)
+        held = engine.session_limit  # the back end's bound, where it has one
+        engine.limit_sessions(lim.max_sessions + lim.max_queue)
         if held >= lim.max_sessions + lim.max_queue:
             return lim.max_sessions
         cap = min(lim.max_sessions, held - max(1, held // 8))
@@ -329,7 +329,7 @@ class ServerState:
                            f"{self.session_cap} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
-            mine = sum(1 for s in engine.sessions.all() if s.spec.owner == owner) + \
+            mine = sum(1 for s in engine.all_sessions() if s.spec.owner == owner) + \
                 self._pending(engine, owner, mine=True)
             if mine >= lim.max_sessions_per_key:
                 self.metrics.rejected.labels("sessions_per_key").inc()
@@ -340,7 +340,7 @@ class ServerState:
     def new_ephemeral(self, engine: Engine, spec: SessionSpec,
                       history=()) -> str:
         """A session for one stateless request: never journalled, never listed."""
-        sid = f"{EPHEMERAL}{engine.sessions.new_id()}"
+        sid = f"{EPHEMERAL}{engine.new_session_id()}"
         engine.restore_session(sid, spec, history)
         self.ephemeral += 1
         return sid
