@@ -23,9 +23,9 @@ import torch
 
 from common import machine, model_args, model_dir, model_label, summarize, write
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
-from prepos.session import HEADER, query_key
+from prepos.engine.session import HEADER, query_key
 
 STATE_TOKENS = 512
 ENTRY_TOKENS = 18
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         res = eng.query(sid, q, Request(ONE, fast_path="off")).result()
         cold.append(time.perf_counter() - t0)
         cold_internal.append(res.timing.ttft)
-        assert res.path is Path.COLD and res.timing.prefill_tokens == ENTRY_TOKENS
+        assert res.path is AnswerPath.COLD and res.timing.prefill_tokens == ENTRY_TOKENS
         run_on_worker(eng, bare_forward)
     record("cold", cold)
     record("cold_engine_ttft", cold_internal)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         res = eng.query(sid_pp, q, Request(ONE, fast_path="off")).result()
         fall0.append(time.perf_counter() - t0)
         restore.append(res.timing.restore)
-        assert res.path is Path.FALL and res.timing.prefill_tokens == 1
+        assert res.path is AnswerPath.FALL and res.timing.prefill_tokens == 1
     record("fall_delta0", fall0)
     record("restore_crop", restore)
 
@@ -195,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     # exact-match fast path: first token from the cached logits
     fast = timed(lambda: eng.query(sid_pp, q, Request(ONE)).result(), n)
     res = eng.query(sid_pp, q, Request(ONE)).result()
-    assert res.path is Path.FAST and res.match.value == "exact"
+    assert res.path is AnswerPath.FAST and res.match.value == "exact"
     record("fast_exact", fast)
 
     # relaxed fast path, the gate forced to fire
     fast_r = timed(lambda: eng.query(sid_pp, "Is it rising?", Request(ONE)).result(), n)
     res = eng.query(sid_pp, "Is it rising?", Request(ONE)).result()
-    assert header_fires and res.path is Path.FAST and res.match.value == "relaxed", res
+    assert header_fires and res.path is AnswerPath.FAST and res.match.value == "relaxed", res
     record("fast_relaxed", fast_r)
 
 

@@ -59,7 +59,7 @@ from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
-from prepos.loading import dequantized_dir, exported_gguf, resolve_model
+from prepos.engine.loading import dequantized_dir, exported_gguf, resolve_model
 
 SYSTEM = "You are a market analyst. Answer briefly."
 STANDING = "Which way is the series moving?"

@@ -38,10 +38,10 @@ from common import machine, summarize, write  # noqa: E402
 from prepos.config import EngineConfig, GateConfig, RelaxedConfig  # noqa: E402
 from prepos.core import Match, Request, SamplingParams  # noqa: E402
 from prepos.engine import Engine  # noqa: E402
+from prepos.gate.question_class import classify  # noqa: E402
+from prepos.gate.relaxed import DEMOTED  # noqa: E402
 from prepos.lab.task import market  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
-from prepos.question_class import classify  # noqa: E402
-from prepos.relaxed import DEMOTED  # noqa: E402
 from prepos.stats import wilson  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1)

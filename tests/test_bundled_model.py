@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path as ServePath
-from prepos.core import Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.lab.task.market import ANSWERS, SYSTEM_PROMPT, format_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,12 +70,12 @@ def test_default_model_answers_the_trend_on_the_fast_path(engine, series, trend)
         assert rec.gap > engine.gate.tau
         res = engine.query(sid, "Which way is ACME moving?",
                            Request(SamplingParams(max_tokens=1))).result()
-        assert res.path == ServePath.FAST
+        assert res.path == AnswerPath.FAST
         assert res.text.strip() == trend
         # the full path agrees, and answers a polar question in its own format
         full = engine.query(sid, "Which way is ACME moving?",
                             Request(SamplingParams(max_tokens=1), fast_path="off")).result()
-        assert full.path != ServePath.FAST and full.text.strip() == trend
+        assert full.path != AnswerPath.FAST and full.text.strip() == trend
         polar = engine.query(sid, "Is ACME rising?",
                              Request(SamplingParams(max_tokens=1), fast_path="off")).result()
         assert polar.text.strip() in ("yes", "no")
@@ -106,7 +105,7 @@ def test_weak_model_gate_does_not_fire():
             assert rec is not None and rec.gap < tau
             res = eng.query(sid, "Which way is ACME moving?",
                             Request(SamplingParams(max_tokens=1))).result()
-            assert res.path != ServePath.FAST
+            assert res.path != AnswerPath.FAST
             assert res.text.strip() in ANSWERS
             eng.close_session(sid)
 

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prepos.backends import llama_cpp
-from prepos.core import Match, Path, ReadyRecord, Result
+from prepos.core import AnswerPath, Match, ReadyRecord, Result
+from prepos.decode.stream import Stream
 from prepos.lab import calibration as cal
 from prepos.lab.task.market import decision_points
-from prepos.stream import Stream
 
 NEEDS_LLAMA_CPP = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
 
@@ -193,7 +193,7 @@ class FakeEngine:
     def query(self, sid, question, req):
         assert req.fast_path == "off" and req.sampling.max_tokens == 1
         ans = self.full[self.sessions[sid][-1]]
-        res = Result(Path.COLD, Match.NONE, tokens=[self.ids[ans]], text=ans,
+        res = Result(AnswerPath.COLD, Match.NONE, tokens=[self.ids[ans]], text=ans,
                      logprobs=[math.log(0.8)])
         stream = Stream()
         stream.finish(res)
@@ -246,7 +246,7 @@ def _packaged_gguf(tmp_path, monkeypatch):
     import shutil
     from pathlib import Path
 
-    from prepos import loading
+    from prepos.engine import loading
 
     root = Path(__file__).resolve().parents[1] / "models"
     pkg = tmp_path / "site" / "prepos_test_gguf_pkg"

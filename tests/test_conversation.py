@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from prepos.conversation import ConversationError, check_order, extends, normalize, resume, same
+from prepos.chat.conversation import (
+    ConversationError,
+    check_order,
+    extends,
+    resume,
+    same,
+    session_messages,
+)
 from prepos.server.schemas import ChatMessage
 
 
@@ -14,7 +21,7 @@ def test_conversation_matching():
     held = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
             {"role": "assistant", "content": "a", "tool_calls": [
                 {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}]
-    sent = normalize([ChatMessage(role="system", content="s"),
+    sent = session_messages([ChatMessage(role="system", content="s"),
                       ChatMessage(role="user", content=[{"type": "text", "text": "u"}]),
                       ChatMessage(role="assistant", content=" a\n", tool_calls=[
                           {"id": "c1", "type": "function",
@@ -23,11 +30,11 @@ def test_conversation_matching():
     assert extends(held, sent) == 3 and sent[3] == {"role": "tool", "content": "42"}
     assert not same({"role": "user", "content": " u"}, {"role": "user", "content": "u"})
     assert extends(held, sent[:2]) == -1
-    # a system message after the first is the template's to allow or refuse, not normalize's
-    assert normalize([ChatMessage(role="user", content="u"),
+    # a system message after the first is the template's to allow or refuse, not session_messages'
+    assert session_messages([ChatMessage(role="user", content="u"),
                       ChatMessage(role="system", content="s")])[1]["role"] == "system"
     with pytest.raises(ConversationError) as err:
-        normalize([ChatMessage(role="robot", content="u")])
+        session_messages([ChatMessage(role="robot", content="u")])
     assert err.value.param == "messages[0].role"
 
 

@@ -4,7 +4,8 @@ import pytest
 
 from helpers import cold_logits, during_idle_forwards, greedy_agrees, query_entry, state, tolerance
 from prepos.config import BudgetConfig, GateConfig
-from prepos.core import Match, Path, Request, SamplingParams
+from prepos.core import AnswerPath, Match, Request, SamplingParams
+from prepos.engine.session import TURN, query_key
 from prepos.errors import (
     InvalidInput,
     InvalidSampling,
@@ -15,7 +16,6 @@ from prepos.errors import (
     VersionNotFound,
     WrongSessionKind,
 )
-from prepos.session import TURN, query_key
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"
@@ -35,7 +35,7 @@ def test_cold_path_prefills_the_whole_entry(make_engine, family):
     sid = streaming(eng, preposition=False)
     res = eng.query(sid, Q, Request(GREEDY1)).result()
     entry = query_entry(eng, sid, Q)
-    assert res.path is Path.COLD and res.match is Match.NONE
+    assert res.path is AnswerPath.COLD and res.match is Match.NONE
     assert res.timing.cached_tokens == 0 and res.timing.prefill_tokens == len(entry)
     assert greedy_agrees(eng, eng.session(sid).snap.tokens + entry, res.tokens[0])
 
@@ -47,7 +47,7 @@ def test_fall_through_pays_only_the_delta(make_engine, family):
     prefix = eng.fmt.encode(s.entries().user.prefix)
     entry = query_entry(eng, sid, Q)
     res = eng.query(sid, Q, Request(GREEDY1)).result()
-    assert res.path is Path.FALL
+    assert res.path is AnswerPath.FALL
     assert res.timing.cached_tokens == len(prefix)
     assert res.timing.prefill_tokens == len(entry) - len(prefix)
     assert greedy_agrees(eng, s.snap.tokens + entry, res.tokens[0])
@@ -62,7 +62,7 @@ def test_exact_match_serves_the_cached_distribution(make_engine, family):
     seq = s.snap.tokens + rec.entry
     assert rec.p == len(seq) and rec.version == s.version
     res = eng.query(sid, Q, Request(SamplingParams(max_tokens=4))).result()
-    assert res.path is Path.FAST and res.match is Match.EXACT
+    assert res.path is AnswerPath.FAST and res.match is Match.EXACT
     assert res.tokens[0] == rec.argmax
     assert greedy_agrees(eng, seq, res.tokens[0])
     # further tokens decode on from the resident entry KV and match a cold decode
@@ -90,7 +90,7 @@ def test_relaxed_gate_fires_with_one_cached_token(make_engine, family):
     if header.argmax not in eng.gate.answer_ids:
         pytest.skip("the random model's argmax is not a whole-word token")
     res = eng.query(sid, "Is it rising?", Request(SamplingParams(max_tokens=8))).result()
-    assert res.path is Path.FAST and res.match is Match.RELAXED
+    assert res.path is AnswerPath.FAST and res.match is Match.RELAXED
     assert res.tokens == [header.argmax] and res.gap == pytest.approx(header.gap)
     assert eng.paths["fast_relaxed"] == 1
     # a logit_bias that bans the gate's token is honoured: no relaxed answer, a full one
@@ -105,11 +105,11 @@ def test_relaxed_gate_miss_falls_through(make_engine, family):
     header = eng.ready_header(sid)
     eng.set_gate(GateConfig(tau=header.gap + 1.0, answers=(header.top_text,)))
     res = eng.query(sid, "Is it rising?", Request(GREEDY1)).result()
-    assert res.path is Path.FALL and res.gap == pytest.approx(header.gap)
+    assert res.path is AnswerPath.FALL and res.gap == pytest.approx(header.gap)
     assert eng.paths["gate_miss"] == 1
     # a session whose fast path is off never consults the cached distribution
     res = eng.query(sid, "Is it rising?", Request(GREEDY1, fast_path="off")).result()
-    assert res.path is Path.FALL and eng.paths["gate_miss"] == 1
+    assert res.path is AnswerPath.FALL and eng.paths["gate_miss"] == 1
 
 
 def test_every_mutation_invalidates_and_bumps_the_version(make_engine):
@@ -138,7 +138,7 @@ def test_rollback_restores_an_earlier_version(make_engine):
     assert new == 3 and s.snap.tokens == v1_tokens
     eng.wait_idle()
     res = eng.query(sid, Q, Request(GREEDY1)).result()
-    assert res.path is Path.FAST and res.version == 3
+    assert res.path is AnswerPath.FAST and res.version == 3
     assert greedy_agrees(eng, v1_tokens + query_entry(eng, sid, Q), res.tokens[0])
     before = state(eng, sid)
     with pytest.raises(VersionNotFound):
@@ -199,7 +199,7 @@ def test_agentic_envelope_is_pre_positioned_and_resumed_delta_only(make_engine, 
     assert s.awaiting_tool and ("envelope",) in s.ready.records
     base = s.snap.tokens
     res = eng.tool_result(sid, "AAPL 187.3", Request(SamplingParams(max_tokens=3))).result()
-    assert res.path is Path.FALL and res.timing.cached_tokens == len(prefix)
+    assert res.path is AnswerPath.FALL and res.timing.cached_tokens == len(prefix)
     realized = eng.fmt.encode(eng.fmt.frame(env, "AAPL 187.3"))
     assert greedy_agrees(eng, base + tuple(realized), res.tokens[0])
     # the generated answer is committed as the next assistant turn
@@ -216,7 +216,7 @@ def test_agentic_generation_prompt_is_an_exact_match(make_engine, family):
     rec = s.ready.records[TURN]
     seq = s.snap.tokens + rec.entry
     res = eng.turn(sid, None, Request(SamplingParams(max_tokens=2))).result()
-    assert res.path is Path.FAST and res.match is Match.EXACT
+    assert res.path is AnswerPath.FAST and res.match is Match.EXACT
     assert greedy_agrees(eng, seq, res.tokens[0])
 
 
@@ -332,7 +332,7 @@ def test_seeded_sampling_is_reproducible(make_engine):
     p = SamplingParams(max_tokens=5, temperature=1.5, top_p=0.9, seed=7)
     a = eng.query(sid, Q, Request(p)).result()
     b = eng.query(sid, Q, Request(p)).result()
-    assert a.path is Path.FAST and a.tokens == b.tokens
+    assert a.path is AnswerPath.FAST and a.tokens == b.tokens
     greedy = eng.query(sid, Q, Request(SamplingParams(max_tokens=5))).result()
     top1 = SamplingParams(max_tokens=5, temperature=0.7, top_k=1, seed=3)
     top1 = eng.query(sid, Q, Request(top1)).result()
@@ -405,7 +405,7 @@ def test_agentic_session_without_a_system_prompt(make_engine, family):
     sid = eng.create_session("agentic")
     eng.wait_idle()
     res = eng.turn(sid, "Hello there", Request(SamplingParams(max_tokens=2))).result()
-    assert res.path in (Path.FALL, Path.COLD)
+    assert res.path in (AnswerPath.FALL, AnswerPath.COLD)
     assert eng.session(sid).snap.messages[0] == {"role": "user", "content": "Hello there"}
 
 
@@ -499,7 +499,7 @@ def test_a_waiting_request_stops_an_idle_chunk_between_layers(make_engine, famil
         ref = cold_logits(eng, s.snap.tokens + rec.entry)
         assert float((rec.logits - ref).abs().max()) < tolerance(eng), key
     res = eng.query(sid, "Is it falling?", Request(GREEDY1)).result()
-    assert res.path is Path.FALL
+    assert res.path is AnswerPath.FALL
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, "Is it falling?"),
                          res.tokens[0])
 

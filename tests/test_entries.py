@@ -6,7 +6,7 @@ import string
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepos.entries import parse_tool_calls
+from prepos.chat.format import parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
                                           "parameters": {"type": "object", "properties": {

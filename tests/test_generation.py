@@ -1,8 +1,8 @@
 """Assembling a request's output: cancellation by the reader."""
 
-from prepos.core import Match, Path, Result, SamplingParams
-from prepos.generation import Generation
-from prepos.stream import Stream
+from prepos.core import AnswerPath, Match, Result, SamplingParams
+from prepos.decode.generation import Generation
+from prepos.decode.stream import Stream
 
 
 def test_generation_stops_at_the_next_token_once_cancelled():
@@ -13,7 +13,7 @@ def test_generation_stops_at_the_next_token_once_cancelled():
             return "".join(chr(ord("a") + t) for t in tokens)
 
     stream = Stream()
-    res = Result(Path.COLD, Match.NONE)
+    res = Result(AnswerPath.COLD, Match.NONE)
     gen = Generation(Fmt(), SamplingParams(max_tokens=10), stream, res, 0.0)
     assert gen.add(1) is False and gen.add(2) is False
     stream.cancel()

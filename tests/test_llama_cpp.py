@@ -14,8 +14,8 @@ from prepos.backends.base import Preempted, idle_work
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
+from prepos.engine.loading import exported_gguf
 from prepos.errors import OverBudget, TooManySessions
-from prepos.loading import exported_gguf
 
 pytestmark = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding (`prepos.lookup`): the proposer and the accept rule,
+"""Prompt-lookup speculative decoding (`prepos.decode.lookup`): the proposer and the accept rule,
 the back ends' logits at every position, and greedy answers with drafts equal to the same
 answers without them (on llama.cpp, within its logit tolerance wherever they differ)."""
 
@@ -7,10 +7,10 @@ import torch
 
 from helpers import cold_logits, greedy_agrees, tolerance
 from prepos.config import EngineConfig
-from prepos.core import Path, Request, SamplingParams
-from prepos.kv import Forward, KVSequence, run_forwards
-from prepos.lookup import Lookup, NgramIndex, accepted
+from prepos.core import AnswerPath, Request, SamplingParams
+from prepos.decode.lookup import Lookup, NgramIndex, accepted
 from prepos.server.metrics import Metrics
+from prepos.worker.kv import Forward, KVSequence, run_forwards
 
 REPEAT = "the cat sat on the mat " * 3  # a context the tiny models continue by repeating
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
@@ -196,7 +196,7 @@ def test_tool_result_fall_through_and_exact_turn_equal_the_plain_decode(make_eng
         exact = eng.turn(sid, None, Request(sampling)).result()
         answers[name] = (fall, exact, eng.session(sid).snap.tokens)
     (pf, pe, _), (sf, se, toks) = answers["plain"], answers["spec"]
-    assert sf.path is Path.FALL and se.path is Path.FAST
+    assert sf.path is AnswerPath.FALL and se.path is AnswerPath.FAST
     _same_answer(spec_eng, toks[:sf.prompt_tokens], pf.tokens, sf.tokens)
     if pf.tokens == sf.tokens:  # the same state: the exact turn's prompt is the same too
         _same_answer(spec_eng, toks[:se.prompt_tokens], pe.tokens, se.tokens)

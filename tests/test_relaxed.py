@@ -1,4 +1,4 @@
-"""The relaxed fast path's online risk gate (prepos.relaxed): question classes, per-class
+"""The relaxed fast path's online risk gate (prepos.gate.relaxed): question classes, per-class
 evidence and its Wilson bound, demotion and promotion, shadow verification and corrections,
 bounds and invalidation; one HTTP test of the correction event."""
 
@@ -19,8 +19,8 @@ from prepos.config import EngineConfig, GateConfig, RelaxedConfig
 from prepos.core import Match, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.errors import InvalidInput, WrongSessionKind
-from prepos.question_class import check_options, classify, normalize, patterns
-from prepos.relaxed import DEMOTED, PROBATION, PROMOTED, ClassGate, ClassStats
+from prepos.gate.question_class import check_options, classify, masked_wording, patterns
+from prepos.gate.relaxed import DEMOTED, PROBATION, PROMOTED, ClassGate, ClassStats
 from prepos.stats import wilson
 
 ONE = Request(SamplingParams(max_tokens=1))
@@ -46,14 +46,14 @@ DATA = ["AAPL 101.2 101.5 101.9 102.4", "AAPL 102.8 103.1 103.0 103.6", "AAPL 99
     ("Is it * rising?", "is it rising"),
 ])
 def test_normalize_masks_data_dependent_spans(question, cls):
-    assert normalize(question) == cls
+    assert masked_wording(question) == cls
 
 
 def test_normalize_keeps_what_changes_the_answer():
     # negation, inversion and the predicate are wording, not data: distinct classes
     forms = ["Is ACME rising?", "Is ACME not rising?", "Is it false that ACME is rising?",
              "Is ACME falling?", "If ACME reversed course, which way would it go?"]
-    assert len({normalize(q) for q in forms}) == len(forms)
+    assert len({masked_wording(q) for q in forms}) == len(forms)
 
 
 def test_declared_wordings_are_classes_and_the_only_eligible_ones():

@@ -19,9 +19,9 @@ from prepos.backends.remote import (
     make_adapter,
 )
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
-from prepos.kv import KVSequence
+from prepos.worker.kv import KVSequence
 
 KINDS = ["llama.cpp", "vllm", "sglang"]
 
@@ -191,7 +191,7 @@ def torch_model(model_dirs):
 def remote_engine_on(cluster: FakeCluster, model_dir, **cfg) -> Engine:
     from transformers import AutoTokenizer
 
-    from prepos.entries import ChatFormat
+    from prepos.chat.format import ChatFormat
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     be = RemoteBackend(make_adapter(cluster.kind), cluster.urls, len(tok), 2048, top_k=8,
@@ -219,7 +219,7 @@ def test_engine_paths_and_greedy_equality(kind, model_dirs, make_engine, torch_m
             eng.append(sid, "MSFT 310.0 309.2", wait=False)
             answers[name] = (fast, fall)
         (rf, rl), (lf, ll) = answers["remote"], answers["local"]
-        assert rf.path == Path.FAST and rl.path == Path.FALL
+        assert rf.path == AnswerPath.FAST and rl.path == AnswerPath.FALL
         assert rf.tokens == lf.tokens and rl.tokens == ll.tokens
         # sampling is the engine's own over the full vocabulary, seeded: reproducible
         sid = remote.sessions.all()[0].id
@@ -238,7 +238,7 @@ def test_engine_cold_path_and_prefix_cache_on_remote(model_dirs, torch_model):
         sid = eng.create_session("streaming", system="You are a market analyst.")
         eng.append(sid, "AAPL 101.2 101.5 101.9")
         res = eng.query(sid, "What is the trend?", Request(SamplingParams(max_tokens=3))).result()
-        assert res.path == Path.FALL or res.path == Path.COLD
+        assert res.path == AnswerPath.FALL or res.path == AnswerPath.COLD
         assert eng.backend.metrics()["replicas"]["http://a"]["cached_tokens"] > 0
     finally:
         eng.close()

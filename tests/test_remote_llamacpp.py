@@ -14,10 +14,10 @@ import torch
 from helpers import race_appends_with_queries
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.backends.remote import RemoteBackend
+from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
-from prepos.entries import ChatFormat
 
 pytestmark = pytest.mark.slow
 
@@ -125,13 +125,13 @@ def test_paths_and_greedy_equality(model, live):
         sp = SamplingParams(max_tokens=8)
         s = eng.session(sid)
         fast = eng.query(sid, "Is it rising?", Request(sp)).result()
-        assert fast.path == Path.FAST
+        assert fast.path == AnswerPath.FAST
         fall = eng.query(sid, "What is the trend?", Request(sp)).result()
-        assert fall.path == Path.FALL and fall.cached_prompt_tokens > 0
+        assert fall.path == AnswerPath.FALL and fall.cached_prompt_tokens > 0
         cold_sid = eng.create_session("streaming", system="You are a market analyst.",
                                       preposition=False)
         cold = eng.query(cold_sid, "What is the trend?", Request(sp)).result()
-        assert cold.path == Path.COLD
+        assert cold.path == AnswerPath.COLD
         for res, question in ((fast, "Is it rising?"), (fall, "What is the trend?")):
             snap = s.history[res.version]
             ent = s.entries(snap)
@@ -228,7 +228,7 @@ def test_never_stale_under_concurrent_updates(model, live):
         results = race_appends_with_queries(eng, sid, q, 12, SamplingParams(max_tokens=2))
         eng.wait_idle()
         results.append(eng.query(sid, q, Request(SamplingParams(max_tokens=2))).result())
-        assert results[-1].path == Path.FAST
+        assert results[-1].path == AnswerPath.FAST
         s = eng.session(sid)
         for res in results:
             snap = s.history[res.version]

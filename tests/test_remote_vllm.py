@@ -20,10 +20,10 @@ from helpers import race_appends_with_queries
 from prepos.backends.base import idle_work
 from prepos.backends.remote import AnswerInterrupted, RemoteBackend
 from prepos.backends.vllm_server import VLLMServer, find_python
+from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Path, Request, SamplingParams
+from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
-from prepos.entries import ChatFormat
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +155,8 @@ def test_three_paths_greedy_equal_to_in_process(model, live):
             cold = eng.query(cold_sid, "What is the trend?", Request(sp)).result()
             out[name] = (eng, sid, cold_sid, fast, fall, cold)
         eng, sid, cold_sid, fast, fall, cold = out["remote"]
-        assert (fast.path, fall.path, cold.path) == (Path.FAST, Path.FALL, Path.COLD)
+        assert (fast.path, fall.path, cold.path) == (AnswerPath.FAST, AnswerPath.FALL,
+                                                     AnswerPath.COLD)
         assert fall.cached_prompt_tokens > 0
         for i, (res, s, q) in enumerate(((fast, sid, "Is it rising?"),
                                          (fall, sid, "What is the trend?"),
@@ -273,7 +274,7 @@ def test_engine_prepositions_run_in_the_background(model, live):
         m = eng.backend.metrics()["replicas"][live[0].url]
         assert m["background"] > 0 and m["priority"] is True
         assert eng.query(sid, "Is it rising?",
-                         Request(SamplingParams(max_tokens=2))).result().path == Path.FAST
+                         Request(SamplingParams(max_tokens=2))).result().path == AnswerPath.FAST
     finally:
         eng.close()
         eng.backend.close()
@@ -314,7 +315,7 @@ def test_never_stale_under_concurrent_updates(model, live):
         results = race_appends_with_queries(eng, sid, q, 10, SamplingParams(max_tokens=3))
         eng.wait_idle()
         results.append(eng.query(sid, q, Request(SamplingParams(max_tokens=3))).result())
-        assert results[-1].path == Path.FAST
+        assert results[-1].path == AnswerPath.FAST
         for res in results:  # each answer is the greedy answer of the version it reports
             greedy_check(lm, prompt_of(eng, sid, res, q), res.tokens)
         assert len(results) >= 2

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from prepos.backends.base import Dist
 from prepos.core import SamplingParams
+from prepos.decode.sampling import generator_for, sample, token_logprob
 from prepos.errors import InvalidSampling
-from prepos.sampling import generator_for, sample, token_logprob
 
 LOGITS = torch.tensor([1.0, 4.0, 3.5, -2.0, 0.0])
 

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from prepos.scheduler import Scheduler
+from prepos.worker.scheduler import Scheduler
 
 
 def steps(log, name, n, pause=0.0):

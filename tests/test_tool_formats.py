@@ -12,8 +12,8 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from prepos import tool_formats as tf
-from prepos.entries import ChatFormat, normalize_tool_call
+from prepos.chat import tool_formats as tf
+from prepos.chat.format import ChatFormat, normalize_tool_call
 from prepos.errors import InvalidInput
 from prepos.lab.tiny import build_model, build_tokenizer
 

@@ -56,7 +56,7 @@ class BudgetConfig:
 
 @dataclass(frozen=True)
 class RelaxedConfig:
-    """The relaxed fast path's online risk gate (`prepos.relaxed`): which question classes
+    """The relaxed fast path's online risk gate (`prepos.gate.relaxed`): which question classes
     it serves, from verified evidence, within the risk budget `r_max`."""
 
     r_max: float = 0.15  # a class is served while its Wilson 95% upper bound is within this
@@ -89,7 +89,7 @@ class EngineConfig:
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
     # greedy answers on back ends that verify drafts: up to this many tokens drafted per
-    # forward from the session's own context (prompt lookup, `prepos.lookup`); 0: off
+    # forward from the session's own context (prompt lookup, `prepos.decode.lookup`); 0: off
     lookup_tokens: int = 8
     lookup_ngram: int = 3  # the longest n-gram matched (then shorter, down to lookup_min_ngram)
     lookup_min_ngram: int = 2  # one-token matches draft too often where the answer does not copy
@@ -97,7 +97,7 @@ class EngineConfig:
     lookup_said_tokens: int = 1024  # drafts from this many tokens of a session's latest answers
     gate: GateConfig = field(default_factory=GateConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
-    backend: str = "auto"  # auto | torch | llama.cpp (see prepos.loading)
+    backend: str = "auto"  # auto | torch | llama.cpp (see prepos.engine.loading)
     threads: int | None = None  # compute threads (None: the back end's default)
     kv_cells: int = 16384  # llama.cpp: cells of the KV cache all sessions share
     max_sequences: int = 256  # llama.cpp: sessions holding a KV at once (at most 256)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from prepos.errors import InvalidInput, InvalidSampling
-from prepos.response_format import normalize
+from prepos.response_format import canonical
 
 
-class Path(str, enum.Enum):
+class AnswerPath(str, enum.Enum):
     FAST = "fast"  # answered from the ready distribution: no prefill, no decode (Eq. 3)
     FALL = "fall-through"  # restore to the pre-paid entry, prefill the delta, decode (Eq. 5)
     COLD = "cold"  # nothing pre-positioned: prefill the entry, decode (Eq. 2)
@@ -76,7 +76,7 @@ class SamplingParams:
             raise InvalidSampling(f"top_logprobs must be an integer in [0, 20], got "
                                   f"{self.top_logprobs!r}")
         if self.response_format is not None:
-            object.__setattr__(self, "response_format", normalize(self.response_format))
+            object.__setattr__(self, "response_format", canonical(self.response_format))
 
     @property
     def shaped(self) -> bool:
@@ -150,7 +150,7 @@ class Timing:
 
 @dataclass
 class Result:
-    path: Path
+    path: AnswerPath
     match: Match
     tokens: list[int] = field(default_factory=list)
     text: str = ""

@@ -1,11 +1,11 @@
 """An OpenAI `response_format` checked and kept as its canonical JSON text: the hashable
 value `SamplingParams.response_format` carries (None for `{"type": "text"}`).
 
-`normalize` accepts `{"type": "json_object"}` and `{"type": "json_schema", "json_schema":
+`canonical` accepts `{"type": "json_object"}` and `{"type": "json_schema", "json_schema":
 {"name": ..., "schema": {...}, "strict": ...}}`. A schema the grammar library cannot enforce
 in full (an unimplemented keyword, an unknown format, a remote `$ref`) is refused, never
 loosened: the library validates the schema alone, with no tokenizer; compiling it into a
-matcher over a model's tokenizer is `prepos.structured`'s.
+matcher over a model's tokenizer is `prepos.decode.structured`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 STRICT = {"lenient": False}
 
 
-def normalize(spec: Any) -> str | None:
+def canonical(spec: Any) -> str | None:
     """The canonical JSON text of an OpenAI response_format (a dict, or its JSON text);
     None for plain text. Raises InvalidResponseFormat naming the problem."""
     if isinstance(spec, str):

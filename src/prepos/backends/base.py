@@ -3,7 +3,7 @@
 A back end extends KV caches by some tokens and returns the next-token distribution at the
 last one of each, and crops a cache back to a prefix. That is all the engine needs: every
 path (cold, fall-through, pre-position, decode) is "bring this KV to hold this token
-sequence" (`prepos.kv`). An in-process back end keeps real caches and runs the steps of
+sequence" (`prepos.worker.kv`). An in-process back end keeps real caches and runs the steps of
 several sessions as one batched forward (`extend_batch`); a remote engine keeps its prefix
 cache, the handle only mirrors the tokens it was sent, and it streams a whole answer in one
 request (`stream_answer`).

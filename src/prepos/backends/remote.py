@@ -436,10 +436,9 @@ class RemoteBackend(Backend):
                      "max_context": self.max_context, "replicas": {}}
         for r in self.replicas:
             with r.lock:
-                out["replicas"][r.url] = {**r.counters, "healthy": r.healthy,
-                                          "slots": r.n_slots, "slot_sessions": len(r._slots),
-                                          "max_context": r.max_context,
-                                          "priority": r.priority}
+                out["replicas"][r.url] = {**r.counters, "healthy": r.healthy, "slots": r.n_slots,
+                                          "slot_sessions": len(r._slots),
+                                          "max_context": r.max_context, "priority": r.priority}
         return out
 
     def close(self) -> None:

@@ -257,7 +257,7 @@ def model_name(spec: str | Path) -> str:
     quantization tag (`smollm2` -> SmolLM2-135M-Instruct)."""
     import re
 
-    from prepos.loading import resolve_model
+    from prepos.engine.loading import resolve_model
 
     path = resolve_model(spec)
     if path.suffix != ".gguf":
@@ -271,7 +271,7 @@ def gate_home(spec: str | Path) -> Path | None:
     package (site-packages is not the user's to write into)."""
     import sysconfig
 
-    from prepos.loading import ALIASES, resolve_model
+    from prepos.engine.loading import ALIASES, resolve_model
 
     if str(spec) in ALIASES and not Path(spec).exists():
         return None
@@ -296,8 +296,8 @@ def run(models: Sequence[str], n: int, seed: int, r_max: float, tau_min: float,
         progress: bool = True, threads: int | None = None) -> dict:
     from collections import Counter
 
+    from prepos.engine.loading import resolve_model
     from prepos.lab.task.market import decision_points
-    from prepos.loading import resolve_model
 
     points = decision_points(n, seed=seed, wording_rate=wording_rate)
     results: dict = {

@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                         "%(message)s")
+    from prepos.engine.loading import resolve_model
     from prepos.errors import InvalidInput
-    from prepos.loading import resolve_model
 
     try:
         resolve_model(args.model)

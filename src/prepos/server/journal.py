@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from prepos.engine.session import Session, SessionSpec, Snapshot
 from prepos.errors import SessionNotFound
-from prepos.session import Session, SessionSpec, Snapshot
 
 log = logging.getLogger("prepos.server.journal")
 

@@ -11,18 +11,19 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prepos.core import Path, Result
+from prepos.core import AnswerPath, Result
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
                 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
-PATHS = [p.value for p in Path]
+PATHS = [p.value for p in AnswerPath]
 # the engine's path counters by the label they are exported with: the path names of
-# responses (`Path` values), the match or gate outcome after the fast path's
+# responses (`AnswerPath` values), the match or gate outcome after the fast path's
 ENGINE_PATHS = {"fast_exact": "fast_exact", "fast_relaxed": "fast_relaxed",
-                "gate_miss": "gate_miss", Path.FALL.value: "fall", Path.COLD.value: "cold"}
+                "gate_miss": "gate_miss", AnswerPath.FALL.value: "fall",
+                AnswerPath.COLD.value: "cold"}
 
 
 class Metrics:
@@ -81,7 +82,7 @@ class Metrics:
             counter = self._requests.setdefault(key, self.requests.labels(*key))
         counter.inc()
         self.cached_tokens.inc(cached_prompt_tokens(res))
-        if res.path is not Path.FAST:
+        if res.path is not AnswerPath.FAST:
             self._step_ewma = 0.9 * self._step_ewma + 0.1 * res.timing.total
 
     @property
@@ -94,7 +95,7 @@ class Metrics:
 
 def cached_prompt_tokens(res: Result) -> int:
     """The fast path computed its whole prompt ahead of the request."""
-    return res.prompt_tokens if res.path is Path.FAST else res.cached_prompt_tokens
+    return res.prompt_tokens if res.path is AnswerPath.FAST else res.cached_prompt_tokens
 
 
 class _EngineCollector:

@@ -32,7 +32,8 @@ import re
 
 from starlette.requests import Request
 
-from prepos.conversation import normalize
+from prepos.chat.conversation import session_messages
+from prepos.engine.session import STREAMING
 from prepos.errors import PreposError
 from prepos.server import responses as R
 from prepos.server.errors import ApiError
@@ -43,7 +44,6 @@ from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
-from prepos.session import STREAMING
 
 EPHEMERAL_ID = re.compile(r"session " + re.escape(EPHEMERAL) + r"\S+")
 
@@ -103,7 +103,7 @@ async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
     sampling = chat_sampling(state, body)
-    msgs = normalize(body.messages)
+    msgs = session_messages(body.messages)
     for i, m in enumerate(msgs):
         await state.check_input(eng, m["content"], f"messages[{i}].content")
     tools = tool_specs(body)

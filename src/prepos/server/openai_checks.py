@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from prepos.admission import valid_ids
 from prepos.core import SamplingParams
+from prepos.engine.admission import valid_ids
 from prepos.errors import InvalidResponseFormat
-from prepos.response_format import normalize
+from prepos.response_format import canonical
 from prepos.server.errors import ApiError
 from prepos.server.schemas import ChatCompletion, Completion, OpenAISampling
 
@@ -93,7 +93,7 @@ def response_format(state, body: ChatCompletion) -> str | None:
     is malformed, not enforceable, on a back end that samples answers itself, or beside a
     tool choice that forces a tool call."""
     try:
-        fmt = normalize(body.response_format) if body.response_format is not None else None
+        fmt = canonical(body.response_format) if body.response_format is not None else None
     except InvalidResponseFormat as exc:
         raise ApiError(400, "invalid_request", str(exc), "response_format") from None
     choice = tool_choice(body)

@@ -2,7 +2,7 @@
 
 Chat: stateless (an ephemeral agentic session with the request's tools, closed after the
 answer), a streaming session's query (one user message), or an agentic session's turn:
-the conversation is matched against the session's (`prepos.conversation`), only the delta
+the conversation is matched against the session's (`prepos.chat.conversation`), only the delta
 is committed, and an empty delta after a committed user or tool message is the exact fast
 path. Completions: a streaming session's query, or a raw completion on an ephemeral session.
 
@@ -20,17 +20,17 @@ from dataclasses import replace
 
 from starlette.responses import Response
 
-from prepos.conversation import check_order, resume
+from prepos.chat.conversation import check_order, resume
+from prepos.chat.format import SENTINEL
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
-from prepos.entries import SENTINEL
+from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
-from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 
 
 def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:

@@ -12,15 +12,15 @@ import uuid
 
 from starlette.responses import Response
 
-from prepos import tool_formats
+from prepos.chat import tool_formats
+from prepos.chat.format import ChatFormat
+from prepos.chat.tool_formats import PREPOS, ToolFormat
 from prepos.core import Result
-from prepos.entries import ChatFormat
+from prepos.decode.stream import Stream
 from prepos.server import results, streaming
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import EventStream, event
-from prepos.stream import Stream
-from prepos.tool_formats import PREPOS, ToolFormat
 
 DONE = b"data: [DONE]\n\n"
 

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.core import Request as EngineRequest
+from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.server import responses as R
 from prepos.server import results, streaming
 from prepos.server.errors import ApiError
@@ -37,7 +38,6 @@ from prepos.server.schemas import (
 from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import event
 from prepos.server.state import Call, ServerState
-from prepos.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 
 routes = Routes()
 

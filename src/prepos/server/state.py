@@ -22,7 +22,9 @@ from starlette.requests import Request
 from prepos.config import EngineConfig
 from prepos.core import Request as EngineRequest
 from prepos.core import Result
+from prepos.decode.stream import Stream
 from prepos.engine import Engine
+from prepos.engine.session import Session, SessionSpec
 from prepos.errors import PreposError, SessionNotFound
 from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
@@ -30,8 +32,6 @@ from prepos.server.journal import EPHEMERAL, Journal, is_ephemeral
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
 from prepos.server.sse import Hub, disconnected
-from prepos.session import Session, SessionSpec
-from prepos.stream import Stream
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
@@ -383,8 +383,8 @@ class ServerState:
 
 
 def _load_engine(config: ServerConfig) -> Engine:
+    from prepos.engine.loading import resolve_model
     from prepos.errors import InvalidInput
-    from prepos.loading import resolve_model
 
     try:
         path = resolve_model(config.model)

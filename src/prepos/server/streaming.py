@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 
 from prepos.core import Result
+from prepos.decode.stream import Stream
 from prepos.errors import PreposError
 from prepos.server import results
 from prepos.server.errors import as_api_error, error_body
 from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import EventStream, event
-from prepos.stream import Stream
 
 Chunks = Callable[[AsyncIterator], AsyncIterator[bytes]]  # stream events -> response bytes
 

@@ -1,7 +1,7 @@
 """The relaxed fast path's online risk gate: which questions may take the question-independent
 token, decided from verified evidence, within a risk budget.
 
-- A question's *class* is its normalized form (`normalize`: data-dependent spans masked), or
+- A question's *class* is its normalized form (`masked_wording`: data-dependent spans masked), or
   the first of the session's declared `relaxed_queries` it matches (`patterns`); a session
   that declares patterns serves only those classes relaxed.
 - Per class, the engine keeps the latest verified outcomes (agree / disagree) and their
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator, Sequence
 
 from prepos.backends.base import Dist, Preempted
+from prepos.chat.format import Split
 from prepos.config import RelaxedConfig
-from prepos.entries import Split
-from prepos.kv import Forward, KVPool
-from prepos.question_class import classify
+from prepos.gate.question_class import classify
 from prepos.stats import wilson
+from prepos.worker.kv import Forward, KVPool
 
 PROBATION, PROMOTED, DEMOTED = "probation", "promoted", "demoted"
 DEFER_QUANTA = 4  # a verification gives way to pre-positions for at most this many quanta

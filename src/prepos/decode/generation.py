@@ -9,10 +9,10 @@ from typing import Callable
 import torch
 
 from prepos.backends.base import Dist
+from prepos.chat.format import ChatFormat
 from prepos.core import Result, SamplingParams
-from prepos.entries import ChatFormat
-from prepos.sampling import grammar_finished, token_logprob, top_logprobs
-from prepos.stream import Stream, TokenEvent
+from prepos.decode.sampling import grammar_finished, token_logprob, top_logprobs
+from prepos.decode.stream import Stream, TokenEvent
 
 
 class Generation:

@@ -17,19 +17,19 @@ from dataclasses import dataclass
 from typing import Callable, Generator
 
 from prepos.backends.base import Dist, Preempted
+from prepos.chat.format import ChatFormat
 from prepos.core import ReadyRecord
-from prepos.entries import ChatFormat
-from prepos.kv import Forward, KVPool
-from prepos.session import (
+from prepos.engine.ready import ReadySet
+from prepos.engine.session import (
     ENVELOPE,
     HEADER,
     STREAMING,
     TURN,
-    ReadySet,
     Session,
     Snapshot,
     query_key,
 )
+from prepos.worker.kv import Forward, KVPool
 
 MAX_YIELDS = 1  # a chunk gives way to waiting requests at most this many times in a row
 

@@ -5,36 +5,36 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Callable, Sequence
 
-from prepos.admission import Room, check_request, prompt_ids
-from prepos.answers import Answers
 from prepos.backends.base import Backend
+from prepos.chat.format import ChatFormat, normalize_tool_call
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import ReadyRecord, Request, Result
-from prepos.entries import ChatFormat, normalize_tool_call
-from prepos.errors import Conflict, InvalidInput
-from prepos.gate import Gate
-from prepos.kv import Forward, KVPool
-from prepos.loading import load_parts
-from prepos.lookup import Lookup
-from prepos.prepositioner import MAX_YIELDS, Prepositioner
-from prepos.relaxed import Relaxed
-from prepos.scheduler import Scheduler
-from prepos.session import (
+from prepos.decode.lookup import Lookup
+from prepos.decode.stream import Stream
+from prepos.engine.admission import Room, check_request, prompt_ids
+from prepos.engine.answers import Answers
+from prepos.engine.loading import load_parts
+from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
+from prepos.engine.ready import ReadySet
+from prepos.engine.session import (
     AGENTIC,
     HEADER,
     STREAMING,
     TURN,
-    ReadySet,
     Session,
     SessionSpec,
     SessionStore,
     Snapshot,
     query_key,
 )
-from prepos.stream import Stream
+from prepos.errors import Conflict, InvalidInput
+from prepos.gate.calibrated import Gate
+from prepos.gate.relaxed import Relaxed
+from prepos.worker.kv import Forward, KVPool
+from prepos.worker.scheduler import Scheduler
 
 DEFAULT = Request()
 
@@ -74,9 +74,9 @@ class Engine:
                                lambda s, ev: self._emit("correction", s, ev))
 
     @classmethod
-    def from_pretrained(cls, path: str | FsPath, config: EngineConfig | None = None) -> Engine:
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
         """Load a local model: an HF causal-LM directory, a GGUF file or a known model's name
-        (`smollm2`), on the back end `config.backend` names (see `prepos.loading`). Nothing
+        (`smollm2`), on the back end `config.backend` names (see `prepos.engine.loading`). Nothing
         is fetched from a hub."""
         parts = load_parts(path, config)
         return cls(parts.backend, parts.fmt, parts.config, model_name=parts.model_name)
@@ -441,6 +441,6 @@ class Engine:
         self.close()
 
 
-def load_engine(path: str | FsPath, config: EngineConfig | None = None) -> Engine:
+def load_engine(path: str | Path, config: EngineConfig | None = None) -> Engine:
     """`Engine.from_pretrained`: a local model (directory, GGUF file or known name) served."""
     return Engine.from_pretrained(path, config)

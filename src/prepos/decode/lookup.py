@@ -29,9 +29,9 @@ from typing import Callable, Generator, Sequence
 import torch
 
 from prepos.core import SamplingParams
-from prepos.generation import Generation
-from prepos.kv import Advance, Forward, KVSequence
-from prepos.sampling import sample
+from prepos.decode.generation import Generation
+from prepos.decode.sampling import sample
+from prepos.worker.kv import Advance, Forward, KVSequence
 
 
 class NgramIndex:

@@ -24,19 +24,20 @@ from typing import Callable
 
 import torch
 
-from prepos.admission import Room
 from prepos.backends.base import Backend, Dist
-from prepos.core import Match, Path, ReadyRecord, Result, SamplingParams
-from prepos.entries import ChatFormat
-from prepos.generation import Generation
-from prepos.kv import Forward, KVPool, KVSequence
-from prepos.lookup import Lookup
-from prepos.prepositioner import Prepositioner
-from prepos.sampling import generator_for, sample, top_logprobs
-from prepos.scheduler import Scheduler
-from prepos.session import ReadySet, Session, Snapshot
-from prepos.stream import Stream
-from prepos.structured import Grammars
+from prepos.chat.format import ChatFormat
+from prepos.core import AnswerPath, Match, ReadyRecord, Result, SamplingParams
+from prepos.decode.generation import Generation
+from prepos.decode.lookup import Lookup
+from prepos.decode.sampling import generator_for, sample, top_logprobs
+from prepos.decode.stream import Stream
+from prepos.decode.structured import Grammars
+from prepos.engine.admission import Room
+from prepos.engine.prepositioner import Prepositioner
+from prepos.engine.ready import ReadySet
+from prepos.engine.session import Session, Snapshot
+from prepos.worker.kv import Forward, KVPool, KVSequence
+from prepos.worker.scheduler import Scheduler
 
 
 def cached(rec: ReadyRecord) -> torch.Tensor | Dist:
@@ -74,7 +75,7 @@ class Answers:
                 logprobs: bool, t0: float, answer_id: str | None = None) -> Stream:
         """The gate fired: one cached token, the question-independent answer."""
         self.prepositioner.consume(ready)
-        res = Result(Path.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
+        res = Result(AnswerPath.FAST, Match.RELAXED, tokens=[rec.argmax], text=rec.top_text,
                      finish_reason="stop", gap=rec.gap, version=rec.version, prompt_tokens=rec.p,
                      answer_id=answer_id)
         if logprobs:
@@ -95,7 +96,7 @@ class Answers:
         tokens decode on from the resident entry KV."""
         self.prepositioner.consume(ready)
         self.count("fast_exact")
-        res = Result(Path.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
+        res = Result(AnswerPath.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)
         stream = Stream()
         grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
@@ -128,7 +129,7 @@ class Answers:
         resident prefix, prefill only the delta, then decode."""
         self.room.check(s, len(seq), sampling)
         stream = Stream()
-        res = Result(Path.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
+        res = Result(AnswerPath.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
         rng = generator_for(sampling, self.grammars.constraint(sampling))
         out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
                          self._finisher(s, on_finish), rng)
@@ -153,7 +154,7 @@ class Answers:
             res.cached_prompt_tokens = min(kept, len(seq))
             used = tm.cached_tokens > 0
             if used:
-                res.path = Path.FALL
+                res.path = AnswerPath.FALL
                 self.prepositioner.consume(ready)
             elif settle_dropped:
                 self.prepositioner.invalidated(ready)
@@ -171,7 +172,7 @@ class Answers:
         streams answers, every token from one streamed request (the engine's own sampling;
         one token per quantum is read from it). A greedy answer on a back end that verifies
         drafts runs several tokens per step where its context or `said` (the session's latest
-        answers) predicts them (`prepos.lookup`)."""
+        answers) predicts them (`prepos.decode.lookup`)."""
         if self.backend.streams_answers:
             events = kv.stream(seq + tuple(out.tokens), sampling,
                                sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn)

@@ -2,7 +2,7 @@
 
 An OpenAI-style client sends its whole conversation with every request; an agentic session
 holds the committed one. This module puts the client's messages in the session's form
-(`normalize`), finds how much of them the session already holds (`resume`, which may look
+(`session_messages`), finds how much of them the session already holds (`resume`, which may look
 through the versions kept for rollback), and checks the order rules a session applies to
 each new message (`check_order`) before any is committed, so a refusal changes nothing.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
-from prepos.entries import normalize_tool_call
+from prepos.chat.format import normalize_tool_call
 from prepos.errors import InvalidInput, PreposError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -47,7 +47,7 @@ def awaits_tool(messages: Sequence[dict]) -> bool:
 
 
 # -- the session's form -------------------------------------------------------------------
-def normalize(messages: Sequence[Message]) -> list[dict]:
+def session_messages(messages: Sequence[Message]) -> list[dict]:
     """Client messages as the session holds them: role, content, tool_calls."""
     if not messages:
         raise ConversationError("messages must not be empty", "messages")

@@ -24,7 +24,7 @@ _BEFORE_PUNCT = re.compile(r"\s+([,.:;?!)\]])")
 _TRAIL = re.compile(r"[\s?!.]+$")
 
 
-def normalize(question: str, wildcards: bool = False) -> str:
+def masked_wording(question: str, wildcards: bool = False) -> str:
     """A question's class: NFKC, then quoted strings -> <str>, cashtags and tickers (an
     all-capitals word of 2-6 letters or digits, in a question that has lower case) -> <sym>,
     numbers (signs, currency, separators, decimals, dates, times, percentages) -> <num>;
@@ -75,7 +75,7 @@ def patterns(wordings: tuple[str, ...]) -> tuple[Pattern, ...]:
     """The compiled `relaxed_queries` of a session (cached by their text)."""
     out = []
     for w in wordings:
-        key = normalize(w, wildcards=True)
+        key = masked_wording(w, wildcards=True)
         out.append(Pattern(key, tuple(p.strip() for p in key.split("*"))))
     return tuple(out)
 
@@ -88,7 +88,7 @@ def check_options(relaxed_queries: Sequence[str], r_max: float | None) -> None:
     for w in relaxed_queries:
         if not isinstance(w, str) or not w.strip():
             raise InvalidInput("relaxed_queries must be non-empty strings")
-        key = normalize(w, wildcards=True)
+        key = masked_wording(w, wildcards=True)
         if not key.replace("*", "").strip() or len(key) > MAX_CLASS_CHARS:
             raise InvalidInput(f"relaxed_queries entry {w!r} must have words beside '*' and "
                                f"normalize to at most {MAX_CLASS_CHARS} characters")
@@ -107,7 +107,7 @@ def classify(question: str, declared: Sequence[str] = ()) -> str | None:
 
 
 def _classify(question: str, declared: tuple[str, ...]) -> str | None:
-    cls = normalize(question)
+    cls = masked_wording(question)
     if not cls or len(cls) > MAX_CLASS_CHARS:
         return None
     if not declared:

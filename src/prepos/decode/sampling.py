@@ -15,7 +15,7 @@ import torch
 
 from prepos.backends.base import Dist
 from prepos.core import SamplingParams
-from prepos.structured import Constraint
+from prepos.decode.structured import Constraint
 
 SEED_MOD = 2**64
 

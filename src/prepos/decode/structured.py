@@ -27,8 +27,8 @@ from prepos.errors import InvalidResponseFormat
 from prepos.response_format import JSON_OPTIONS, STRICT, dumps, schema_of
 
 if TYPE_CHECKING:
+    from prepos.chat.format import ChatFormat
     from prepos.core import SamplingParams
-    from prepos.entries import ChatFormat
 
 CACHE_SIZE = 64  # compiled formats kept per engine
 
@@ -112,7 +112,7 @@ class Grammars:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             dumps(schema_of(canonical)), JSON_OPTIONS, STRICT)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-        if matcher.is_error():  # checked at normalize; a tokenizer-specific objection
+        if matcher.is_error():  # checked at canonical(); a tokenizer-specific one
             raise InvalidResponseFormat(f"response_format cannot be compiled for this "
                                         f"model: {matcher.get_error()}")
         return matcher

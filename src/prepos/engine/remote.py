@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Sequence
 
 from prepos.backends.remote import RemoteBackend
+from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig
-from prepos.engine import Engine
-from prepos.entries import ChatFormat
-from prepos.loading import with_gate
+from prepos.engine.facade import Engine
+from prepos.engine.loading import with_gate
 
 # Pre-positions run at this priority on engines that schedule by priority (lower runs
 # earlier; answers are sent at the default, 0). An engine that refuses it is sent none.

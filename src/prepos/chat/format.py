@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from prepos import tool_formats
-from prepos.control_tokens import ESC, ControlTokens
+from prepos.chat import tool_formats
+from prepos.chat.control_tokens import ESC, ControlTokens
+from prepos.chat.tool_support import ToolSupport
 from prepos.errors import InvalidInput
-from prepos.tool_support import ToolSupport
 
 SENTINEL = "PREPOSxSENTINELx7f3a"
 

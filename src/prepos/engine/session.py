@@ -12,9 +12,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from prepos.conversation import awaits_tool
-from prepos.core import FAST_MODES, ReadyRecord
-from prepos.entries import ChatFormat, Split
+from prepos.chat.conversation import awaits_tool
+from prepos.chat.format import ChatFormat, Split
+from prepos.core import FAST_MODES
+from prepos.engine.ready import ReadySet
 from prepos.errors import (
     Conflict,
     InvalidInput,
@@ -26,7 +27,7 @@ from prepos.errors import (
     VersionNotFound,
     WrongSessionKind,
 )
-from prepos.question_class import check_options
+from prepos.gate.question_class import check_options
 
 STREAMING = "streaming"
 AGENTIC = "agentic"
@@ -60,59 +61,6 @@ class Entries:
     tool: Split | None  # the tool-result envelope, when a tool result is awaited
 
 
-class ReadySet:
-    """The ready records of one committed version (one pre-position, Algorithm 1) and where
-    its pre-position stands. It is its own one writer: every change is a method below, under
-    its lock; the others only read. The session invalidates it in the critical section that
-    commits the next version (`Session._commit`), so a record is stored only while valid."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self.records: dict[tuple, ReadyRecord] = {}  # written by `record` alone
-        self.valid = True
-        self.consumed = False  # a request used it (a record, or its pre-paid KV)
-        self.wasted = False  # invalidated before any request used it
-        self.scheduled = False  # a background job was queued for it
-        self.started = False  # the background job began its first forward
-        self.done = False  # the background job finished (recorded, skipped or discarded)
-        self._lock = threading.Lock()
-
-    def record(self, key: tuple, rec: ReadyRecord) -> bool:
-        """Store a ready record, only while the set is valid (its version current)."""
-        with self._lock:
-            if self.valid:
-                self.records[key] = rec
-            return self.valid
-
-    def invalidate(self) -> None:
-        with self._lock:
-            self.valid = False
-
-    def mark(self, scheduled: bool = False, started: bool = False, done: bool = False) -> None:
-        """Its pre-position job was queued / began / finished."""
-        with self._lock:
-            self.scheduled |= scheduled
-            self.started |= started
-            self.done |= done
-
-    def consume(self) -> bool:
-        """A request used it; True the first time (a hit to count), unless already wasted."""
-        with self._lock:
-            hit = not self.consumed and not self.wasted
-            self.consumed |= hit
-            return hit
-
-    def waste(self) -> str | None:
-        """A mutation cleared it before any request used it: "invalidated" if its job had
-        started, "superseded" if it was only queued, None if it was used or already counted
-        (or had no job)."""
-        with self._lock:
-            if self.consumed or self.wasted:
-                return None
-            self.wasted = True
-            return "invalidated" if self.started else "superseded" if self.scheduled else None
-
-
 @dataclass
 class SessionSpec:
     kind: str
@@ -123,7 +71,7 @@ class SessionSpec:
     preposition: bool = True
     budget_cells: int | None = None  # per-session KV budget (default: the engine's)
     owner: str | None = None  # the API key that created it: the server checks it, not us
-    # the relaxed fast path (prepos.relaxed): declared question classes (wordings, `*` a
+    # the relaxed fast path (prepos.gate.relaxed): declared question classes (wordings, `*` a
     # wildcard; when given, only these are served relaxed) and this session's risk budget
     relaxed_queries: tuple[str, ...] = ()
     r_max: float | None = None  # None: the engine's
@@ -196,7 +144,7 @@ class Session:
 
     def said(self) -> tuple[int, ...]:
         """The tokens of its latest answers, oldest first, at most `said_tokens`: what its
-        next greedy answer may draft from besides its context (`prepos.lookup`). A standing
+        next greedy answer may draft from besides its context (`prepos.decode.lookup`). A standing
         query asked again after an update, or an agent's next call of the same tool, says
         much of it again, and a streaming session's answers never enter its context. Not
         journalled, not versioned: drafts are verified, so it cannot make an answer stale."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from prepos.chat.format import ChatFormat
 from prepos.config import GateConfig
 from prepos.core import ReadyRecord
-from prepos.entries import ChatFormat
 
 
 class Gate:

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from prepos.backends.base import Backend
+from prepos.chat.format import ChatFormat
 from prepos.core import Request, SamplingParams
-from prepos.entries import ChatFormat
+from prepos.engine.session import Session, SessionStore
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
-from prepos.kv import KVPool
-from prepos.scheduler import Scheduler
-from prepos.session import Session, SessionStore
+from prepos.worker.kv import KVPool
+from prepos.worker.scheduler import Scheduler
 
 
 def check_request(req: Request, backend: Backend, topk_sampling: bool) -> SamplingParams:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from prepos.chat.tool_formats import render_prepos_call, render_prepos_tools
 from prepos.errors import InvalidInput
-from prepos.tool_formats import render_prepos_call, render_prepos_tools
 
 _TOOL = "PREPOSxTOOLx51c2"
 _ARG = "PREPOSxARGx51c2"

@@ -20,7 +20,7 @@ from typing import Callable, Generator
 
 from prepos.backends.base import idle_work
 from prepos.errors import EngineClosed
-from prepos.kv import Advance, Forward, run_forwards
+from prepos.worker.kv import Advance, Forward, run_forwards
 
 
 class Task:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prepos.backends.base import Backend
+from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
-from prepos.entries import ChatFormat
 from prepos.errors import InvalidInput
 
 BACKENDS = ("auto", "torch", "llama.cpp")

@@ -1,0 +1,155 @@
+"""The package's floor plan, read from its imports: no module imports itself back through
+others (no import circle), and every import between folders runs down the layers below.
+Function-level imports count as much as module-level ones."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "prepos"
+
+# top to bottom: a folder may import its own modules and those of the folders below it
+LAYERS = (
+    ("face",),  # prepos/__init__.py (the public names) and cli.py (the command table)
+    ("server",),
+    ("lab", "sim"),  # tools apart: neither imports the other
+    ("engine",),
+    ("gate",),
+    ("decode",),
+    ("worker",),
+    ("chat", "backends"),
+    ("leaf",),  # plain data and helpers at the package root: config, core, errors, ...
+)
+RANK = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+
+
+def modules(root: Path = SRC) -> dict[str, Path]:
+    out = {}
+    for f in root.rglob("*.py"):
+        parts = ("prepos", *f.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports (`from pkg import mod` counts as `pkg.mod`)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in known else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports(name, path, known) for name, path in mods.items()}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if module in ("prepos", "prepos.cli"):
+        return "face"
+    if len(parts) > 2 or (SRC / parts[1]).is_dir():
+        return parts[1]
+    return "leaf"
+
+
+def circles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward(g: dict[str, set[str]], rank_of=room) -> list[str]:
+    """Imports that run up the layers, or across between two rooms of one layer."""
+    bad = []
+    for a, targets in g.items():
+        for b in targets:
+            ra, rb = rank_of(a), rank_of(b)
+            if ra != rb and RANK[ra] >= RANK[rb]:
+                bad.append(f"{a} ({ra}) -> {b} ({rb})")
+    return sorted(bad)
+
+
+def test_every_module_is_in_a_room_of_the_plan():
+    assert {room(m) for m in graph()} <= set(RANK)
+
+
+def test_no_import_circles():
+    assert circles(graph()) == []
+
+
+def test_every_import_between_folders_runs_down():
+    assert upward(graph()) == []
+
+
+@pytest.mark.parametrize("g, circle, up", [
+    ({"prepos.engine.a": {"prepos.worker.b"}, "prepos.worker.b": set()}, False, False),
+    ({"prepos.worker.b": {"prepos.engine.a"}, "prepos.engine.a": set()}, False, True),
+    ({"prepos.chat.x": {"prepos.chat.y"}, "prepos.chat.y": {"prepos.chat.x"}}, True, False),
+    ({"prepos.lab.x": {"prepos.sim.y"}, "prepos.sim.y": set()}, False, True),
+])
+def test_the_checks_see_what_they_look_for(g, circle, up):
+    """The two checks above on made-up graphs: a circle and an upward arrow are found."""
+    def rank_of(m: str) -> str:
+        return m.split(".")[1]
+
+    assert bool(circles(g)) is circle
+    assert bool(upward(g, rank_of)) is up
+
+
+def test_the_architecture_doc_names_every_module_within_300_lines():
+    doc = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    assert len(doc.splitlines()) <= 300
+    missing = [f"{m}" for m, f in modules().items()
+               if f.name != "__init__.py" and f"`{f.name}`" not in doc
+               and f"{f.parent.name}/{f.name}" not in doc]
+    assert missing == []
+
+
+def test_no_source_file_over_450_lines():
+    assert [m for m, f in modules().items() if len(f.read_text().splitlines()) > 450] == []
