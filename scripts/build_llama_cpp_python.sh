@@ -4,7 +4,7 @@
 #
 # The wheel is cached at $LLAMA_CACHE/wheels/<version>-<flags hash>/ (LLAMA_CACHE default:
 # .cache/llama-cpp), so a second install with the same version and flags is instant and a change
-# of flags builds anew (pip's own wheel cache would not notice CMAKE_ARGS). About 7 minutes on
+# of flags builds anew (pip's own wheel cache would not notice CMAKE_ARGS). About 3.5 minutes on
 # 2 cores. Exit status non-zero if it could not build; the torch back end works without it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -100,8 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="prepos serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help="an HF model directory or a .gguf file (default: the bundled "
-                   "%(default)s)")
+                   help="an HF model directory, a .gguf file or a known model's name "
+                   "(smollm2) (default: the bundled %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="auto: llama.cpp where it is installed (GGUF files always), else torch")
     p.add_argument("--kv-cells", type=int, default=EngineConfig.kv_cells,
