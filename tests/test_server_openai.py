@@ -43,8 +43,10 @@ def test_stateless_chat_streaming_and_not(oai, model_name):
     raw = oai.chat.completions.with_raw_response.create(
         model=model_name, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=1)
     r = raw.parse()
-    assert raw.headers["x-prepos-path"] == "cold"
-    assert r.model_extra["prepos"]["path"] == "cold"
+    # a new implicit session: cold, or fall-through where its system prompt was prefilled
+    # at idle priority between its creation and the turn
+    assert raw.headers["x-prepos-path"] == r.model_extra["prepos"]["path"]
+    assert r.model_extra["prepos"]["path"] in ("cold", "fall-through")
     assert r.usage.completion_tokens == len(r.choices[0].logprobs.content) <= 4
     assert r.usage.prompt_tokens > 0
     assert all(e.top_logprobs[0].token == e.token for e in r.choices[0].logprobs.content)
@@ -56,7 +58,7 @@ def test_stateless_chat_streaming_and_not(oai, model_name):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     last = [c for c in chunks if c.choices][-1]
     assert last.choices[0].finish_reason in ("stop", "length")
-    assert last.model_extra["prepos"]["path"] == "cold"
+    assert last.model_extra["prepos"]["path"] in ("cold", "fall-through")
 
 
 def test_session_turns_are_delta_only(oai, http, model_name):

@@ -254,7 +254,8 @@ def test_the_sdk_parses_a_pydantic_model_stateless_and_from_the_fast_path(server
     r = oai.chat.completions.parse(model=model, messages=msgs, response_format=Call,
                                    max_tokens=LONG)
     assert isinstance(r.choices[0].message.parsed, Call)
-    assert r.choices[0].finish_reason == "stop" and r.model_extra["prepos"]["path"] == "cold"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.model_extra["prepos"]["path"] in ("cold", "fall-through")  # a new implicit session
     with httpx.Client(base_url=server.url, timeout=120) as http:
         sid = http.post("/sessions", json={"kind": "streaming", "system": SYSTEM,
                                            "standing_queries": [Q]}).json()["id"]

@@ -79,17 +79,27 @@ class Room:
         check_room(prompt_len, sampling, self.max_context, s.budget(self.session_cells))
 
     def admit(self, s: Session, n: int) -> None:
-        """`s` may commit `n` tokens: committed state across all sessions fits the pool."""
-        others = sum(len(o.snap.tokens) for o in self.sessions.all() if o is not s)
+        """`s` may commit `n` tokens: committed state across all sessions fits the pool (an
+        implicit session's counts for nothing: its KV is reclaimable whole)."""
+        if s.spec.implicit:
+            return
+        others = sum(len(o.snap.tokens) for o in self.sessions.all()
+                     if o is not s and not o.spec.implicit)
         if others + n > self.pool.engine_cells:
             raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells cannot "
                              f"hold {n} more committed tokens ({others} committed elsewhere)")
 
     def make(self, s: Session, target: Sequence[int]) -> None:
         """On the worker: free cells for `s`'s KV to hold `target`."""
-        self.pool.make_room(s.id, target, self._committed_len, self.scheduler.reserve,
-                            self.scheduler.release)
+        self.pool.make_room(s.id, target, (self._committed_len, self._kept_len),
+                            self.scheduler.reserve, self.scheduler.release)
 
     def _committed_len(self, sid: str) -> int:
         s = self.sessions.find(sid)
         return len(s.snap.tokens) if s is not None else 0
+
+    def _kept_len(self, sid: str) -> int:
+        """What is never cropped: committed tokens, but nothing of an implicit session's
+        (a later request re-prefills it if it must)."""
+        s = self.sessions.find(sid)
+        return len(s.snap.tokens) if s is not None and not s.spec.implicit else 0

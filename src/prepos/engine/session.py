@@ -75,6 +75,9 @@ class SessionSpec:
     # wildcard; when given, only these are served relaxed) and this session's risk budget
     relaxed_queries: tuple[str, ...] = ()
     r_max: float | None = None  # None: the engine's
+    # a stateless client's conversation kept as a cache (the server's implicit sessions): its
+    # client resends it whole, so its KV counts for no budget and may be reclaimed whole
+    implicit: bool = False
 
     def validate(self) -> None:
         if self.kind not in KINDS:

@@ -165,6 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-origins", default="",
                    help="CORS: comma-separated browser origins allowed to call the API "
                    "('*' for any; default: none, no CORS headers)")
+    p.add_argument("--implicit-sessions", type=int, default=ServerConfig.implicit_sessions,
+                   help="stateless chat conversations kept as implicit sessions, so a stock "
+                   "client's next turn pays only its new messages (0: none; default "
+                   "%(default)s)")
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a client may take to send one whole request (headers and "
                    "body); slower ones are closed (default %(default)s)")
@@ -179,7 +183,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from prepos.server.auth import load_keys
 
-    for flag in ("lookup_tokens", "lookup_said_tokens"):
+    for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
@@ -208,7 +212,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model=args.model, engine=engine, journal=journal,
                         api_keys=load_keys(args.api_key, args.api_keys_file),
                         served_model_name=args.served_model_name, limits=limits,
-                        allowed_origins=origins, request_timeout=args.request_timeout)
+                        allowed_origins=origins, request_timeout=args.request_timeout,
+                        implicit_sessions=args.implicit_sessions)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Which engine calls answer an OpenAI request, once its input is checked.
 
-Chat: stateless (an ephemeral agentic session with the request's tools, closed after the
-answer), a streaming session's query (one user message), or an agentic session's turn:
+Chat: stateless (one choice on the implicit session the conversation extends, or a new one
+kept for its next turn, `server/implicit.py`; several choices, a continued assistant message
+or a forced tool call on ephemeral sessions closed after the answer), a streaming session's
+query (one user message), or an agentic session's turn:
 the conversation is matched against the session's (`prepos.chat.conversation`), only the delta
 is committed, and an empty delta after a committed user or tool message is the exact fast
 path. Completions: a streaming session's query, or a raw completion on an ephemeral session.
@@ -100,6 +102,8 @@ class ChatCall:
         if continued or self.choice not in ("auto", "none"):
             return await self._continue(eng, owner, msgs, tools)
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
+        if self.n == 1 and self.state.implicit.capacity:
+            return await self.implicit(eng, owner, system, msgs, tools)
         self.state.backpressure(eng)
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)
         sids, streams = [], []
@@ -119,6 +123,23 @@ class ChatCall:
             raise
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
                                    cleanup=lambda: self._close_all(streams, sids))
+
+    async def implicit(self, eng, owner, system: str | None, msgs: list[dict],
+                       tools: list[dict]) -> Response:
+        """A stateless conversation on the implicit session it extends, or on a new one kept
+        for its next turn (`server/implicit.py`): the delta only, as on a named session."""
+        state = self.state
+        sid = state.implicit.find(eng, owner, tools, msgs)
+        if sid is None:
+            spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None,
+                               owner=owner, implicit=True)
+            sid = await state.run(state.new_ephemeral, eng, spec)
+        try:
+            return await self.agentic(eng, eng.session(sid), msgs, public=False,
+                                      cleanup=lambda stream: state.release_after(stream, sid))
+        except BaseException:
+            state.implicit.release(sid)
+            raise
 
     def _close_all(self, streams, sids) -> None:
         for stream, sid in zip(streams, sids):
@@ -218,8 +239,10 @@ class ChatCall:
                        "'auto' or 'none' (the session commits the answer as generated); "
                        "'required' and named functions work statelessly", "tool_choice")
 
-    async def agentic(self, eng, s, msgs: list[dict]) -> Response:
-        """Delta-only: commit what the session lacks, then answer."""
+    async def agentic(self, eng, s, msgs: list[dict], public: bool = True,
+                      cleanup=None) -> Response:
+        """Delta-only: commit what the session lacks, then answer. `public`: the answer
+        names the session (not an implicit one); `cleanup(stream)` runs once it is out."""
         self.sampling = sampling = self._session_sampling(eng, s)
         snap = eng.snapshot(s.id)
         rollback = self.body.on_divergence == "rollback"
@@ -233,8 +256,9 @@ class ChatCall:
                 self.state.will_be_fast(eng, s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
                 or self.body.stream and eng.serves_exact(s.id, TURN, req.fast_path)):
-            return await self._respond([eng.turn(s.id, None, req)], s.id, agentic=True,
-                                       tools=tools)
+            stream = eng.turn(s.id, None, req)
+            return await self._respond([stream], s.id if public else None, agentic=True,
+                                       tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))
         self.state.backpressure(eng)
 
         def start():
@@ -254,7 +278,8 @@ class ChatCall:
             return eng.turn(s.id, last["content"], req)
 
         stream = await self.state.run(start)
-        return await self._respond([stream], s.id, agentic=True, tools=tools)
+        return await self._respond([stream], s.id if public else None, agentic=True,
+                                   tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))
 
     def _check_fits(self, eng, s, msgs: list[dict]) -> None:
         """A multi-message delta is committed message by message: check the whole of it

@@ -101,7 +101,7 @@ async def create_session(request: Request):
         if state.journal is not None:
             state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
         try:
-            await state.run(eng.restore_session, sid, spec)
+            await state.run(state.with_room, lambda: eng.restore_session(sid, spec))
         except BaseException:
             state.hub.push_tokens.pop(sid, None)
             if state.journal is not None:

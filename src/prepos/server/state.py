@@ -25,9 +25,10 @@ from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.engine import Engine
 from prepos.engine.session import Session, SessionSpec
-from prepos.errors import PreposError, SessionNotFound
+from prepos.errors import PreposError, SessionNotFound, TooManySessions
 from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
+from prepos.server.implicit import ImplicitSessions
 from prepos.server.journal import EPHEMERAL, Journal, is_ephemeral
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
@@ -35,6 +36,7 @@ from prepos.server.sse import Hub, disconnected
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 INLINE_BYTES = 16384  # text or bodies up to this size are handled on the event loop
 
 
@@ -50,6 +52,7 @@ class ServerConfig:
     cpu_threads: int = 2  # threads that tokenize and parse large inputs off the event loop
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
+    implicit_sessions: int = 64  # stateless conversations kept as sessions (0: none)
 
 
 @dataclass
@@ -87,7 +90,10 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.restored = 0
-        self.ephemeral = 0  # live sessions made for one stateless request
+        self.ephemeral = 0  # live sessions made for stateless requests, implicit ones too
+        self.implicit = ImplicitSessions(config.implicit_sessions, self.close_ephemeral,
+                                         lambda outcome: self.metrics.implicit.labels(
+                                             outcome).inc())
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -339,11 +345,38 @@ class ServerState:
 
     def new_ephemeral(self, engine: Engine, spec: SessionSpec,
                       history=()) -> str:
-        """A session for one stateless request: never journalled, never listed."""
+        """A session for one stateless request (or kept as an implicit one, `spec.implicit`):
+        never journalled, never listed."""
         sid = f"{EPHEMERAL}{engine.new_session_id()}"
-        engine.restore_session(sid, spec, history)
+        self.with_room(lambda: engine.restore_session(sid, spec, history))
         self.ephemeral += 1
+        if spec.implicit:
+            self.implicit.keep(sid, spec.owner)
         return sid
+
+    def with_room(self, create: Callable[[], T]) -> T:
+        """`create()` a session, closing kept implicit sessions while the engine is full."""
+        while True:
+            try:
+                return create()
+            except TooManySessions:
+                if not self.implicit.evict_one():
+                    raise
+
+    def release_after(self, stream: Stream, sid: str) -> None:
+        """Free an implicit session for the next request once its answer has finished."""
+        if stream.done:
+            self.implicit.release(sid)
+            return
+
+        async def wait_then_release():
+            try:
+                await self.run(stream.result)
+            except Exception as exc:  # the request's own error, already reported to it
+                log.debug("implicit session %s ended with %s", sid, exc)
+            self.implicit.release(sid)
+
+        asyncio.ensure_future(wait_then_release())
 
     def start_ephemeral(self, engine: Engine, spec: SessionSpec,
                         start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
@@ -375,6 +408,7 @@ class ServerState:
         eng = self.loaded
         if eng is None:
             return
+        self.implicit.forget(sid)
         try:
             eng.close_session(sid)
         except PreposError:

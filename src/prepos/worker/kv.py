@@ -202,21 +202,25 @@ class KVPool:
     def fits(self, sid: str, target: Sequence[int]) -> bool:
         return self.used + self.extra_cells(sid, target) <= self.engine_cells
 
-    def make_room(self, sid: str, target: Sequence[int], committed: Callable[[str], int],
+    def make_room(self, sid: str, target: Sequence[int],
+                  passes: Sequence[Callable[[str], int]],
                   reserve: Callable[[str], bool] = lambda key: True,
                   release: Callable[[str], None] = lambda key: None) -> None:
-        """For a foreground request: crop other sessions' speculative cells (pre-positioned
-        entries, past answers) back to their committed length. Live state is never
-        evicted; if that is not enough the request is refused."""
+        """For a foreground request: crop other sessions' caches to the length each pass
+        keeps of them (`passes`: first their committed length, dropping the speculative cells,
+        pre-positioned entries and past answers; then less where the owner allows), until
+        `target` fits. What the last pass keeps is never evicted; if that is not enough the
+        request is refused."""
         if self.fits(sid, target):
             return
-        for other, kv in list(self._kv.items()):
-            if other != sid and reserve(other):  # never touch a cache another task is using
-                try:
-                    kv.crop(min(len(kv), committed(other)))
-                finally:
-                    release(other)
-            if self.fits(sid, target):
-                return
+        for keep in passes:
+            for other, kv in list(self._kv.items()):
+                if other != sid and reserve(other):  # never touch a cache a task is using
+                    try:
+                        kv.crop(min(len(kv), keep(other)))
+                    finally:
+                        release(other)
+                if self.fits(sid, target):
+                    return
         raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells is full "
                          f"({self.used} in use by committed session state)")

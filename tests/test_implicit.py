@@ -1,0 +1,148 @@
+"""Implicit sessions: a stock OpenAI client that resends its whole conversation and names no
+session pays, from its second turn on, only its new messages (the rest is found in the KV
+of the implicit session its previous turn left), never across API keys, within a bounded
+number of kept conversations. Through the real server with the OpenAI SDK, on the chatml
+tiny model; API behaviour, not the model's wording."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_harness import ServerProc
+
+SYSTEM = "You are a terse market assistant. " * 4
+KEYS = ("key-a", "key-b")
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, tmp_path_factory):
+    args = ("--implicit-sessions", "2", *(a for k in KEYS for a in ("--api-key", k)))
+    with ServerProc(model_dirs["chatml"], tmp_path_factory.mktemp("srv-implicit"),
+                    *args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def model(model_dirs):
+    return model_dirs["chatml"].name
+
+
+def client(server, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def implicit_counts(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("prepos:implicit_sessions_total{"):
+            outcome = line.split('outcome="')[1].split('"')[0]
+            out[outcome] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def turn(c, model, msgs, **kw):
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=6, **kw)
+    msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    return r
+
+
+def cached(r) -> int:
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_each_turn_after_the_first_finds_the_previous_turns_prompt_cached(server, model):
+    c = client(server)
+    msgs = [{"role": "system", "content": SYSTEM}]
+    prompts, cache = [], []
+    for i in range(4):
+        msgs.append({"role": "user", "content": f"What about item {i}?"})
+        r = turn(c, model, msgs)
+        prompts.append(r.usage.prompt_tokens)
+        cache.append(cached(r))
+        assert r.model_extra["prepos"]["session_id"] is None  # nothing a client could name
+    for i in range(1, 4):  # the previous prompt is a prefix of this one, and it was kept
+        assert prompts[i - 1] <= cache[i] < prompts[i]
+    # streamed, the same: cached_tokens in the final usage chunk
+    msgs.append({"role": "user", "content": "And streamed?"})
+    chunks = list(c.chat.completions.create(model=model, messages=msgs, max_tokens=4,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    assert cached(chunks[-1]) >= prompts[-1]
+
+
+def test_a_conversation_is_never_continued_for_another_key(server, model):
+    msgs = [{"role": "system", "content": SYSTEM + "Keys."},
+            {"role": "user", "content": "First question?"}]
+    turn(client(server, KEYS[0]), model, msgs)
+    msgs.append({"role": "user", "content": "Second question?"})
+    before = implicit_counts(server)
+    other = client(server, KEYS[1]).chat.completions.create(model=model, messages=msgs,
+                                                            max_tokens=4)
+    after = implicit_counts(server)
+    assert after.get("continued", 0) == before.get("continued", 0)
+    assert after["started"] == before["started"] + 1
+    mine = client(server, KEYS[0]).chat.completions.create(model=model, messages=msgs,
+                                                           max_tokens=4)
+    assert cached(mine) > cached(other)  # the key's own conversation, found
+
+
+def test_a_diverging_conversation_starts_anew_and_is_answered(server, model):
+    c = client(server)
+    msgs = [{"role": "system", "content": SYSTEM + "Diverge."},
+            {"role": "user", "content": "One?"}]
+    turn(c, model, msgs)
+    edited = [msgs[0], {"role": "user", "content": "Another first question?"},
+              {"role": "assistant", "content": "something else"},
+              {"role": "user", "content": "Two?"}]
+    r = c.chat.completions.create(model=model, messages=edited, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_kept_conversations_are_bounded_least_recently_used_first(server, model):
+    c = client(server)
+    convs = []
+    for i in range(3):  # the server keeps 2
+        msgs = [{"role": "system", "content": SYSTEM + f"Bound {i}."},
+                {"role": "user", "content": "Hello?"}]
+        turn(c, model, msgs)
+        convs.append(msgs)
+    assert implicit_counts(server)["evicted"] >= 1
+    for msgs in convs:
+        msgs.append({"role": "user", "content": "Again?"})
+    newest = c.chat.completions.create(model=model, messages=convs[2], max_tokens=4)
+    oldest = c.chat.completions.create(model=model, messages=convs[0], max_tokens=4)
+    assert cached(newest) > 0
+    assert cached(oldest) < cached(newest)  # evicted: answered, its prompt prefilled again
+
+
+def test_a_tool_loop_through_stateless_requests_is_continued(server, model):
+    c = client(server)
+    tools = [{"type": "function", "function": {
+        "name": "price", "description": "a ticker's price",
+        "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}},
+                       "required": ["ticker"]}}}]
+    msgs = [{"role": "system", "content": SYSTEM + "Tools."},
+            {"role": "user", "content": "Price of ACME?"}]
+    first = c.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=4)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content or "",
+              "tool_calls": [{"id": "call_1", "type": "function",
+                              "function": {"name": "price",
+                                           "arguments": '{"ticker": "ACME"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "41.5"}]
+    second = c.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=4)
+    msgs += [{"role": "assistant", "content": second.choices[0].message.content or ""},
+             {"role": "user", "content": "And now?"}]
+    third = c.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=4)
+    assert cached(third) >= second.usage.prompt_tokens
+
+
+def test_without_implicit_sessions_nothing_is_kept(model_dirs, tmp_path):
+    with ServerProc(model_dirs["chatml"], tmp_path, "--implicit-sessions", "0") as srv:
+        c, model = client(srv), model_dirs["chatml"].name
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi?"}]
+        turn(c, model, msgs)
+        msgs.append({"role": "user", "content": "Again?"})
+        assert cached(c.chat.completions.create(model=model, messages=msgs,
+                                                max_tokens=4)) == 0
