@@ -103,6 +103,8 @@ class Backend(abc.ABC):
     # True where `extend`/`extend_batch` return the logits at every new position on request
     # (`all_logits`), so a greedy answer can verify drafted tokens in one forward
     verifies_drafts: bool = False
+    # True where `copy_prefix` works: one KV's prefix taken into another (a shared prefix)
+    shares_prefixes: bool = False
 
     @abc.abstractmethod
     def new_kv(self, key: str | None = None) -> Any:
@@ -137,6 +139,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def crop(self, kv: Any, length: int) -> None:
         """Drop every cached position at index >= length."""
+
+    def copy_prefix(self, src: Any, dst: Any, length: int) -> None:
+        """Back ends with `shares_prefixes`: make `dst` hold the first `length` positions
+        `src` holds, exactly as `src` holds them (what `dst` held is dropped)."""
+        raise NotImplementedError(f"the {self.name} back end does not share prefixes")
 
     def release(self, kv: Any) -> None:
         """Free what the handle holds. Default: nothing to free."""

@@ -38,5 +38,12 @@ class CacheAdapter:
                 # negative: tokens to remove from the end; older releases: the absolute size
                 layer.crop(length - current if self.crop_removes else length)
 
+    def copy_prefix(self, src: DynamicCache, dst: DynamicCache, length: int) -> None:
+        """`dst` holds the first `length` positions of `src` (copies of its tensors)."""
+        self.crop(dst, 0)
+        for i, layer in enumerate(src.layers):
+            dst.update(layer.keys[..., :length, :].clone(),
+                       layer.values[..., :length, :].clone(), i)
+
     def forward_kwargs(self, cache: Any) -> dict:
         return {self.kwarg: cache, "use_cache": True}

@@ -80,6 +80,7 @@ class LlamaCppBackend(Backend):
     name = "llama.cpp"
     full_distribution = True
     verifies_drafts = True  # a step's every token can carry the batch's logits flag
+    shares_prefixes = True  # a prefix's cells shared with another sequence (llama_memory_seq_cp)
 
     def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
                  n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05,
@@ -160,6 +161,17 @@ class LlamaCppBackend(Backend):
     def crop(self, kv: SeqKV, length: int) -> None:
         if not _ll.llama_memory_seq_rm(self.mem, kv.seq, length, -1):
             raise LlamaCppError(f"llama.cpp could not crop sequence {kv.seq} to {length}")
+
+    def copy_prefix(self, src: SeqKV, dst: SeqKV, length: int) -> None:
+        """Unified: `dst` joins the cells of `src`'s first `length` positions (shared, not
+        copied). Streams: `src`'s stream is copied into `dst`'s (at the next decode), then
+        cropped to `length`."""
+        _ll.llama_memory_seq_rm(self.mem, dst.seq, -1, -1)
+        if self.kv_layout == "unified":
+            _ll.llama_memory_seq_cp(self.mem, src.seq, dst.seq, 0, length)
+        else:  # across streams llama.cpp copies a whole sequence only
+            _ll.llama_memory_seq_cp(self.mem, src.seq, dst.seq, -1, -1)
+            _ll.llama_memory_seq_rm(self.mem, dst.seq, length, -1)
 
     def extend(self, kv: SeqKV, past: Sequence[int], tokens: Sequence[int],
                all_logits: bool = False) -> torch.Tensor:

@@ -18,6 +18,7 @@ class TorchBackend(Backend):
     name = "torch"
     full_distribution = True
     verifies_drafts = True  # the model returns the logits at every position it ran
+    shares_prefixes = True  # a prefix's keys and values copied from another session's cache
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu"):
         self.model = model.eval()
@@ -60,6 +61,9 @@ class TorchBackend(Backend):
 
     def crop(self, kv: Any, length: int) -> None:
         self.cache.crop(kv, length)
+
+    def copy_prefix(self, src: Any, dst: Any, length: int) -> None:
+        self.cache.copy_prefix(src, dst, length)
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | tuple:

@@ -111,6 +111,7 @@ class Engine:
             for i, m in enumerate(messages):
                 self.fmt.check_text(json.dumps(m), f"messages[{i}]")
         c = self.config
+        self.pool.claim(sid, spec.owner)
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
                     c.reserve_tokens, history, admit=self.room.admit,
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
@@ -232,6 +233,7 @@ class Engine:
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
             self.room.make(s, snap.tokens)
+            kv.reuse(snap.tokens)
             yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
@@ -395,6 +397,7 @@ class Engine:
             "paths": dict(self.paths),
             "sessions": len(self.sessions),
             "kv_cells_used": self.pool.used,
+            "prefix_reuse": {"hits": self.pool.index.hits, "tokens": self.pool.index.tokens},
             "kv_cells_budget": self.pool.engine_cells,
             "queue_foreground": fg,
             "queue_idle": idle,

@@ -154,6 +154,12 @@ class _EngineCollector:
                                 m["kv_cells_used"])
         yield GaugeMetricFamily("prepos:kv_cells_budget", "The engine's KV cell budget",
                                 m["kv_cells_budget"])
+        fam = CounterMetricFamily("prepos:kv_prefix_reuse", "KVs that started from the "
+                                  "longest prefix another KV of their key held (hits), and "
+                                  "the tokens they did not prefill for it", labels=["what"])
+        fam.add_metric(["hits"], m["prefix_reuse"]["hits"])
+        fam.add_metric(["tokens"], m["prefix_reuse"]["tokens"])
+        yield fam
         q = GaugeMetricFamily("prepos:queue_length", "Tasks queued on the model worker",
                               labels=["queue"])
         q.add_metric(["foreground"], m["queue_foreground"])

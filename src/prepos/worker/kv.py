@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from prepos.backends.base import Backend, Dist, Logits
 from prepos.errors import OverBudget
+from prepos.worker.prefix import BLOCK, PrefixIndex, chain
 
 
 @dataclass
@@ -70,13 +71,18 @@ class Forward:
 
 
 class KVSequence:
-    """A KV cache and the exact token sequence it holds."""
+    """A KV cache and the exact token sequence it holds, indexed by its blocks (`index`,
+    within its `scope`) so other KVs can start from its prefix."""
 
     def __init__(self, backend: Backend, key: str | None = None,
-                 on_size: Callable[[int], None] | None = None):
+                 on_size: Callable[[int], None] | None = None, scope: str | None = None,
+                 index: PrefixIndex | None = None):
         self.backend = backend
         self.handle = backend.new_kv(key)
         self.tokens: list[int] = []
+        self.scope = scope
+        self.index = index if backend.shares_prefixes else None
+        self.hashes: list[int] = []  # the chain hash of each full block of `tokens`
         self._on_size = on_size or (lambda delta: None)
 
     def __len__(self) -> int:
@@ -98,6 +104,27 @@ class KVSequence:
             self.backend.crop(self.handle, length)
             self._on_size(length - len(self.tokens))
             del self.tokens[length:]
+            self._unindex(length // BLOCK)
+
+    def reuse(self, target: Sequence[int]) -> int:
+        """Start from the longest prefix of `target` another KV of this scope holds, where
+        it is longer than this one's own (the back end shares or copies it); returns the
+        tokens gained. Tasks call it before a prefill."""
+        if self.index is None or len(target) - len(self.tokens) < BLOCK:
+            return 0
+        donor, n = self.index.longest(self, target)
+        if donor is None:
+            return 0
+        gained = n - self.common_prefix(target)
+        self.backend.copy_prefix(donor.handle, self.handle, n)
+        self._on_size(n - len(self.tokens))
+        self.tokens = donor.tokens[:n]
+        self._unindex(0)
+        self.hashes = donor.hashes[:n // BLOCK]
+        self.index.add(self, self.hashes)
+        self.index.hits += 1
+        self.index.tokens += gained
+        return gained
 
     def advance(self, target: Sequence[int], max_tokens: int | None = None) -> Advance:
         """Run one forward alone (see `run_forwards`)."""
@@ -106,6 +133,17 @@ class KVSequence:
     def _grow(self, chunk: Sequence[int]) -> None:
         self.tokens.extend(chunk)
         self._on_size(len(chunk))
+        if self.index is not None and len(self.tokens) >= (len(self.hashes) + 1) * BLOCK:
+            new = chain(self.scope, self.tokens, len(self.hashes), self.hashes,
+                        len(self.tokens) // BLOCK)
+            self.hashes += new
+            self.index.add(self, new)
+
+    def _unindex(self, blocks: int) -> None:
+        """Forget the blocks from `blocks` on (they are no longer held whole)."""
+        if self.index is not None and len(self.hashes) > blocks:
+            self.index.remove(self, self.hashes[blocks:])
+            del self.hashes[blocks:]
 
     def stream(self, target: Sequence[int], sampling, max_tokens: int,
                stop_ids: frozenset[int]) -> Iterator[tuple[int, Dist | None]]:
@@ -129,6 +167,7 @@ class KVSequence:
         self.backend.release(self.handle)
         self._on_size(-len(self.tokens))
         self.tokens = []
+        self._unindex(0)
 
 
 def run_forwards(backend: Backend, forwards: Sequence[Forward],
@@ -165,9 +204,15 @@ class KVPool:
     def __init__(self, backend: Backend, engine_cells: int):
         self.backend = backend
         self.engine_cells = engine_cells
+        self.index = PrefixIndex()
         self._kv: dict[str, KVSequence] = {}
+        self._scopes: dict[str, str | None] = {}  # a session's owner: its KVs' scope
         self._used = 0
         self._lock = threading.Lock()
+
+    def claim(self, sid: str, scope: str | None) -> None:
+        """The scope of `sid`'s KV (its owner): prefixes are shared within a scope only."""
+        self._scopes[sid] = scope
 
     def _resize(self, delta: int) -> None:
         with self._lock:
@@ -176,13 +221,15 @@ class KVPool:
     def get(self, sid: str) -> KVSequence:
         kv = self._kv.get(sid)
         if kv is None:
-            kv = self._kv[sid] = KVSequence(self.backend, key=sid, on_size=self._resize)
+            kv = self._kv[sid] = KVSequence(self.backend, sid, self._resize,
+                                            self._scopes.get(sid), self.index)
         return kv
 
     def find(self, sid: str) -> KVSequence | None:
         return self._kv.get(sid)
 
     def drop(self, sid: str) -> None:
+        self._scopes.pop(sid, None)
         kv = self._kv.pop(sid, None)
         if kv is not None:
             kv.release()
