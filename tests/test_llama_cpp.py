@@ -203,28 +203,38 @@ def test_more_sessions_than_sequences_is_refused_not_evicted(backend):
     backend.release(backend.new_kv())  # released sequences are reused
 
 
-def test_the_server_admits_no_more_sessions_than_the_back_end_holds(model_dirs):
-    """A back end that holds 8 sessions' KV: the server admits 7 persistent sessions (429
-    after, the state unchanged) and keeps the eighth for stateless requests."""
+def test_the_server_serves_more_sessions_than_the_back_end_holds(model_dirs):
+    """A back end that holds 8 sessions' KV at once: the server admits its own limit of 20
+    persistent sessions (429 after, nothing changed), answers a query on every one (their
+    KV moving down a tier and back), and still answers stateless requests."""
     from fastapi.testclient import TestClient
 
     from prepos.server.app import create_app
+    from prepos.server.limits import Limits
     from prepos.server.state import ServerConfig
 
     cfg = EngineConfig(backend="llama.cpp", max_sequences=8, threads=2,
                        gate=GateConfig(tau=0.0, answers=()))
-    app = create_app(ServerConfig(model=model_dirs["chatml"], engine=cfg))
+    app = create_app(ServerConfig(model=model_dirs["chatml"], engine=cfg,
+                                  limits=Limits(max_sessions=20)))
     with TestClient(app) as client:
         for _ in range(600):
             if client.get("/health").status_code == 200:
                 break
             threading.Event().wait(0.1)
-        codes = [client.post("/sessions", json={"kind": "streaming"}).status_code
-                 for _ in range(8)]
-        assert codes == [201] * 7 + [429]
-        refused = client.post("/sessions", json={"kind": "streaming"}).json()
-        assert refused["error"]["code"] == "too_many_sessions"
-        assert len(client.get("/sessions").json()["data"]) == 7
+        made = [client.post("/sessions", json={"kind": "streaming"}) for _ in range(21)]
+        assert [r.status_code for r in made] == [201] * 20 + [429]
+        assert made[-1].json()["error"]["code"] == "too_many_sessions"
+        sids = [r.json()["id"] for r in made[:20]]
+        for i, sid in enumerate(sids):
+            assert client.post(f"/sessions/{sid}/append",
+                               json={"data": f"ACME {i} {i + 1}"}).status_code == 200
+        for sid in sids:
+            r = client.post(f"/sessions/{sid}/query", json={"question": "Up?", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        tiers = [client.get(f"/sessions/{sid}").json()["kv"] for sid in sids]
+        assert tiers.count("resident") <= 8 and set(tiers) <= {"resident", "ram", "disk"}
+        assert len(client.get("/sessions").json()["data"]) == 20
         model = client.get("/v1/models").json()["data"][0]["id"]
         r = client.post("/v1/chat/completions", json={
             "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})

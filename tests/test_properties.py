@@ -3,7 +3,8 @@ pre-positions (racing with mutations: chunks of 2 tokens, idle work not awaited)
 
 (a) an exact-match fast-path answer under greedy decoding equals a cold forward;
 (b) no answer is served from a ready record whose version differs from the session's;
-(c) budget skips never evict committed state.
+(c) budget skips never evict committed state;
+across KVs moved down to the RAM tier and brought back at any point between the others.
 """
 
 import pytest
@@ -151,6 +152,20 @@ def run_machine(engine):
             assert res.path in (AnswerPath.FALL, AnswerPath.COLD) and res.version == version
             assert greedy_agrees(self.eng, committed + entry, res.tokens[0])
 
+        @rule(which=st.sampled_from(["stream", "agent", "tight"]))
+        def spill(self, which):
+            """The session's KV moves down to the RAM tier, at any point (between the chunks
+            of a pre-position too); its next forward brings it back."""
+            sid, pool = getattr(self, which), self.eng.pool
+
+            def move():
+                kv = pool.find(sid)
+                if kv is not None and kv.handle is not None:
+                    pool._spill(kv)
+                yield
+
+            self.eng._call(move(), key=sid)
+
         # -- (c) -----------------------------------------------------------------------
         @invariant()
         def committed_state_never_evicted(self):
@@ -178,3 +193,5 @@ def test_interleavings_keep_the_invariants(engine):
     # mutations raced pre-positions: caught in flight (discarded) or before they started
     assert counters.discarded + counters.superseded > 0
     assert counters.skipped > 0 and counters.invalidated > 0
+    # KVs moved down and came back between the other steps
+    assert engine.pool.counts["spills"] > 0 and engine.pool.counts["restores"] > 0

@@ -25,6 +25,28 @@ def default_threads() -> int:
     return max(1, len(cores))
 
 
+def default_kv_ram() -> int:
+    """The host-RAM tier by default: a quarter of the machine's memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The KV tiers below resident (`prepos.worker.tiers`): host RAM, then a bounded
+    directory on disk, then recompute from the session's committed tokens."""
+
+    ram_bytes: int = field(default_factory=default_kv_ram)
+    disk_bytes: int = 16 << 30
+    disk_dir: Path | None = None  # None: the system's temporary directory
+
+    def __post_init__(self) -> None:
+        if self.ram_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("KV tier sizes must be >= 0")
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """Algorithm 2 / Eq. 12: fire iff gap > tau and argmax in the fast-answer set.
@@ -104,6 +126,9 @@ class EngineConfig:
     # llama.cpp: "unified" (one pool: a session may use all of it, every step scans every
     # session's cells) or "streams" (kv_cells / max_sequences per session, scanned alone)
     kv_layout: str = "unified"
+    tiers: TierConfig = field(default_factory=TierConfig)
+    # sessions at most, on back ends whose KV moves down tiers (others: what they hold)
+    max_sessions: int = 1_000_000
     workers: int = 1  # model-worker threads: 1 in process; more for remote back ends
     idle_workers: int | None = None  # at most this many idle steps at once (default: workers)
     # back ends that return top-k logprobs only (remote engines): allow temperature sampling

@@ -105,6 +105,8 @@ class Backend(abc.ABC):
     verifies_drafts: bool = False
     # True where `copy_prefix` works: one KV's prefix taken into another (a shared prefix)
     shares_prefixes: bool = False
+    # True where `save`/`load` work: a KV's state moved out of the back end and back
+    holds_tiers: bool = False
 
     @abc.abstractmethod
     def new_kv(self, key: str | None = None) -> Any:
@@ -140,10 +142,22 @@ class Backend(abc.ABC):
     def crop(self, kv: Any, length: int) -> None:
         """Drop every cached position at index >= length."""
 
+    def free_handles(self) -> int | None:
+        """How many more KV handles `new_kv` can give now (None: no bound)."""
+        return None
+
     def copy_prefix(self, src: Any, dst: Any, length: int) -> None:
         """Back ends with `shares_prefixes`: make `dst` hold the first `length` positions
         `src` holds, exactly as `src` holds them (what `dst` held is dropped)."""
         raise NotImplementedError(f"the {self.name} back end does not share prefixes")
+
+    def save(self, kv: Any) -> bytes:
+        """Back ends with `holds_tiers`: the state `kv` holds, as bytes `load` takes."""
+        raise NotImplementedError(f"the {self.name} back end keeps its KV itself")
+
+    def load(self, data: bytes, key: str | None = None) -> Any | None:
+        """A new handle holding the state `save` gave (None where it cannot be loaded)."""
+        raise NotImplementedError(f"the {self.name} back end keeps its KV itself")
 
     def release(self, kv: Any) -> None:
         """Free what the handle holds. Default: nothing to free."""

@@ -5,6 +5,7 @@ the forward keyword (`past_key_values` before, `cache` after) and `Cache.crop`'s
 from __future__ import annotations
 
 import inspect
+import io
 from typing import Any
 
 import torch
@@ -44,6 +45,19 @@ class CacheAdapter:
         for i, layer in enumerate(src.layers):
             dst.update(layer.keys[..., :length, :].clone(),
                        layer.values[..., :length, :].clone(), i)
+
+    def save(self, cache: DynamicCache) -> bytes:
+        """Every layer's keys and values, serialized."""
+        out = io.BytesIO()
+        torch.save([(layer.keys, layer.values) for layer in cache.layers
+                    if getattr(layer, "keys", None) is not None], out)
+        return out.getvalue()
+
+    def load(self, data: bytes) -> DynamicCache:
+        cache = self.new()
+        for i, (keys, values) in enumerate(torch.load(io.BytesIO(data))):
+            cache.update(keys, values, i)
+        return cache
 
     def forward_kwargs(self, cache: Any) -> dict:
         return {self.kwarg: cache, "use_cache": True}

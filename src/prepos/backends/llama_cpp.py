@@ -81,6 +81,7 @@ class LlamaCppBackend(Backend):
     full_distribution = True
     verifies_drafts = True  # a step's every token can carry the batch's logits flag
     shares_prefixes = True  # a prefix's cells shared with another sequence (llama_memory_seq_cp)
+    holds_tiers = True  # a sequence's state saved and loaded (llama_state_seq_*)
 
     def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
                  n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05,
@@ -151,6 +152,9 @@ class LlamaCppBackend(Backend):
                                       f"{self.n_seq} sessions at once")
             return SeqKV(heapq.heappop(self._free))
 
+    def free_handles(self) -> int:
+        return len(self._free)
+
     def release(self, kv: SeqKV) -> None:
         if self._closed:
             return
@@ -172,6 +176,20 @@ class LlamaCppBackend(Backend):
         else:  # across streams llama.cpp copies a whole sequence only
             _ll.llama_memory_seq_cp(self.mem, src.seq, dst.seq, -1, -1)
             _ll.llama_memory_seq_rm(self.mem, dst.seq, length, -1)
+
+    def save(self, kv: SeqKV) -> bytes:
+        size = _ll.llama_state_seq_get_size(self.ctx, kv.seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = _ll.llama_state_seq_get_data(self.ctx, buf, size, kv.seq)
+        return bytes(buf)[:written]
+
+    def load(self, data: bytes, key: str | None = None) -> SeqKV | None:
+        kv = self.new_kv(key)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not _ll.llama_state_seq_set_data(self.ctx, buf, len(data), kv.seq):
+            self.release(kv)
+            return None
+        return kv
 
     def extend(self, kv: SeqKV, past: Sequence[int], tokens: Sequence[int],
                all_logits: bool = False) -> torch.Tensor:

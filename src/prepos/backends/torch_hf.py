@@ -19,6 +19,7 @@ class TorchBackend(Backend):
     full_distribution = True
     verifies_drafts = True  # the model returns the logits at every position it ran
     shares_prefixes = True  # a prefix's keys and values copied from another session's cache
+    holds_tiers = True  # a cache's tensors saved as bytes and loaded into a new one
 
     def __init__(self, model: torch.nn.Module, device: str = "cpu"):
         self.model = model.eval()
@@ -64,6 +65,12 @@ class TorchBackend(Backend):
 
     def copy_prefix(self, src: Any, dst: Any, length: int) -> None:
         self.cache.copy_prefix(src, dst, length)
+
+    def save(self, kv: Any) -> bytes:
+        return self.cache.save(kv)
+
+    def load(self, data: bytes, key: str | None = None) -> Any:
+        return self.cache.load(data)
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | tuple:

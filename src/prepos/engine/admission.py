@@ -13,7 +13,6 @@ from prepos.core import Request, SamplingParams
 from prepos.engine.session import Session, SessionStore
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
-from prepos.worker.scheduler import Scheduler
 
 
 def check_request(req: Request, backend: Backend, topk_sampling: bool) -> SamplingParams:
@@ -71,9 +70,9 @@ class Room:
     the pool before it runs (`make`)."""
 
     def __init__(self, max_context: int, session_cells: int, pool: KVPool,
-                 sessions: SessionStore, scheduler: Scheduler):
+                 sessions: SessionStore):
         self.max_context, self.session_cells = max_context, session_cells
-        self.pool, self.sessions, self.scheduler = pool, sessions, scheduler
+        self.pool, self.sessions = pool, sessions
 
     def check(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
         check_room(prompt_len, sampling, self.max_context, s.budget(self.session_cells))
@@ -83,6 +82,11 @@ class Room:
         implicit session's counts for nothing: its KV is reclaimable whole)."""
         if s.spec.implicit:
             return
+        if self.pool.tiers is not None:  # the others' KV can move down: this one must fit
+            if n > self.pool.engine_cells:
+                raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells "
+                                 f"cannot hold a session of {n} tokens")
+            return
         others = sum(len(o.snap.tokens) for o in self.sessions.all()
                      if o is not s and not o.spec.implicit)
         if others + n > self.pool.engine_cells:
@@ -91,8 +95,7 @@ class Room:
 
     def make(self, s: Session, target: Sequence[int]) -> None:
         """On the worker: free cells for `s`'s KV to hold `target`."""
-        self.pool.make_room(s.id, target, (self._committed_len, self._kept_len),
-                            self.scheduler.reserve, self.scheduler.release)
+        self.pool.make_room(s.id, target, (self._committed_len, self._kept_len))
 
     def _committed_len(self, sid: str) -> int:
         s = self.sessions.find(sid)

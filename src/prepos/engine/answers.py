@@ -146,7 +146,6 @@ class Answers:
                 kept = kv.common_prefix(seq)
                 step = None
             else:
-                kv.reuse(seq)  # the longest prefix any KV of its scope holds
                 step = yield Forward(kv, seq)
                 kept = step.kept
                 tm.restore, tm.prefill = step.restore_s, step.forward_s

@@ -35,6 +35,7 @@ from prepos.gate.calibrated import Gate
 from prepos.gate.relaxed import Relaxed
 from prepos.worker.kv import Forward, KVPool
 from prepos.worker.scheduler import Scheduler
+from prepos.worker.tiers import Tiers
 
 DEFAULT = Request()
 
@@ -48,13 +49,18 @@ class Engine:
         self.model_name = model_name
         self.max_context = min(config.max_context or backend.max_context, backend.max_context)
         self.gate = Gate(config.gate, fmt)
-        self.sessions = SessionStore(backend.max_sessions or SessionStore.DEFAULT_MAX)
-        self.pool = KVPool(backend, min(config.budget.engine_cells,
-                                        backend.kv_cells or config.budget.engine_cells))
+        self.sessions = SessionStore(config.max_sessions if backend.holds_tiers
+                                     else backend.max_sessions or SessionStore.DEFAULT_MAX)
         self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,
                                    backend.max_batch_tokens)
+        t = config.tiers
+        self.pool = KVPool(backend, min(config.budget.engine_cells,
+                                        backend.kv_cells or config.budget.engine_cells),
+                           Tiers(t.ram_bytes, t.disk_bytes, t.disk_dir)
+                           if backend.holds_tiers else None,
+                           self.scheduler.reserve, self.scheduler.release)
         self.room = Room(self.max_context, config.budget.session_cells, self.pool,
-                         self.sessions, self.scheduler)
+                         self.sessions)
         self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,
                                            config.budget.session_cells,
                                            on_record=lambda s, key, rec: self._emit(
@@ -152,8 +158,7 @@ class Engine:
     def session_count(self) -> int:
         return len(self.sessions)
 
-    def has_session(self, sid: str) -> bool:
-        """Whether `sid` is in the store (open, or closing and not yet removed)."""
+    def has_session(self, sid: str) -> bool:  # open, or closing and not yet removed
         return self.sessions.find(sid) is not None
 
     def new_session_id(self) -> str:
@@ -170,7 +175,7 @@ class Engine:
 
     def info(self, sid: str) -> dict:
         s = self.sessions.get(sid)
-        return {**s.info(), "relaxed": self.relaxed.info(s)}
+        return {**s.info(), "kv": self.pool.tier(s.id), "relaxed": self.relaxed.info(s)}
 
     # == mutations =========================================================================
     def append(self, sid: str, text: str, wait: bool = True) -> int:
@@ -221,8 +226,7 @@ class Engine:
             self._emit("commit", s, snap)
         if wait and snap.tokens:
             self._call(self._ingest(s, snap), key=s.id)
-        c = self.config
-        if c.preposition and s.spec.preposition:
+        if self.config.preposition and s.spec.preposition:
             _, ready = s.current()
             if ready.version == snap.version and ready.valid:
                 self.prepositioner.scheduled(ready)
@@ -233,7 +237,6 @@ class Engine:
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
             self.room.make(s, snap.tokens)
-            kv.reuse(snap.tokens)
             yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
@@ -398,6 +401,7 @@ class Engine:
             "sessions": len(self.sessions),
             "kv_cells_used": self.pool.used,
             "prefix_reuse": {"hits": self.pool.index.hits, "tokens": self.pool.index.tokens},
+            "kv_tiers": self.pool.metrics(),
             "kv_cells_budget": self.pool.engine_cells,
             "queue_foreground": fg,
             "queue_idle": idle,
@@ -417,22 +421,20 @@ class Engine:
     def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:
         """A session's committed snapshot and its valid ready records, read together (no
         records while its ready set is invalid)."""
-        s = self.sessions.get(sid)
-        return s.ready_now()
+        return self.sessions.get(sid).ready_now()
 
     def snapshot(self, sid: str, version: int | None = None) -> Snapshot:
         """A committed version of a session: `version` while it is kept rendered, else the
         current one."""
-        s = self.sessions.get(sid)
-        return s.at(version)
+        return self.sessions.get(sid).at(version)
 
     def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:
         """The messages of every version a session keeps for rollback, oldest first."""
-        s = self.sessions.get(sid)
-        return s.versions()
+        return self.sessions.get(sid).versions()
 
     def close(self) -> None:
         self.scheduler.close()
+        self.pool.close()
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
@@ -444,6 +446,4 @@ class Engine:
         self.close()
 
 
-def load_engine(path: str | Path, config: EngineConfig | None = None) -> Engine:
-    """`Engine.from_pretrained`: a local model (directory, GGUF file or known name) served."""
-    return Engine.from_pretrained(path, config)
+load_engine = Engine.from_pretrained  # a local model (directory, GGUF file or known name)

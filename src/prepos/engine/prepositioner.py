@@ -110,7 +110,6 @@ class Prepositioner:
                 if len(seq) > budget or not self.pool.fits(session.id, seq):
                     self._bump("skipped")  # skip without eviction: the baseline path applies
                     continue
-                kv.reuse(seq)  # the longest prefix any KV of its scope holds
                 while True:
                     if not ready.valid:  # the session moved on: discard, never record
                         if started:

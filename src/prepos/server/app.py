@@ -23,7 +23,14 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prepos.config import KV_LAYOUTS, BudgetConfig, EngineConfig, RelaxedConfig, default_threads
+from prepos.config import (
+    KV_LAYOUTS,
+    BudgetConfig,
+    EngineConfig,
+    RelaxedConfig,
+    TierConfig,
+    default_threads,
+)
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
@@ -66,9 +73,11 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
                 body["error"] = state.error
             return Response(json.dumps(body), 503, media_type="application/json",
                             headers={"Retry-After": "1"})
+        tiers = eng.metrics()["kv_tiers"]
         body = {"status": "ok", "model": state.model_name,
-                "sessions": state.persistent_sessions(eng), "restored": state.restored,
-                "journal": config.journal is not None}
+                "sessions": state.persistent_sessions(eng), "max_sessions": state.session_cap,
+                "restored": state.restored, "journal": config.journal is not None,
+                "kv": {t: tiers[t] for t in ("resident", "ram", "disk") if t in tiers}}
         if config.journal is not None and state.keys.admits(request):  # the path: keys only
             body["journal_path"] = str(config.journal)
         return json_response(body)
@@ -89,6 +98,16 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=list(results.EXPOSED), max_age=600)
     return app
+
+
+def size(text: str) -> int:
+    """A size in bytes: an integer, or one with a K, M or G suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M)") from None
 
 
 def default_journal(model: Path) -> Path:
@@ -112,6 +131,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="llama.cpp: unified (one pool; every step scans all sessions' cells) "
                    "or streams (kv-cells / kv-sequences cells per session, each step scans "
                    "its own: faster with many sessions resident or decoding at once)")
+    p.add_argument("--kv-ram", type=size, default=None,
+                   help="bytes of host RAM for the KV of sessions not resident (K/M/G "
+                   "suffixes; default: a quarter of the machine's memory)")
+    p.add_argument("--kv-disk", type=size, default=TierConfig().disk_bytes,
+                   help="bytes of disk for the KV below RAM (default 16G); beyond it a "
+                   "session's KV is recomputed from its committed tokens when needed")
+    p.add_argument("--kv-dir", type=Path, default=None,
+                   help="where the disk tier's files go (default: the system's temporary "
+                   "directory; removed when the server stops)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
@@ -142,7 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a new question class on the relaxed path: served on probation, each "
                         "answer verified (serve), or by the full path until promoted (cold)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-sessions", type=int, default=1024)
+    p.add_argument("--max-sessions", type=int, default=Limits.max_sessions,
+                   help="sessions the server keeps (journalled; their KV in the tiers)")
     p.add_argument("--max-sessions-per-key", type=int)
     p.add_argument("--max-tokens", type=int, default=1024,
                    help="most tokens a request may generate")
@@ -196,6 +225,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
                           backend=args.backend, kv_cells=args.kv_cells,
                           max_sequences=args.kv_sequences, kv_layout=args.kv_layout,
+                          tiers=TierConfig(**({} if args.kv_ram is None
+                                              else {"ram_bytes": args.kv_ram}),
+                                           disk_bytes=args.kv_disk, disk_dir=args.kv_dir),
                           max_context=args.max_session_tokens,
                           preposition=not args.no_preposition,
                           budget=BudgetConfig(args.max_session_cells, args.max_kv_cells),

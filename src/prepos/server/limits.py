@@ -17,7 +17,7 @@ from prepos.server.errors import ApiError, error_body
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
-    max_sessions: int = 1024
+    max_sessions: int = 100_000  # journalled; their KV moves down the tiers
     max_sessions_per_key: int | None = None
     max_tokens: int = 1024  # generated tokens per request
     default_max_tokens: int = 64

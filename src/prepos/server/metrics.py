@@ -154,6 +154,7 @@ class _EngineCollector:
                                 m["kv_cells_used"])
         yield GaugeMetricFamily("prepos:kv_cells_budget", "The engine's KV cell budget",
                                 m["kv_cells_budget"])
+        yield from _tiers(m["kv_tiers"])
         fam = CounterMetricFamily("prepos:kv_prefix_reuse", "KVs that started from the "
                                   "longest prefix another KV of their key held (hits), and "
                                   "the tokens they did not prefill for it", labels=["what"])
@@ -178,6 +179,34 @@ class _EngineCollector:
         yield CounterMetricFamily("prepos:lookup_verify_steps", "Forwards that verified "
                                   "drafted tokens", lk["verify_steps"])
         yield from _relaxed(m["relaxed"])
+
+
+def _tiers(t: dict):
+    """Where sessions' KV is: per tier its bytes (cells, resident) and sessions, the moves
+    into each, restores and their time, tokens recomputed where no tier held a KV."""
+    held = GaugeMetricFamily("prepos:kv_tier_sessions", "Sessions whose KV is in each tier",
+                             labels=["tier"])
+    size = GaugeMetricFamily("prepos:kv_tier_bytes", "Bytes held in each tier below "
+                             "resident", labels=["tier"])
+    held.add_metric(["resident"], t["resident"]["sessions"])
+    for tier in ("ram", "disk"):
+        if tier in t:
+            held.add_metric([tier], t[tier]["sessions"])
+            size.add_metric([tier], t[tier]["bytes"])
+    yield held
+    yield size
+    moves = CounterMetricFamily("prepos:kv_tier_moves", "KV states moved down into a tier, "
+                                "or dropped from the last", labels=["into"])
+    for into, n in t.get("moves", {}).items():
+        moves.add_metric([into], n)
+    yield moves
+    yield CounterMetricFamily("prepos:kv_restores", "KVs loaded back from a tier",
+                              t["restores"])
+    yield CounterMetricFamily("prepos:kv_restore_seconds", "Time spent loading KVs back",
+                              t["restore_s"])
+    yield CounterMetricFamily("prepos:kv_recomputed_tokens", "Tokens of KVs no tier held, "
+                              "prefilled again from the session's committed tokens",
+                              t["recomputed_tokens"])
 
 
 def _relaxed(rx: dict):

@@ -216,7 +216,7 @@ class Scheduler:
             with idle_work(idle, self._fg_waiting if preemptible else None):
                 try:
                     advances = run_forwards(chosen[0].want.kv.backend,
-                                            [t.want for t in chosen], plans)
+                                            [t.want for t in chosen], plans, moves=not idle)
                 except BaseException as exc:  # each task of the batch gets the error
                     advances = [exc] * len(chosen)
         if not idle:

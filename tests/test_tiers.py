@@ -1,0 +1,116 @@
+"""KV tiers: sessions are bounded by the tiers, not by the back end's cells or sequences. A
+session whose KV moved down (host RAM, disk, or nowhere: recomputed from its committed
+tokens) is served again as if it had stayed (exact on torch, the argmax within the stated
+tolerance on llama.cpp); only a foreground request moves other sessions' KV down, and never
+one a task is using; idle work moves nobody's."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import greedy_agrees
+from prepos.config import BudgetConfig, TierConfig
+from prepos.core import Request, SamplingParams
+from prepos.errors import OverBudget
+from prepos.worker.kv import Forward
+
+GREEDY = Request(SamplingParams(max_tokens=4), fast_path="off")
+SYSTEM = "Live prices. Answer in one word: up, down or flat."
+
+
+def small(make_engine, tiers: TierConfig | None = None, cells: int = 160):
+    """An engine whose resident budget holds about two sessions (and, on llama.cpp, four
+    sequences)."""
+    return make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=cells),
+                       max_sequences=4, **({"tiers": tiers} if tiers else {}))
+
+
+def entry(eng, sid, question):
+    snap = eng.snapshot(sid)
+    frame = eng.fmt.frame(eng.session(sid).entries(snap).user, question)
+    return list(snap.tokens) + eng.fmt.encode(frame)
+
+
+def answers_as_cold(eng, seq, res) -> bool:
+    return all(greedy_agrees(eng, list(seq) + res.tokens[:i], t)
+               for i, t in enumerate(res.tokens))
+
+
+def fill(eng, n: int) -> list[str]:
+    sids = []
+    for i in range(n):
+        sid = eng.create_session("streaming", system=SYSTEM)
+        eng.append(sid, f"ACME {40 + i} {41 + i} {43 + i} BOLT {9 - i % 3}")
+        sids.append(sid)
+    return sids
+
+
+def test_more_sessions_than_the_back_end_holds_each_answer_as_cold(make_engine):
+    eng = small(make_engine)
+    sids = fill(eng, 10)
+    for sid in sids:
+        seq = entry(eng, sid, "Which way is ACME moving?")
+        res = eng.query(sid, "Which way is ACME moving?", GREEDY).result()
+        assert answers_as_cold(eng, seq, res)
+    tiers = [eng.info(sid)["kv"] for sid in sids]
+    assert "ram" in tiers and tiers.count("resident") <= 4
+    m = eng.metrics()["kv_tiers"]
+    assert m["spills"] > 0 and m["restores"] > 0 and m["recomputed_tokens"] == 0
+    assert m["resident"]["cells"] <= 160
+
+
+def test_a_restored_kv_answers_as_before_and_from_its_prepositioned_entry(make_engine):
+    eng = small(make_engine)
+    a = eng.create_session("streaming", system=SYSTEM, standing=["Up?"])
+    eng.append(a, "ACME 41 43 44 47")
+    eng.wait_idle()
+    before = eng.query(a, "Up?", Request(SamplingParams(max_tokens=4))).result()
+    fill(eng, 4)  # a's KV moves down
+    assert eng.info(a)["kv"] != "resident"
+    after = eng.query(a, "Up?", Request(SamplingParams(max_tokens=4))).result()
+    assert after.path == before.path and after.tokens == before.tokens  # the record survived
+    assert eng.info(a)["kv"] == "resident"
+
+
+@pytest.mark.parametrize("tiers, lands", [
+    (TierConfig(ram_bytes=1, disk_bytes=1 << 30), "disk"),  # RAM holds nothing: disk
+    (TierConfig(ram_bytes=1, disk_bytes=1), "none"),  # no tier holds it: recomputed
+])
+def test_below_ram_disk_then_recompute(make_engine, tiers, lands):
+    eng = small(make_engine, tiers)
+    sids = fill(eng, 6)
+    assert lands in [eng.info(sid)["kv"] for sid in sids]
+    for sid in sids:
+        seq = entry(eng, sid, "Is BOLT up?")
+        assert answers_as_cold(eng, seq, eng.query(sid, "Is BOLT up?", GREEDY).result())
+    m = eng.metrics()["kv_tiers"]
+    if lands == "disk":
+        assert m["moves"]["disk"] > 0 and m["restores"] > 0
+    else:
+        assert m["moves"]["dropped"] > 0 and m["recomputed_tokens"] > 0
+
+
+def test_idle_work_moves_no_committed_kv_down(make_engine):
+    eng = small(make_engine, cells=100)
+    a, b = fill(eng, 2)  # b's commit moved a's KV down
+    assert eng.info(a)["kv"] != "resident" and eng.info(b)["kv"] == "resident"
+    spills = eng.metrics()["kv_tiers"]["spills"]
+    failed = []
+
+    def idle_forward():  # idle work that would need a's KV back
+        yield Forward(eng.pool.get(a), entry(eng, a, "Up?"))
+
+    task = eng.scheduler.submit(idle_forward(), idle=True, key=a, on_error=failed.append)
+    task.done.wait(30)
+    assert failed and isinstance(failed[0], OverBudget)
+    assert eng.info(b)["kv"] == "resident"
+    assert eng.metrics()["kv_tiers"]["spills"] == spills
+
+
+def test_a_session_larger_than_the_resident_budget_is_refused_unchanged(make_engine):
+    eng = small(make_engine, cells=60)
+    sid = eng.create_session("streaming", system=SYSTEM)
+    before = eng.snapshot(sid)
+    with pytest.raises(OverBudget):
+        eng.append(sid, "ACME " + " ".join(str(i) for i in range(60)))
+    assert eng.snapshot(sid) == before
