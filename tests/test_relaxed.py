@@ -116,9 +116,12 @@ def test_the_window_forgets_old_evidence():
     assert st_.status(0.15, 24) == PROMOTED
 
 
-def test_cold_start_serves_nothing_until_promoted():
-    gate = ClassGate(RelaxedConfig(start="cold", min_verified=24))
-    assert not gate.decide("s", "c", None, UP).serve
+def test_cold_start_the_default_serves_nothing_until_promoted():
+    from prepos.server.app import config_from_args, parse_args
+
+    assert config_from_args(parse_args(["--journal", "none"])).engine.relaxed.start == "cold"
+    gate = ClassGate(RelaxedConfig(min_verified=24))
+    assert gate.config.start == "cold" and not gate.decide("s", "c", None, UP).serve
     gate.evidence("c", False, UP)  # its token is in the class's answer set: still cold
     assert not gate.decide("s", "c", None, UP).serve and gate.status("c") == PROBATION
     for _ in range(23):
