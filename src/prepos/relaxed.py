@@ -24,6 +24,7 @@ queued per session and per engine.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import uuid
@@ -119,7 +120,8 @@ class ClassGate:
 
     def __init__(self, config: RelaxedConfig, decode: Callable[[int], str] = str):
         self.config = config
-        self.decode = decode  # a token's text, for the views
+        # a token's text, for the views: cached, as they are built under the lock below
+        self.decode = functools.lru_cache(maxsize=4096)(decode)
         self._lock = threading.Lock()
         self._classes: OrderedDict[str, ClassStats] = OrderedDict()
         self._asked: dict[str, OrderedDict[str, None]] = {}
