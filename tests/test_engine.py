@@ -2,15 +2,8 @@
 
 import pytest
 
-from helpers import (
-    cold_logits,
-    during_idle_forwards,
-    greedy_agrees,
-    promote,
-    query_entry,
-    state,
-    tolerance,
-)
+import helpers
+from helpers import cold_logits, during_idle_forwards, greedy_agrees, query_entry, state, tolerance
 from prepos.config import BudgetConfig, GateConfig
 from prepos.core import Match, Path, Request, SamplingParams
 from prepos.errors import (
@@ -97,7 +90,7 @@ def test_relaxed_gate_fires_with_one_cached_token(make_engine, family):
     eng.set_gate(GateConfig(tau=header.gap - 1e-3, answers=(header.top_text,)))
     if header.argmax not in eng.gate.answer_ids:
         pytest.skip("the random model's argmax is not a whole-word token")
-    promote(eng, "Is it rising?", header.argmax)
+    helpers.promote(eng, "Is it rising?", header.argmax)
     res = eng.query(sid, "Is it rising?", Request(SamplingParams(max_tokens=8))).result()
     assert res.path is Path.FAST and res.match is Match.RELAXED
     assert res.tokens == [header.argmax] and res.gap == pytest.approx(header.gap)
