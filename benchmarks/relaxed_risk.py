@@ -10,14 +10,17 @@ question-independent token). Every relaxed answer is checked against the full pa
 at the same version (a separate request with the fast path off, not timed), so the served
 false-accept rate is measured independently of the engine's own verifications.
 
-Reported after a warm-up (the first --warmup questions): `served_false_accept` and its
-Wilson 95% upper bound (target <= r_max); `ineligible_served_relaxed` (after a class's first
-demotion; target 0); `eligible_coverage_ratio` (relaxed answers over gate fires on eligible
-questions, the gate's fire rate being what the offline calibration's coverage c(tau)
-measures; target >= 0.9); corrections sent against the disagreements found; correction
-delay. The same workload runs twice, verification on and off, for
-`p99_cold_ratio_verification_on_off` (the P99 first-token time of the requests served by
-the full path; target <= 1.1).
+Reported from the first question: `served_false_accept_all` and its Wilson 95% upper bound
+over every relaxed answer, warm-up included (target <= r_max); `ineligible_served_relaxed_all`
+(target 0); `questions_to_first_relaxed` (per class, the questions of it asked before its
+first relaxed answer; its median over the classes ever served relaxed). Reported after a
+warm-up (the first --warmup questions): `served_false_accept` and its upper bound (target
+<= r_max); `ineligible_served_relaxed` (after a class's first demotion; target 0);
+`eligible_coverage_ratio` (relaxed answers over gate fires on eligible questions, the gate's
+fire rate being what the offline calibration's coverage c(tau) measures; target >= 0.9);
+corrections sent against the disagreements found; correction delay. The same workload runs
+twice, verification on and off, for `p99_cold_ratio_verification_on_off` (the P99
+first-token time of the requests served by the full path; target <= 1.1).
 
     python benchmarks/relaxed_risk.py [--eligible 640] [--sessions 4] [--threads 1]
 """
@@ -27,9 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -129,18 +134,32 @@ def run(model: str, verify: bool, args) -> dict:
     return {"backend": backend, **report(log, corrections, demoted_at, rx, args, seconds)}
 
 
+def first_relaxed(log) -> dict[str, int]:
+    """Per class ever served relaxed: how many questions of it came before the first."""
+    asked: Counter[str] = Counter()
+    first: dict[str, int] = {}
+    for r in log:
+        if r["relaxed"] and r["cls"] not in first:
+            first[r["cls"]] = asked[r["cls"]]
+        asked[r["cls"]] += 1
+    return first
+
+
 def report(log, corrections, demoted_at, rx, args, seconds) -> dict:
     after = [r for r in log if r["i"] >= args.warmup]
     served = [r for r in after if r["relaxed"]]
     fa = sum(not r["agrees"] for r in served)
     lo, hi = wilson(fa, len(served))
+    all_served = [r for r in log if r["relaxed"]]
+    fa_all = sum(not r["agrees"] for r in all_served)
+    lo_all, hi_all = wilson(fa_all, len(all_served))
+    first = first_relaxed(log)
     elig = [r for r in after if r["kind"] == "trend"]
     fired = sum(r["fired"] for r in elig)
     covered = sum(r["relaxed"] for r in elig)
     inel = [r for r in log if r["kind"] != "trend" and r["relaxed"]]
     inel_after_demotion = [r for r in inel if r["cls"] in demoted_at
                            and r["i"] >= demoted_at[r["cls"]]]
-    all_served = [r for r in log if r["relaxed"]]
     ref_disagree = {r["answer_id"] for r in all_served if not r["agrees"]}
     sent = set(corrections)
     delays = [corrections[r["answer_id"]] - r["served_at"] for r in all_served
@@ -150,6 +169,12 @@ def report(log, corrections, demoted_at, rx, args, seconds) -> dict:
     return {
         "queries": len(log), "eligible_queries": sum(r["kind"] == "trend" for r in log),
         "warmup_queries": args.warmup, "seconds": round(seconds, 2),
+        "served_relaxed_all": len(all_served), "served_false_accepts_all": fa_all,
+        "served_false_accept_all": fa_all / len(all_served) if all_served else None,
+        "served_false_accept_ci_all": [lo_all, hi_all], "served_false_accept_upper_all": hi_all,
+        "questions_to_first_relaxed": first,
+        "questions_to_first_relaxed_p50": statistics.median(first.values()) if first else None,
+        "classes_never_served_relaxed": len({r["cls"] for r in log} - set(first)),
         "served_relaxed_after_warmup": len(served),
         "served_false_accepts_after_warmup": fa,
         "served_false_accept": fa / len(served) if served else None,
@@ -201,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "relaxed_risk", "model": args.model, "machine": machine(),
         "backend": on["backend"], "r_max": args.r_max, "start": args.start, "mix": MIX,
         "sessions": args.sessions,
+        "served_false_accept_all": on["served_false_accept_all"],
+        "served_false_accept_upper_all": on["served_false_accept_upper_all"],
+        "ineligible_served_relaxed_all": on["ineligible_served_relaxed_total"],
+        "questions_to_first_relaxed_p50": on["questions_to_first_relaxed_p50"],
         "served_false_accept": on["served_false_accept"],
         "served_false_accept_upper": on["served_false_accept_upper"],
         "ineligible_served_relaxed": on["ineligible_served_relaxed"],
@@ -209,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "corrections_sent": on["corrections_sent"],
         "disagreements_found": on["disagreements_found"],
         "targets_met": {
+            "served_false_accept_upper_all": on["served_false_accept_upper_all"] <= args.r_max,
+            "ineligible_served_relaxed_all": on["ineligible_served_relaxed_total"] == 0,
             "served_false_accept_upper": on["served_false_accept_upper"] <= args.r_max,
             "ineligible_served_relaxed": on["ineligible_served_relaxed"] == 0,
             "eligible_coverage_ratio": (on["eligible_coverage_ratio"] or 0) >= 0.9,

@@ -2,6 +2,7 @@
 
 import pytest
 
+import helpers
 from helpers import cold_logits, during_idle_forwards, greedy_agrees, query_entry, state, tolerance
 from prepos.config import BudgetConfig, GateConfig
 from prepos.core import AnswerPath, Match, Request, SamplingParams
@@ -89,6 +90,7 @@ def test_relaxed_gate_fires_with_one_cached_token(make_engine, family):
     eng.set_gate(GateConfig(tau=header.gap - 1e-3, answers=(header.top_text,)))
     if header.argmax not in eng.gate.answer_ids:
         pytest.skip("the random model's argmax is not a whole-word token")
+    helpers.promote(eng, "Is it rising?", header.argmax)
     res = eng.query(sid, "Is it rising?", Request(SamplingParams(max_tokens=8))).result()
     assert res.path is AnswerPath.FAST and res.match is Match.RELAXED
     assert res.tokens == [header.argmax] and res.gap == pytest.approx(header.gap)

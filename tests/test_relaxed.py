@@ -24,6 +24,7 @@ from prepos.gate.relaxed import DEMOTED, PROBATION, PROMOTED, ClassGate, ClassSt
 from prepos.stats import wilson
 
 ONE = Request(SamplingParams(max_tokens=1))
+UP, DOWN, YES, NO = 11, 12, 21, 22  # token ids, as far as a ClassGate is concerned
 QUESTIONS = ["Is it rising?", "What is the trend?", "Will it go up?", "Is AAPL falling?"]
 DATA = ["AAPL 101.2 101.5 101.9 102.4", "AAPL 102.8 103.1 103.0 103.6", "AAPL 99 98 97",
         "MSFT 7 8 9"]
@@ -115,32 +116,76 @@ def test_the_window_forgets_old_evidence():
     assert st_.status(0.15, 24) == PROMOTED
 
 
-def test_cold_start_serves_nothing_until_promoted():
-    gate = ClassGate(RelaxedConfig(start="cold", min_verified=24))
-    assert not gate.decide("s", "c", None).serve
-    for _ in range(24):
-        gate.evidence("c", False)
-    d = gate.decide("s", "c", None)
+def test_cold_start_the_default_serves_nothing_until_promoted():
+    from prepos.server.app import config_from_args, parse_args
+
+    assert config_from_args(parse_args(["--journal", "none"])).engine.relaxed.start == "cold"
+    gate = ClassGate(RelaxedConfig(min_verified=24))
+    assert gate.config.start == "cold" and not gate.decide("s", "c", None, UP).serve
+    gate.evidence("c", False, UP)  # its token is in the class's answer set: still cold
+    assert not gate.decide("s", "c", None, UP).serve and gate.status("c") == PROBATION
+    for _ in range(23):
+        gate.evidence("c", False, UP)
+    d = gate.decide("s", "c", None, UP)
     assert d.serve and d.verify and d.answer_id
-    assert not gate.decide("s", "c", 0.10).serve  # a stricter session budget: not yet
+    assert not gate.decide("s", "c", 0.10, UP).serve  # a stricter session budget: not yet
+
+
+@pytest.mark.parametrize("start", ["serve", "cold"])
+def test_a_class_is_served_only_the_answers_its_full_path_gave(start):
+    """A polar class verified only yes / no is never served a trend token: not on probation,
+    not once promoted; a token of its answer set is."""
+    gate = ClassGate(RelaxedConfig(start=start, session_pending=64, engine_pending=64))
+    for token in (YES, NO):  # a new class: its set is empty, the full path answers
+        assert not gate.decide("s", "polar", None, token).serve
+        gate.evidence("polar", False, token)
+    assert gate.status("polar") == PROBATION and not gate.decide("s", "polar", None, UP).serve
+    assert gate.decide("s", "polar", None, YES).serve == (start == "serve")
+    for i in range(40):
+        gate.evidence("polar", False, (YES, NO)[i % 2])
+    assert gate.status("polar") == PROMOTED and gate.decide("s", "polar", None, NO).serve
+    assert not any(gate.decide("s", "polar", None, t).serve for t in (UP, DOWN))
+    assert gate.counters["outside_answers"] == 5
+    assert gate.metrics()["classes"]["polar"]["answers"] == sorted([str(YES), str(NO)])
+
+
+def test_the_answer_set_is_the_evidence_windows():
+    """Kept with the evidence (in memory): forgotten with its outcomes and with the class."""
+    st_ = ClassStats(window=3)
+    for token in (UP, None, DOWN):  # None: an answer that ended at once, no token
+        st_.add(token is None, token)
+    assert st_.answers == {UP: 1, DOWN: 1}
+    st_.add(False, DOWN)  # UP's outcome leaves the window, and UP the set
+    assert st_.answers == {DOWN: 2}
+    gate = ClassGate(RelaxedConfig(max_classes=1, min_verified=1, r_max=0.9))
+    gate.decide("s", "a", None, UP)
+    gate.evidence("a", False, UP)
+    assert gate.decide("s", "a", None, UP).serve
+    gate.decide("s", "b", None, UP)  # "a" forgotten: it starts over, its set empty
+    assert not gate.decide("s", "a", None, UP).serve
 
 
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from(["ask", "agree", "disagree",
-                                                                   "settle"])),
+                                                                   "settle"]),
+                          st.sampled_from([UP, DOWN, YES])),
                 max_size=200),
        st.sampled_from(["serve", "cold"]))
 def test_property_a_demoted_class_is_never_served(ops, start):
-    gate = ClassGate(RelaxedConfig(start=start, min_verified=5, r_max=0.4, session_pending=2))
-    for cls, op in ops:
+    """Nor a token no verified answer of its class has used (the window outlasts the ops)."""
+    gate = ClassGate(RelaxedConfig(start=start, min_verified=5, r_max=0.5, session_pending=2))
+    said: dict[str, set[int]] = {}
+    for cls, op, token in ops:
         if op == "ask":
             before = gate.status(cls)
-            d = gate.decide("s", cls, None)
-            if before == DEMOTED or (before == PROBATION and start == "cold"):
+            d = gate.decide("s", cls, None, token)
+            if before == DEMOTED or (before == PROBATION and start == "cold") or \
+                    token not in said.get(cls, ()):
                 assert not d.serve
         elif op == "settle":
             gate.settle("s")
         else:
-            gate.evidence(cls, op == "disagree")
+            gate.evidence(cls, op == "disagree", token)
+            said.setdefault(cls, set()).add(token)
     pending = gate.metrics()["pending"]
     assert 0 <= pending <= 2
 
@@ -150,7 +195,7 @@ def test_property_a_demoted_class_is_never_served(ops, start):
 def engine(model_dirs):
     eng = Engine.from_pretrained(model_dirs["chatml"], EngineConfig(
         backend="torch", threads=2, chunk_tokens=4,
-        relaxed=RelaxedConfig(min_verified=3, r_max=0.6, session_pending=64)))
+        relaxed=RelaxedConfig(start="serve", min_verified=3, r_max=0.6, session_pending=64)))
     vocab = eng.fmt.tokenizer.batch_decode([[i] for i in range(len(eng.fmt.tokenizer))])
     eng.set_gate(GateConfig(tau=-1.0, answers=tuple({t.strip() for t in vocab if t.strip()})))
     corrections: list[dict] = []
@@ -176,6 +221,13 @@ def oracle(eng, sid, question) -> tuple[int, bool]:
     logits = cold_logits(eng, eng.session(sid).snap.tokens + query_entry(eng, sid, question))
     top = logits.topk(2).values
     return int(logits.argmax()), float(top[0] - top[1]) > tolerance(eng)
+
+
+def learn(eng, sid, question) -> None:
+    """A full answer agreeing with the header (asserted): its token joins the answer set."""
+    res = eng.query(sid, question, ONE).result()
+    eng.wait_idle()
+    assert res.match is not Match.RELAXED and res.tokens[:1] == [eng.ready_header(sid).argmax]
 
 
 TOTALS = {"served": 0, "withheld": 0, "corrections": 0}
@@ -246,6 +298,7 @@ def test_a_verification_for_a_superseded_version_is_dropped(engine):
     eng = engine
     sid = fresh(eng)
     try:
+        learn(eng, sid, QUESTIONS[0])
         go = block_worker(eng)
         res = eng.query(sid, QUESTIONS[0], ONE).result()
         assert res.match is Match.RELAXED  # probation: served, its verification booked
@@ -253,7 +306,7 @@ def test_a_verification_for_a_superseded_version_is_dropped(engine):
         go.set()
         eng.wait_idle()
         c = eng.relaxed.gate.counters
-        assert c["dropped_stale"] == 1 and c["agree"] + c["disagree"] == 0
+        assert c["dropped_stale"] == 1 and (c["agree"], c["disagree"]) == (1, 0)
         assert not eng.test_corrections
         assert eng.relaxed.gate.metrics()["pending"] == 0
     finally:
@@ -261,18 +314,20 @@ def test_a_verification_for_a_superseded_version_is_dropped(engine):
 
 
 def test_verifications_are_capped_per_session():
-    gate = ClassGate(RelaxedConfig(min_verified=3, r_max=0.6, session_pending=1,
+    gate = ClassGate(RelaxedConfig(start="serve", min_verified=4, r_max=0.6, session_pending=1,
                                    engine_pending=8))
-    first = gate.decide("s", "c", None)
+    gate.decide("s", "c", None, UP)  # withheld (its answer set is empty): free evidence
+    gate.evidence("c", False, UP)
+    first = gate.decide("s", "c", None, UP)
     assert first.serve and first.verify and first.probe
-    second = gate.decide("s", "c", None)  # on probation only with a verification booked
-    assert not second.serve and gate.counters["withheld"] == 1
+    second = gate.decide("s", "c", None, UP)  # on probation only with a verification booked
+    assert not second.serve and gate.counters["withheld"] == 2
     for _ in range(3):
-        gate.evidence("c", False, probe=True)
+        gate.evidence("c", False, UP, probe=True)
     gate.settle("s")
-    a, b = gate.decide("s", "c", None), gate.decide("s", "c", None)
+    a, b = gate.decide("s", "c", None, UP), gate.decide("s", "c", None, UP)
     assert a.serve and a.verify and b.serve and not b.verify  # promoted: served, unverified
-    assert gate.decide("t", "c", None).verify  # the cap is per session
+    assert gate.decide("t", "c", None, UP).verify  # the cap is per session
     assert gate.counters["unverified_capped"] == 1 and gate.metrics()["pending"] == 2
 
 
@@ -284,6 +339,7 @@ def test_relaxed_options_are_session_options(engine):
     sid = fresh(engine, relaxed_queries=["What is the *?"], r_max=0.59)
     try:
         assert engine.query(sid, "Is it rising?", ONE).result().match is not Match.RELAXED
+        learn(engine, sid, "What is the trend?")
         assert engine.query(sid, "What is the trend?", ONE).result().match is Match.RELAXED
         info = engine.info(sid)["relaxed"]
         assert info["r_max"] == 0.59 and info["declared"] == ["What is the *?"]
@@ -295,15 +351,18 @@ def test_relaxed_options_are_session_options(engine):
 
 # -- over HTTP -----------------------------------------------------------------------------
 RISING = ["ACME 31 32 34 35 37 38", "ACME 40 41 43 44 46 48", "ACME 49 51 52 54 55 57"]
+OPPOSITE = "What is the opposite of the trend of ACME?"
 
 
 def test_http_correction_event_names_the_relaxed_answer(tmp_path):
+    """On probation (start serve), the bundled model: a polar question is not served a trend
+    word; a class whose full path said down is served down, and corrected when wrong."""
     from server_harness import ServerProc
 
     from prepos.lab.task.market import SYSTEM_PROMPT
     from prepos.paths import DEFAULT_MODEL
 
-    with ServerProc(DEFAULT_MODEL, tmp_path / "srv") as srv, \
+    with ServerProc(DEFAULT_MODEL, tmp_path / "srv", "--relaxed-start", "serve") as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as client:
         r = client.post("/sessions", json={"kind": "streaming", "r_max": 2})
         assert r.status_code == 400 and "r_max" in r.text
@@ -311,9 +370,16 @@ def test_http_correction_event_names_the_relaxed_answer(tmp_path):
                                            "fast_path": "relaxed"})
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
-        for d in RISING:
-            assert client.post(f"/sessions/{sid}/append", json={"data": d}).status_code == 200
-        assert client.get(f"/sessions/{sid}", params={"wait_ready": 30}).json()["ready"]["done"]
+
+        def append(data: list[str]) -> None:
+            for d in data:
+                assert client.post(f"/sessions/{sid}/append", json={"data": d}).is_success
+            assert client.get(f"/sessions/{sid}", params={"wait_ready": 30}).json()["ready"]["done"]
+
+        def ask(question: str) -> httpx.Response:
+            return client.post(f"/sessions/{sid}/query", json={"question": question,
+                                                               "max_tokens": 1})
+
         events: queue.Queue = queue.Queue()
 
         def listen():
@@ -323,32 +389,38 @@ def test_http_correction_event_names_the_relaxed_answer(tmp_path):
                 for line in resp.iter_lines():
                     if line.startswith("event:"):
                         name = line[6:].strip()
-                    elif line.startswith("data:"):
+                    elif line.startswith("data:") and name not in ("commit", "ready"):
                         events.put((name, json.loads(line[5:])))
                         if name in ("correction", "close"):
                             return
 
         threading.Thread(target=listen, daemon=True).start()
         assert events.get(timeout=30)[0] == "hello"
-        # a polar question: the header's token ("up") is not what the full path says
-        r = client.post(f"/sessions/{sid}/query", json={"question": "Is ACME rising?",
-                                                        "max_tokens": 1})
-        body = r.json()
-        assert body["match"] == "relaxed" and body["text"].strip() == "up"
-        aid = body["answer_id"]
-        assert aid and r.headers["x-prepos-answer-id"] == aid
+        append(RISING)  # the header's token: up
+        polar = ask("Is ACME rising?").json()  # a new class: its answer set is empty
+        assert polar["match"] != "relaxed" and polar["text"].strip() in ("yes", "no")
+        info = client.get(f"/sessions/{sid}").json()["relaxed"]["classes"]["is <sym> rising"]
+        assert [a.strip() for a in info["answers"]] == [polar["text"].strip()]
+        append(["ACME 56 54 53 51 50 48", "ACME 47 45 44 42 41 39"])  # the header's: down
+        first = ask(OPPOSITE).json()
+        assert first["match"] != "relaxed" and first["text"].strip() == "down"
+        append(["ACME 40 40 41 40 39 40"])  # the header still says down; the full path: flat
+        r = ask(OPPOSITE)  # down is one of the class's answers now: served on probation
+        body, aid = r.json(), r.headers["x-prepos-answer-id"]
+        assert aid and body["answer_id"] == aid
+        assert body["match"] == "relaxed" and body["text"].strip() == "down"
         name, ev = events.get(timeout=60)
         assert name == "correction" and ev["answer_id"] == aid
-        assert ev["served_text"].strip() == "up" and ev["full_text"].strip() in ("yes", "no")
+        assert ev["served_text"].strip() == "down" and ev["full_text"].strip() == "flat"
         assert ev["version"] == body["version"]
         info = client.get(f"/sessions/{sid}").json()["relaxed"]
-        assert info["classes"]["is <sym> rising"]["status"] == DEMOTED
-        again = client.post(f"/sessions/{sid}/query", json={"question": "Is ACME rising?",
-                                                            "max_tokens": 1}).json()
+        assert info["start"] == "serve" and info["classes"][classify(OPPOSITE)]["status"] == DEMOTED
+        again = ask(OPPOSITE).json()
         assert again["match"] != "relaxed" and again["answer_id"] is None
         metrics = client.get("/metrics").text
-        # two outcomes: the served answer's verification, and the withheld one's full answer
-        assert 'prepos:relaxed_verified_total{outcome="disagree"} 2.0' in metrics
+        # the polar answer, the served answer's verification, the withheld one's full answer
+        assert 'prepos:relaxed_verified_total{outcome="disagree"} 3.0' in metrics
+        assert 'prepos:relaxed_verified_total{outcome="agree"} 1.0' in metrics
         assert "prepos:relaxed_corrections_total 1.0" in metrics
 
 

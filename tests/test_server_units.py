@@ -122,12 +122,12 @@ def test_limits():
 def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
     from prepos.server.app import config_from_args, main, parse_args
 
-    cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "cold",
+    cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "serve",
                                        "--relaxed-r-max", "0.1", "--lookup-said-tokens", "64",
                                        "--journal", "none"]))
     assert (cfg.engine.lookup_tokens, cfg.engine.lookup_said_tokens) == (0, 64)
     assert (cfg.engine.kv_layout, cfg.engine.max_sequences) == ("unified", 256)
-    assert (cfg.engine.relaxed.start, cfg.engine.relaxed.r_max) == ("cold", 0.1)
+    assert (cfg.engine.relaxed.start, cfg.engine.relaxed.r_max) == ("serve", 0.1)
     cfg = config_from_args(parse_args(["--kv-layout", "streams", "--kv-sequences", "16",
                                        "--kv-cells", "65536", "--journal", "none"]))
     assert (cfg.engine.kv_layout, cfg.engine.max_sequences, cfg.engine.kv_cells) == (

@@ -19,6 +19,7 @@ from remote_fakes import FakeCluster, hash_logits
 from server_harness import ServerProc
 from transformers import AutoTokenizer
 
+from helpers import promote
 from prepos.backends.remote import RemoteBackend, make_adapter
 from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
@@ -213,6 +214,7 @@ def test_a_structured_request_never_takes_the_relaxed_path(make_engine):
     eng.set_gate(GateConfig(tau=header.gap - 1e-3, answers=(header.top_text,)))
     if header.argmax not in eng.gate.answer_ids:
         pytest.skip("the random model's argmax is not a whole-word token")
+    promote(eng, "Is it rising?", header.argmax)
     plain = eng.query(sid, "Is it rising?", Request(SamplingParams(max_tokens=4))).result()
     assert plain.match is Match.RELAXED  # the gate fires for a free-text answer
     res = eng.query(sid, "Is it rising?", structured()).result()

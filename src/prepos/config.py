@@ -83,7 +83,9 @@ class RelaxedConfig:
 
     r_max: float = 0.15  # a class is served while its Wilson 95% upper bound is within this
     min_verified: int = 24  # verified answers before a class's own evidence alone decides
-    start: str = "serve"  # a new class: "serve" (on probation) or "cold" (until promoted)
+    # a new class: "cold" (the full path, its answers verified for free, until promoted) or
+    # "serve" (relaxed on probation, each answer verified after it is served)
+    start: str = "cold"
     verify: bool = True  # shadow-verify served relaxed answers at idle priority
     window: int = 512  # the latest verified outcomes a class's estimate rests on
     max_classes: int = 256  # classes tracked per engine (least recently asked forgotten)

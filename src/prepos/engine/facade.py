@@ -260,7 +260,7 @@ class Engine:
                 return self.answers.exact(s, snap, ready, exact, sampling, req.logprobs, t0)
             if mode == "relaxed" and header is not None and not sampling.shaped:
                 if self.gate.fires(header):  # Eq. 12, then the class's verified risk
-                    d = self.relaxed.decide(s, question)
+                    d = self.relaxed.decide(s, question, header)
                     if d.serve:  # one cached token, no scheduler; verified at idle
                         stream = self.answers.relaxed(ready, header, sampling, req.logprobs,
                                                       t0, d.answer_id)

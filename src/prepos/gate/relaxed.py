@@ -7,6 +7,9 @@ token, decided from verified evidence, within a risk budget.
 - Per class, the engine keeps the latest verified outcomes (agree / disagree) and their
   Wilson 95% bound (`wilson`, the one implementation the offline calibration uses too). A
   class is served relaxed while that upper bound is within `r_max` (`ClassStats.status`).
+- Per class too, its *answer set*: the tokens its verified full-path answers used in those
+  outcomes (a polar class learns yes / no, a trend class up / down / flat). A cached token
+  outside it falls through to the full path, on probation too: a new class's set is empty.
 - Evidence comes from the full path's greedy first token at the question's real entry: free
   from a cold answer the gate fired on but the class withheld, else from a *shadow
   verification* run after a relaxed answer, at idle priority behind pre-positions
@@ -21,6 +24,7 @@ queued per session and per engine.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import uuid
@@ -41,11 +45,12 @@ DEFER_QUANTA = 4  # a verification gives way to pre-positions for at most this m
 
 @dataclass
 class ClassStats:
-    """One class's verified outcomes: the latest `window` (True: disagreed) and lifetime
-    counts."""
+    """One class's verified outcomes: the latest `window` (disagreed, the full path's token)
+    with the tokens they used (`answers`, the class's answer set), and lifetime counts."""
 
     window: int
-    recent: deque = field(default_factory=deque)
+    recent: deque[tuple[bool, int | None]] = field(default_factory=deque)
+    answers: Counter[int] = field(default_factory=Counter)  # full tokens within the window
     disagree_recent: int = 0
     agreements: int = 0
     disagreements: int = 0
@@ -54,11 +59,19 @@ class ClassStats:
     probing: int = 0  # served on probation, verification still to come
     probation_served: int = 0  # served on probation in all (at most min_verified)
 
-    def add(self, disagree: bool) -> None:
-        self.recent.append(disagree)
+    def add(self, disagree: bool, full: int | None = None) -> None:
+        """One outcome; `full`: the full path's token (None: its answer ended at once)."""
+        self.recent.append((disagree, full))
         self.disagree_recent += disagree
+        if full is not None:
+            self.answers[full] += 1
         if len(self.recent) > self.window:
-            self.disagree_recent -= self.recent.popleft()
+            old, token = self.recent.popleft()
+            self.disagree_recent -= old
+            if token is not None:
+                self.answers[token] -= 1
+                if not self.answers[token]:
+                    del self.answers[token]
         if disagree:
             self.disagreements += 1
         else:
@@ -76,10 +89,11 @@ class ClassStats:
             return PROMOTED if wilson(d, n)[1] <= r_max else DEMOTED
         return PROBATION if wilson(d, min_verified)[1] <= r_max else DEMOTED
 
-    def view(self, r_max: float, min_verified: int) -> dict:
+    def view(self, r_max: float, min_verified: int, decode: Callable[[int], str]) -> dict:
         n = len(self.recent)
         lo, hi = self.bound()
         return {"status": self.status(r_max, min_verified), "verified": n,
+                "answers": sorted(decode(t) for t in self.answers),
                 "disagreements": self.disagree_recent,
                 "false_accept": self.disagree_recent / n if n else None,
                 "false_accept_ci": [lo, hi], "r_max": r_max,
@@ -104,8 +118,10 @@ class ClassGate:
 
     ASKED_PER_SESSION = 32  # classes a session's info lists (the ones it asked last)
 
-    def __init__(self, config: RelaxedConfig):
+    def __init__(self, config: RelaxedConfig, decode: Callable[[int], str] = str):
         self.config = config
+        # a token's text, for the views: cached, as they are built under the lock below
+        self.decode = functools.lru_cache(maxsize=4096)(decode)
         self._lock = threading.Lock()
         self._classes: OrderedDict[str, ClassStats] = OrderedDict()
         self._asked: dict[str, OrderedDict[str, None]] = {}
@@ -115,10 +131,11 @@ class ClassGate:
         self._salt = uuid.uuid4().hex[:6]
 
     # -- decisions -----------------------------------------------------------------------
-    def decide(self, sid: str, cls: str | None, r_max: float | None) -> Decision:
-        """The gate fired on the header record for a question of class `cls`: serve it
-        relaxed iff the class is promoted, or on probation under start "serve" with a
-        verification booked; a served answer books a verification when there is room."""
+    def decide(self, sid: str, cls: str | None, r_max: float | None, token: int) -> Decision:
+        """The gate fired on the header record (its argmax `token`) for a question of class
+        `cls`: serve it relaxed iff the token is in the class's answer set and the class is
+        promoted, or on probation under start "serve" with a verification booked; a served
+        answer books a verification when there is room."""
         c = self.config
         r_max = r_max or c.r_max
         with self._lock:
@@ -126,12 +143,14 @@ class ClassGate:
                 self.counters["no_class"] += 1
                 return Decision(None, False)
             st = self._touch(sid, cls)
-            status = st.status(r_max, c.min_verified)
-            if status == PROMOTED:
+            if token not in st.answers:  # no verified answer of the class used it: full path
+                self.counters["outside_answers"] += 1
+            elif (status := st.status(r_max, c.min_verified)) == PROMOTED:
                 verify = c.verify and self._book(sid)
                 return self._serve(st, cls, verify)
-            if status == PROBATION and c.start == "serve" and st.probing < c.session_pending \
-                    and st.probation_served < c.min_verified and self._book(sid):
+            elif status == PROBATION and c.start == "serve" and \
+                    st.probing < c.session_pending and \
+                    st.probation_served < c.min_verified and self._book(sid):
                 st.probing += 1  # unverified exposure on probation: at most min_verified
                 st.probation_served += 1
                 return self._serve(st, cls, True, probe=True)
@@ -175,12 +194,14 @@ class ClassGate:
         return True
 
     # -- evidence ------------------------------------------------------------------------
-    def evidence(self, cls: str, disagree: bool, probe: bool = False) -> None:
-        """A verified outcome for class `cls` (a forgotten class is not revived)."""
+    def evidence(self, cls: str, disagree: bool, full: int | None,
+                 probe: bool = False) -> None:
+        """A verified outcome for class `cls`, `full` the full path's token (None: its answer
+        ended at once); a forgotten class is not revived."""
         with self._lock:
             st = self._classes.get(cls)
             if st is not None:
-                st.add(disagree)
+                st.add(disagree, full)
                 if probe:
                     st.probing = max(0, st.probing - 1)
             self.counters["disagree" if disagree else "agree"] += 1
@@ -223,7 +244,7 @@ class ClassGate:
         r = r_max or c.r_max
         with self._lock:
             asked = list(self._asked.get(sid, ()))
-            classes = {k: self._classes[k].view(r, c.min_verified) for k in asked
+            classes = {k: self._classes[k].view(r, c.min_verified, self.decode) for k in asked
                        if k in self._classes}
             pending = self._pending.get(sid, 0)
         return {"r_max": r, "start": c.start, "min_verified": c.min_verified,
@@ -233,7 +254,8 @@ class ClassGate:
     def metrics(self) -> dict:
         c = self.config
         with self._lock:
-            classes = {k: st.view(c.r_max, c.min_verified) for k, st in self._classes.items()}
+            classes = {k: st.view(c.r_max, c.min_verified, self.decode)
+                       for k, st in self._classes.items()}
             counters = dict(self.counters)
             pending = sum(self._pending.values())
         return {"counters": counters, "pending": pending, "classes": classes,
@@ -268,7 +290,7 @@ class Relaxed:
                  prepositions_pending: Callable[[], int],
                  on_correction: Callable[[object, dict], None]):
         self.config = config
-        self.gate = ClassGate(config)
+        self.gate = ClassGate(config, lambda t: fmt.decode([t]))
         self.fmt = fmt
         self.pool = pool
         self.submit = submit  # the scheduler's
@@ -280,10 +302,10 @@ class Relaxed:
         self._lock = threading.Lock()
         self._queues: dict[str, deque[Verification]] = {}  # sid -> verifications to run
 
-    def decide(self, s, question: str) -> Decision:
+    def decide(self, s, question: str, header) -> Decision:
         """The header record fired the gate for this question: may it be served relaxed?"""
         return self.gate.decide(s.id, classify(question, s.spec.relaxed_queries),
-                                s.spec.r_max)
+                                s.spec.r_max, header.argmax)
 
     def served(self, s, snap, question: str, header, d: Decision) -> None:
         """After a relaxed answer: its shadow verification, when one was booked."""
@@ -318,9 +340,9 @@ class Relaxed:
         token is the full path's; an answer that ended at once disagrees."""
         def observe(res) -> None:
             if res.tokens:
-                self.gate.evidence(cls, res.tokens[0] != served_token)
+                self.gate.evidence(cls, res.tokens[0] != served_token, res.tokens[0])
             elif res.finish_reason == "stop":
-                self.gate.evidence(cls, True)
+                self.gate.evidence(cls, True, None)
 
         return observe
 
@@ -404,7 +426,7 @@ class Relaxed:
         dist = logits if isinstance(logits, Dist) else Dist.from_logits(logits)
         full = dist.top_ids[0]
         disagree = full != v.served_token
-        self.gate.evidence(v.cls, disagree, v.probe)
+        self.gate.evidence(v.cls, disagree, full, v.probe)
         self.gate.settle(v.sid)
         if disagree and v.answer_id is not None:
             self.gate.corrected()

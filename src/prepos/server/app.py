@@ -166,9 +166,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--relaxed-r-max", type=float, default=RelaxedConfig.r_max,
                    help="the relaxed fast path's risk budget: a question class is served "
                         "while its verified false-accept rate's Wilson upper bound is within")
-    p.add_argument("--relaxed-start", default=RelaxedConfig.start, choices=["serve", "cold"],
-                   help="a new question class on the relaxed path: served on probation, each "
-                        "answer verified (serve), or by the full path until promoted (cold)")
+    p.add_argument("--relaxed-start", default=RelaxedConfig.start, choices=["cold", "serve"],
+                   help="a new question class on the relaxed path: answered by the full path, "
+                        "its answers the evidence, until promoted (cold, the default: no "
+                        "unverified exposure), or served relaxed on probation, each answer "
+                        "verified after it is served and corrected if wrong (serve)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-sessions", type=int, default=Limits.max_sessions,
                    help="sessions the server keeps (journalled; their KV in the tiers)")
