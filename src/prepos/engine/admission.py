@@ -23,7 +23,8 @@ def check_request(req: Request, backend: Backend, topk_sampling: bool) -> Sampli
     sampling = req.sampling
     if sampling.shaped and backend.streams_answers:
         raise InvalidSampling(f"the {backend.name} back end samples answers itself: "
-                              "penalties, logit_bias and response_format are not applied there")
+                              "penalties, logit_bias, response_format and grammars are not "
+                              "applied there")
     if (not sampling.greedy and not backend.full_distribution and not backend.streams_answers
             and not topk_sampling):
         raise InvalidSampling(f"the {backend.name} back end returns top-k logprobs only: it "

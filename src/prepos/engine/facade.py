@@ -308,7 +308,7 @@ class Engine:
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, expected_version=req.expected_version,
-                check=lambda n: self.room.check(s, n + n_header, sampling))
+                check=lambda n: self.room.check(s, n + n_header, sampling), turn=True)
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from prepos.core import SamplingParams
 from prepos.engine.admission import valid_ids
-from prepos.errors import InvalidResponseFormat
-from prepos.response_format import canonical
+from prepos.errors import InvalidInput, InvalidResponseFormat
+from prepos.response_format import canonical, schema_error
 from prepos.server.errors import ApiError
 from prepos.server.schemas import ChatCompletion, Completion, OpenAISampling
 
@@ -133,6 +133,42 @@ def tool_choice(body: ChatCompletion) -> str | None:
         raise ApiError(400, "invalid_request", f"tool_choice names function {name!r}, which "
                        f"is not among the request's tools {names}", "tool_choice")
     return name
+
+
+def forced_call(engine, msgs: list[dict], tools: list[dict], choice: str,
+                grammar: bool = True) -> tuple[str | None, dict[str, str]]:
+    """tool_choice 'required' or a function's name: a grammar of one call (of that function,
+    or of any tool), written in the template's markup, its arguments valid JSON of the
+    function's parameter schema (enforced strictly where the tool says `strict`, else its
+    unsupported keywords ignored); and each function's opening as the answer's text shows
+    it (its special tokens left out), by name. Without `grammar` (a back end that samples
+    itself), the openings alone."""
+    fmt = engine.fmt
+    calls = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if choice != "required" and fn["name"] != choice:
+            continue
+        where = f"tools[{i}].function.parameters"
+        schema = fn.get("parameters") or {"type": "object"}
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise ApiError(400, "invalid_request", f"{where} must be a JSON Schema of an "
+                           "object (a call's arguments are one)", where)
+        schema = {"type": "object", **schema}
+        strict = fn.get("strict") is True
+        error = schema_error(schema, strict) if grammar else ""
+        if error:
+            raise ApiError(400, "invalid_request", f"{where} cannot be enforced on a forced "
+                           f"call{' (strict)' if strict else ''}: {error}", where)
+        try:
+            markup = fmt.call_markup(msgs, tools, fn["name"])
+        except InvalidInput as exc:
+            raise ApiError(400, "unsupported", f"{exc}: tool_choice must be 'auto' or 'none'",
+                           "tool_choice") from None
+        calls.append((markup, schema, strict))
+    shown = {m.name: "".join(p for p in fmt.controls.split_special(m.opening)
+                             if isinstance(p, str)) for m, _, _ in calls}
+    return (fmt.call_grammar(calls) if grammar else None), shown
 
 
 def tool_specs(body: ChatCompletion) -> list[dict]:

@@ -34,23 +34,21 @@ def _token_lp(chat_format: ChatFormat, token: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def message(res: Result, agentic: bool, prefix: str = "", forced: str | None = None,
-            parallel: bool = True, fmt: ToolFormat = PREPOS) -> tuple[dict, str]:
-    """The assistant message of a chat answer, and its finish reason. `prefix`: the text the
-    answer continued (a tool call's opening); `forced`: the function it must call (its
-    arguments are the generated JSON object, or the text if it is none); `fmt`: the tool-call
-    markup of the model's family."""
+def message(res: Result, agentic: bool, prefix: str = "",
+            forced: dict[str, str] | None = None, parallel: bool = True,
+            fmt: ToolFormat = PREPOS) -> tuple[dict, str]:
+    """The assistant message of a chat answer, and its finish reason ("length" when cut by
+    max_tokens, a call or not, as OpenAI's). `prefix`: the text the answer continued (a
+    tool call's opening); `forced`: the openings of the functions it must call, by name (a
+    call the parser cannot read, cut off or unconstrained, is still that function's call,
+    its arguments the JSON object after the opening, else the text as it is); `fmt`: the
+    tool-call markup of the model's family."""
     text = prefix + res.text
     content, calls = fmt.parse(text) if agentic else (res.text, [])
-    if forced is not None and not calls:
-        raw = res.text.lstrip()
-        try:
-            args, _ = json.JSONDecoder().raw_decode(raw)
-        except ValueError:
-            args = None
-        content = ""
-        calls = [{"function": {"name": forced,
-                               "arguments": args if isinstance(args, dict) else raw}}]
+    if forced and not calls:
+        cut = _forced_call(text, forced)
+        if cut is not None:
+            content, calls = "", [cut]
     if not parallel:
         calls = calls[:1]
     msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
@@ -59,8 +57,29 @@ def message(res: Result, agentic: bool, prefix: str = "", forced: str | None = N
                               "function": {"name": c["function"]["name"],
                                            "arguments": _arguments(c["function"]["arguments"])}}
                              for c in calls]
-        return msg, "tool_calls"
-    return msg, finish_reason(res)
+    return msg, finish_reason(res) if res.finish_reason == "length" or not calls \
+        else "tool_calls"
+
+
+def _forced_call(text: str, forced: dict[str, str]) -> dict | None:
+    """The call of the function whose opening `text` starts with (or, of one function,
+    is a start of)."""
+    body = text.lstrip()
+    for name, opening in forced.items():
+        opening = opening.lstrip()
+        if body.startswith(opening):
+            rest = body[len(opening):]
+        elif len(forced) == 1 and opening.startswith(body):
+            rest = ""
+        else:
+            continue
+        try:
+            args, _ = json.JSONDecoder().raw_decode(rest)
+        except ValueError:
+            args = None
+        return {"function": {"name": name, "arguments": args if isinstance(args, dict)
+                             else rest}}
+    return None
 
 
 def _arguments(args) -> str:
@@ -164,7 +183,7 @@ async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=N
 # -- chat ---------------------------------------------------------------------------------
 class ChatReply(Reply):
     def __init__(self, state, body: ChatCompletion, sid: str | None, agentic: bool,
-                 tools: bool, prefix: str = "", forced: str | None = None,
+                 tools: bool, prefix: str = "", forced: dict[str, str] | None = None,
                  parallel: bool = True):
         super().__init__(state, body, sid, "chatcmpl-", "chat.completion",
                          "chat.completion.chunk")
