@@ -218,6 +218,7 @@ class ChatFormat:
         """Token ids that end an assistant turn: eos, and the first token the template puts
         after an assistant message's content."""
         ids: set[int] = set()
+        self.closing_tokens = 0  # the tokens the template writes after an assistant message
         eos = self.tokenizer.eos_token_id
         if isinstance(eos, int):
             ids.add(eos)
@@ -227,6 +228,7 @@ class ChatFormat:
             msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}]
             after = self.render(msgs).split(SENTINEL, 1)[1]
             toks = self.encode(after)
+            self.closing_tokens = len(toks)
             special = set(self.tokenizer.all_special_ids)
             if toks and toks[0] in special:
                 ids.add(toks[0])

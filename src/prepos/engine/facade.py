@@ -341,7 +341,7 @@ class Engine:
         snap, ready = s.current()
         seq = prompt_ids(prompt, self.fmt, self.backend.vocab_size)
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
-                                    req.logprobs, t0)
+                                    req.logprobs, t0, prompt_logprobs=req.prompt_logprobs)
 
     # == helpers ===========================================================================
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:

@@ -105,7 +105,7 @@ async def chat_completions(request: Request):
     sampling = chat_sampling(state, body)
     msgs = session_messages(body.messages)
     for i, m in enumerate(msgs):
-        await state.check_input(eng, m["content"], f"messages[{i}].content")
+        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(body)
     call = ChatCall(state, body, sampling, request.receive)
     if body.session_id is None:
@@ -132,5 +132,5 @@ async def completions(request: Request):
         if body.session_id is not None:  # a streaming session's query: its text
             prompts[i] = p = prompt_text(eng, p, where)
         if isinstance(p, str):
-            await state.check_input(eng, p, where)
+            await state.check_input(eng, p, where, context=True)
     return await complete(state, request.receive, eng, owner, body, prompts, sampling)

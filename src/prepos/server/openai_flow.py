@@ -158,7 +158,8 @@ class ChatCall:
             raise ApiError(400, "invalid_input", str(exc), "messages") from None
         prompt = _continuation_prompt(fmt, text)
         self.state.backpressure(eng)
-        spec = SessionSpec(AGENTIC, None, (), (), "off", False, None, owner=owner)
+        # a raw completion, never committed: the context is all its room
+        spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
         streams: list = []
 
         def start(sid):
@@ -268,7 +269,8 @@ class ChatCall:
             raise ApiError(400, "invalid_input", str(exc), "messages") from None
         n = len(eng.fmt.encode(text))
         room = min(eng.max_context, s.budget(eng.config.budget.session_cells))
-        need = n + max(self.sampling.max_tokens, eng.config.reserve_tokens)
+        answer = 1 if self.sampling.fit_context else self.sampling.max_tokens
+        need = n + max(answer, eng.config.reserve_tokens)
         if need > room:
             raise ApiError(400, "context_length_exceeded", f"the conversation is {n} tokens; "
                            f"with max_tokens {self.sampling.max_tokens} it needs {need} of the "
@@ -303,13 +305,15 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
     """Completions: a streaming session's queries (text), or stateless raw completions of
     text or token ids, each on an ephemeral session."""
     want_lp = body.logprobs is not None
+    prompt_lp = bool(body.echo) and want_lp  # the prompt's own logprobs, echoed with it
     n = body.n or 1
-    if body.echo and want_lp:
-        raise ApiError(400, "unsupported", "echo with logprobs is not supported (the prompt's "
-                       "own logprobs are not computed)", "echo")
     echo = [p if isinstance(p, str) else eng.fmt.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if body.echo else None
     if body.session_id is not None:
+        if prompt_lp:
+            raise ApiError(400, "unsupported", "echo with logprobs is not supported on a "
+                           "session's query (stateless completions compute the prompt's "
+                           "logprobs)", "echo")
         s = state.session(eng, body.session_id, owner, "session_id")
         if s.kind != STREAMING:
             raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
@@ -331,7 +335,8 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
     def start_all(prompt):
         def start(sid):
             for i in range(n):
-                req = EngineRequest(choice_sampling(sampling, i), None, want_lp)
+                req = EngineRequest(choice_sampling(sampling, i), None, want_lp,
+                                    prompt_logprobs=prompt_lp)
                 streams.append(eng.complete(sid, prompt, req))
             return streams[-1]
         return start

@@ -288,11 +288,27 @@ class CompletionReply(Reply):
         return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": listed,
                 "text_offset": offsets}
 
+    def _prompt_block(self, prompt: list | None) -> dict:
+        """The echoed prompt's logprobs, as OpenAI's legacy API lists them: the first
+        token's logprob and top_logprobs null."""
+        prompt = prompt or []
+        block = self._lp_block([t for t, _, _ in prompt], [lp for _, lp, _ in prompt],
+                               [top for _, _, top in prompt], 0)
+        if prompt:
+            block["top_logprobs"][0] = None
+        return block
+
     def choice(self, res: Result) -> dict:
+        lp = None
+        if self.want_lp:
+            lp = self._lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
+            if self.echo:  # the prompt's tokens first, then the answer's after its text
+                head = self._prompt_block(res.prompt_logprobs)
+                shift = len(self._echoed())
+                lp = {k: head[k] + ([o + shift for o in lp[k]] if k == "text_offset"
+                                    else lp[k]) for k in lp}
         return {"index": self.index, "text": self._echoed() + res.text,
-                "finish_reason": finish_reason(res),
-                "logprobs": self._lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
-                if self.want_lp else None}
+                "finish_reason": finish_reason(res), "logprobs": lp}
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
         choice = {"index": self.index, "text": text, "logprobs": logprobs,
@@ -302,9 +318,17 @@ class CompletionReply(Reply):
     def chunks(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
             at = 0
-            if self.echo:
+            # the echo with the prompt's logprobs waits for them (they come before the first
+            # token); without logprobs it goes at once
+            echo = bool(self.echo)
+            if echo and not self.want_lp:
                 yield self._chunk(self._echoed())
+                echo = False
             async for ev in source:
+                if echo:
+                    yield self._chunk(self._echoed(),
+                                      logprobs=self._prompt_block(stream.prompt_logprobs))
+                    at, echo = len(self._echoed()), False
                 lp = None
                 if self.want_lp and ev.token >= 0 and ev.logprob is not None:
                     lp = self._lp_block([ev.token], [ev.logprob], [ev.top], at)
@@ -313,6 +337,9 @@ class CompletionReply(Reply):
                 at += len(ev.text)
                 yield self._chunk(ev.text, logprobs=lp)
             res = stream.result()
+            if echo:  # no token came: the prompt's logprobs are in the result
+                yield self._chunk(self._echoed(),
+                                  logprobs=self._prompt_block(res.prompt_logprobs))
             yield self._chunk("", finish_reason(res), prepos=results.extension(res, self.sid))
             if self.include_usage:
                 yield self.usage_chunk([res])
