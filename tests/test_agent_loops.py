@@ -399,3 +399,46 @@ def test_every_bad_logit_bias_key_is_named(http, model):
     for part in ("'x'", "'-1'", "'99999999'", "300", "token 7", "-101", "token 8"):
         assert part in err["message"], part
     assert "'5'" not in err["message"] and err["param"] == "logit_bias"
+
+
+def test_a_back_end_without_grammars_continues_the_call_unconstrained(model_dirs):
+    """Where the back end samples itself or returns top-k (remote engines), no grammar is
+    sent: a forced call is the calls' opening continued and read back, response_format
+    stays a 400, and the engine refuses a grammar outright."""
+    import time
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from prepos.config import EngineConfig
+    from prepos.core import Request, SamplingParams
+    from prepos.engine.admission import check_request
+    from prepos.errors import InvalidSampling
+    from prepos.server.app import create_app
+    from prepos.server.state import ServerConfig
+
+    app = create_app(ServerConfig(model=model_dirs["chatml"],
+                                  engine=EngineConfig(backend="torch", threads=2)))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
+        app.state.prepos.engine.backend.full_distribution = False  # as a top-k back end
+        name = model_dirs["chatml"].name
+        r = client.post("/v1/chat/completions", json={
+            "model": name, "messages": [USER], "tools": TOOLS, "max_tokens": 6,
+            "tool_choice": {"type": "function", "function": {"name": "get_news"}}})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == ["get_news"]
+        assert c["finish_reason"] in ("tool_calls", "length")
+        r = client.post("/v1/chat/completions", json={
+            "model": name, "messages": [USER], "response_format": {"type": "json_object"}})
+        expect(r, 400, "unsupported", "response_format")
+    remote = SimpleNamespace(name="remote", streams_answers=True, full_distribution=False,
+                             verifies_drafts=False)
+    with pytest.raises(InvalidSampling, match="grammars"):
+        check_request(Request(SamplingParams(grammar='start: "a"')), remote, False)
+    with pytest.raises(InvalidSampling, match="prompt logprobs"):
+        check_request(Request(prompt_logprobs=True), remote, False)

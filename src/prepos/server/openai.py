@@ -22,8 +22,10 @@ the last chunk instead), and the body's `prepos` extension field.
 and `logprobs: N` (completions) list the N most likely tokens at each step, from the full
 distribution in process (a remote top-k back end lists at most the k it returned).
 /v1/completions without `session_id` continues the prompt as given (no chat template, the
-tokenizer's own special tokens added); with a streaming session's `session_id` the prompt is
-that session's query.
+tokenizer's own special tokens added; `echo` with `logprobs` lists the prompt's tokens
+first, the first one's logprob null); with a streaming session's `session_id` the prompt is
+that session's query. `max_tokens` left out is the rest of the context, up to the server's
+`--max-tokens`.
 """
 
 from __future__ import annotations

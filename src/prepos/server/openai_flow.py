@@ -7,11 +7,14 @@ is committed, and an empty delta after a committed user or tool message is the e
 path. Completions: a streaming session's query, or a raw completion on an ephemeral session.
 
 A stateless conversation that ends with an assistant message is continued (the message's
-text is the start of the answer, which returns what follows it); `tool_choice` "required"
-or a named function is the same continuation after the opening of a tool call, as the chat
-template writes one. `n` choices are n requests: on a streaming session each is answered
-from the same ready distribution when one is cached (n answers, one cache); an agentic
-session commits one answer per turn, so it takes n = 1 only.
+text is the start of the answer, which returns what follows it). `tool_choice` "required"
+or a named function is one call, constrained by a grammar of the template's call markup
+around arguments valid for the function's parameter schema (of any tool, for "required"),
+the answer ending where the call closes; on a back end that samples itself (no grammars)
+it is an unconstrained continuation of the calls' opening. `n` choices are n requests: on
+a streaming session each is answered from the same ready distribution when one is cached
+(n answers, one cache); an agentic session commits one answer per turn, so it takes n = 1
+only.
 """
 
 from __future__ import annotations
@@ -121,8 +124,9 @@ class ChatCall:
             self.state.close_after(stream, sid)
 
     async def _continue(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
-        """The continuation of the final assistant message, or of a tool call's opening
-        (tool_choice required or named): a raw completion of the rendered conversation."""
+        """The continuation of the final assistant message, or a forced tool call (its
+        grammar, or its opening continued): a raw completion of the rendered
+        conversation."""
         fmt = eng.fmt
         for i, m in enumerate(msgs):
             fmt.check_text(m["content"], f"messages[{i}].content")
