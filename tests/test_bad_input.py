@@ -77,11 +77,14 @@ def cases(model: str, t: dict, long_text: str):
     awaited = [*t["held_t"], {"role": "assistant", "content": "I will not wait."}]
     return [
         # (name, method, path, request, status, code, a word the error must name)
-        ("seed-over-uint64", "POST", V1, {"json": chat(seed=2**64, temperature=1)}, 400,
-         "invalid_sampling", "seed"),
+        # OpenAI's seed is an int64, refused in its words
+        ("seed-over-int64", "POST", V1, {"json": chat(seed=2**63, temperature=1)}, 400,
+         "integer_above_max_value", "seed"),
         ("seed-over-uint64-streamed", "POST", V1,
-         {"json": chat(seed=2**64, temperature=1, stream=True)}, 400, "invalid_sampling",
-         "seed"),
+         {"json": chat(seed=2**64, temperature=1, stream=True)}, 400,
+         "integer_above_max_value", "seed"),
+        ("seed-under-int64-completion", "POST", CMPL, {"json": cmpl(seed=-(2**63) - 1)}, 400,
+         "integer_below_min_value", "seed"),
         ("seed-query", "POST", "/sessions/{S}/query", {"json": {**q, "seed": 2**64}}, 400,
          "invalid_sampling", "seed"),
         ("seed-under-int64-turn", "POST", "/sessions/{A}/turn",
@@ -124,8 +127,8 @@ def cases(model: str, t: dict, long_text: str):
          "invalid_request", "prompt"),
         ("prompt-empty-list", "POST", CMPL, {"json": cmpl(prompt=[])}, 400, "invalid_request",
          "prompt"),
-        ("echo-with-logprobs", "POST", CMPL, {"json": cmpl(echo=True, logprobs=1)}, 400,
-         "unsupported", "echo"),
+        ("echo-with-logprobs-on-a-session", "POST", CMPL,
+         {"json": cmpl(echo=True, logprobs=1, session_id="{S}")}, 400, "unsupported", "echo"),
         ("top-logprobs", "POST", V1, {"json": chat(logprobs=True, top_logprobs=21)}, 400,
          "invalid_request", "top_logprobs"),
         ("response-format-schema", "POST", V1,
@@ -138,13 +141,29 @@ def cases(model: str, t: dict, long_text: str):
          {"json": chat(response_format={"type": "json_schema", "json_schema": {
              "name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}}})}, 400,
          "invalid_request", "response_format"),
-        ("tool-call-arguments-nested-too-deep", "POST", V1,
+        ("tool-call-arguments-not-text", "POST", V1,
          {"json": chat([{"role": "user", "content": "Price?"},
                         {"role": "assistant", "content": "", "tool_calls": [{
                             "id": "c1", "type": "function", "function": {
-                                "name": "get_price", "arguments": "[" * 2000 + "]" * 2000}}]},
+                                "name": "get_price", "arguments": 7}}]},
                         {"role": "tool", "tool_call_id": "c1", "content": "42"}])}, 400,
-         None, "arguments"),
+         "invalid_request", "arguments"),
+        ("tool-result-for-an-unknown-call", "POST", V1,
+         {"json": chat([{"role": "user", "content": "Price?"},
+                        {"role": "assistant", "content": "", "tool_calls": [{
+                            "id": "c1", "type": "function", "function": {
+                                "name": "get_price", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "c2", "content": "42"}])}, 400,
+         "unknown_tool_call_id", "'c2'"),
+        ("forced-call-strict-schema-unenforceable", "POST", V1,
+         {"json": chat(tool_choice="required", tools=[{"type": "function", "function": {
+             "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+                 "a": {"type": "array", "uniqueItems": True}}}}}])}, 400, "invalid_request",
+         "tools[0].function.parameters"),
+        ("forced-call-parameters-not-an-object", "POST", V1,
+         {"json": chat(tool_choice="required", tools=[{"type": "function", "function": {
+             "name": "f", "parameters": {"type": "array"}}}])}, 400, "invalid_request",
+         "tools[0].function.parameters"),
         ("image-content", "POST", V1,
          {"json": chat([{"role": "user", "content": [{"type": "image_url",
                                                       "image_url": {"url": "x"}}]}])},
@@ -218,7 +237,7 @@ def test_edge_values_are_answered_never_500(server, sessions, model):
     """The smallest positive temperature and top_p pick the likeliest token (no NaN), on
     the OpenAI routes, /query and /turn, streamed or not."""
     edge = [{"temperature": 1e-38}, {"temperature": 1.0, "top_p": 1e-320},
-            {"temperature": 0.7, "seed": 2**64 - 1}, {"temperature": 0.7, "seed": -(2**63)}]
+            {"temperature": 0.7, "seed": 2**63 - 1}, {"temperature": 0.7, "seed": -(2**63)}]
     with httpx.Client(base_url=server.url, timeout=120, headers=AUTH) as c:
         for kw in edge:
             for stream in (False, True):

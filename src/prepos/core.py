@@ -41,6 +41,12 @@ class SamplingParams:
     # (prepos.response_format, checked once per distinct format); None for free text.
     # Constrains every token, the first included
     response_format: str | None = None
+    # a grammar (llguidance's Lark) the answer must match instead, as a response_format
+    # constrains it: a forced tool call's (the server writes it from the tools' schemas)
+    grammar: str | None = None
+    # max_tokens is a bound: an answer stops where the context (or the session's budget)
+    # has no more room, instead of being refused (OpenAI's max_tokens left out)
+    fit_context: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -77,13 +83,17 @@ class SamplingParams:
                                   f"{self.top_logprobs!r}")
         if self.response_format is not None:
             object.__setattr__(self, "response_format", canonical(self.response_format))
+        if self.grammar is not None and (not isinstance(self.grammar, str)
+                                         or self.response_format is not None):
+            raise InvalidSampling("grammar must be a string, and not beside a "
+                                  "response_format")
 
     @property
     def shaped(self) -> bool:
         """Whether penalties, biases or a response format's grammar change the logits
         before the choice."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.response_format)
+                    or self.response_format or self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +112,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     fast_path: str | None = None  # one of FAST_MODES; None: the session's own
     logprobs: bool = False  # report the chosen token's logprob with each token
+    # a raw completion's prompt tokens' own logprobs (`Result.prompt_logprobs`; back ends
+    # that return the logits at every position)
+    prompt_logprobs: bool = False
     expected_version: int | None = None  # refuse (Conflict) unless the session is there
 
     def __post_init__(self) -> None:
@@ -166,3 +179,7 @@ class Result:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # a relaxed answer's id: a `correction` event names it if verification disagrees
     answer_id: str | None = None
+    # with Request.prompt_logprobs: each prompt token, its logprob (None for the first) and
+    # the most likely tokens there (as top_logprobs)
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] = field(
+        default_factory=list)

@@ -108,3 +108,20 @@ def schema_of(canonical: str) -> dict:
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)  # keys in order
+
+
+def schema_error(schema: dict, strict: bool = True) -> str:
+    """The library's objection to a JSON Schema, enforced strictly (an unsupported keyword
+    refused) or leniently (ignored); '' when it can enforce it. A forced tool call's
+    arguments are checked so, before its grammar is written."""
+    if strict:
+        return _validate(dumps(schema))
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            dumps(schema), JSON_OPTIONS, {"lenient": True})
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    return "; ".join(messages) if is_error else ""

@@ -90,6 +90,18 @@ class ControlTokens:
                 return m.group(0)
         return None
 
+    def split_special(self, text: str) -> list[str | int]:
+        """Template text as its pieces of plain text and the ids of the special control
+        tokens between them."""
+        out: list[str | int] = []
+        at = 0
+        for m in self._markup_re.finditer(text) if self._markup_re else ():
+            if m.group(0) in self.special:
+                out += [text[at:m.start()], self._ids[m.group(0)]]
+                at = m.end()
+        out.append(text[at:])
+        return [p for p in out if p != ""]
+
     # -- tokenizing ----------------------------------------------------------------------
     def encode_pieces(self, text: str) -> list[int]:
         """Rendered, defused text's tokens: its control tokens their ids, the pieces between

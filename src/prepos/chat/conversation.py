@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
-from prepos.chat.format import normalize_tool_call
+from prepos.chat.format import normalize_tool_call, without_ids
 from prepos.errors import InvalidInput, PreposError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -40,10 +40,29 @@ class Message(Protocol):
     tool_calls: list | None
 
 
+def pending_calls(messages: Sequence[dict]) -> list[str | None]:
+    """The tool calls a conversation awaits results for, in order, each by its id (None
+    where the call has none): those of its last assistant message with calls, less the
+    tool messages after it, each answering the call its `tool_call_id` names, else the
+    next one in order."""
+    k = len(messages)
+    while k and messages[k - 1]["role"] == "tool":
+        k -= 1
+    if not k or messages[k - 1]["role"] != "assistant":
+        return []
+    pending = [c.get("id") for c in messages[k - 1].get("tool_calls") or ()]
+    for m in messages[k:]:
+        if not pending:
+            break
+        cid = m.get("tool_call_id")
+        pending.pop(pending.index(cid) if cid is not None and cid in pending else 0)
+    return pending
+
+
 def awaits_tool(messages: Sequence[dict]) -> bool:
-    """Whether a conversation awaits a tool result: it ends in an assistant tool call."""
-    return (bool(messages) and messages[-1]["role"] == "assistant"
-            and bool(messages[-1].get("tool_calls")))
+    """Whether a conversation awaits a tool result: a call of its last assistant message
+    has none yet."""
+    return bool(pending_calls(messages))
 
 
 # -- the session's form -------------------------------------------------------------------
@@ -59,6 +78,8 @@ def session_messages(messages: Sequence[Message]) -> list[dict]:
                                     f"tool, got {m.role!r}", f"messages[{i}].role")
         content = _content(m, i)
         msg: dict = {"role": role, "content": content}
+        if role == "tool" and getattr(m, "tool_call_id", None) is not None:
+            msg["tool_call_id"] = m.tool_call_id  # matched to a call, never rendered
         if m.tool_calls:
             if role != "assistant":
                 raise ConversationError(f"messages[{i}]: only assistant messages carry "
@@ -89,9 +110,11 @@ def _content(m: Message, i: int) -> str:
 
 def _tool_call(call: object, where: str) -> dict:
     try:
-        return normalize_tool_call(call)
+        out = normalize_tool_call(call)
     except InvalidInput as exc:
         raise ConversationError(f"{where}: {exc}", where) from None
+    cid = call.get("id") if isinstance(call, dict) else None
+    return {**out, "id": cid} if isinstance(cid, str) and cid else out
 
 
 # -- order --------------------------------------------------------------------------------
@@ -105,20 +128,26 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
     msgs = list(base)
     for k, m in enumerate(delta):
         i = offset + k
-        if m["role"] == "assistant" and awaits_tool(msgs):
-            raise ConversationError(f"messages[{i}] is an assistant message, but a tool call "
-                                    "awaits its result first", f"messages[{i}]",
-                                    "tool_result_awaited", 409)
-        if m["role"] == "tool" and not awaits_tool(msgs):
+        pending = pending_calls(msgs)
+        if m["role"] in ("assistant", "user") and pending:
+            raise ConversationError(f"messages[{i}] is {'an' if m['role'] == 'assistant' else 'a'}"
+                                    f" {m['role']} message, but {_awaited(pending)} first",
+                                    f"messages[{i}]", "tool_result_awaited", 409)
+        if m["role"] == "tool" and not pending:
             raise ConversationError(f"messages[{i}] is a tool result, but no tool call is "
                                     "awaiting one", f"messages[{i}]", "no_tool_result_awaited",
                                     409)
-        if m["role"] == "user" and awaits_tool(msgs):
-            raise ConversationError(f"messages[{i}] is a user message, but a tool call awaits "
-                                    "its result first", f"messages[{i}]", "tool_result_awaited",
-                                    409)
+        cid = m.get("tool_call_id") if m["role"] == "tool" else None
+        if cid is not None and cid not in pending and any(pending):
+            raise ConversationError(f"messages[{i}] answers tool call {cid!r}, which is not "
+                                    f"awaiting a result ({_awaited(pending)})",
+                                    f"messages[{i}].tool_call_id", "unknown_tool_call_id")
         msgs.append(m)
     last = msgs[-1]["role"] if msgs else None
+    if last == "tool" and pending_calls(msgs):
+        raise ConversationError(f"the conversation ends while {_awaited(pending_calls(msgs))}:"
+                                " send a tool message for each call", "messages",
+                                "tool_result_awaited", 409)
     if last in ("user", "tool") or (last == "system" and len(msgs) == 1):
         return
     if last == "assistant" and continue_final and not msgs[-1].get("tool_calls"):
@@ -128,14 +157,25 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
                             "assistant message, which is continued)", "messages")
 
 
+def _awaited(pending: list[str | None]) -> str:
+    ids = ", ".join(repr(c) for c in pending if c is not None)
+    n = len(pending)
+    return (f"{n} tool call{'s' if n > 1 else ''} await{'' if n > 1 else 's'} "
+            f"{'results' if n > 1 else 'its result'}" + (f" ({ids})" if ids else ""))
+
+
 # -- where a conversation meets a session -------------------------------------------------
 def same(a: dict, b: dict) -> bool:
+    """Whether two messages are the same in the session's form: content (an assistant's
+    stripped: whitespace around generated text is not the client's) and tool calls, the
+    ids that pair calls with results aside."""
     if a["role"] != b["role"]:
         return False
     ca, cb = a.get("content") or "", b.get("content") or ""
-    if a["role"] == "assistant":  # whitespace around generated text is not the client's
+    if a["role"] == "assistant":
         ca, cb = ca.strip(), cb.strip()
-    return ca == cb and (a.get("tool_calls") or []) == (b.get("tool_calls") or [])
+    return ca == cb and (without_ids(a).get("tool_calls") or []) == (
+        without_ids(b).get("tool_calls") or [])
 
 
 def extends(history: Sequence[dict], msgs: Sequence[dict]) -> int:
@@ -159,11 +199,13 @@ def first_difference(history: Sequence[dict], msgs: Sequence[dict]) -> int:
 class Resume:
     """Where a client's conversation meets a session: the version to roll back to first
     (None: the current one), the messages that version holds, and the new ones after them
-    (`messages[len(held):]` of the request)."""
+    (`messages[len(held):]` of the request); `sent`, the client's copy of `held` (the
+    same messages, with the ids that pair its tool calls with results)."""
 
     rollback_to: int | None
     held: list[dict]
     delta: list[dict]
+    sent: list[dict]
 
 
 def resume(sid: str, version: int, held: Sequence[dict], msgs: list[dict],
@@ -177,7 +219,7 @@ def resume(sid: str, version: int, held: Sequence[dict], msgs: list[dict],
         msgs = [held[0], *msgs]  # the session's system prompt is implied
     n = extends(held, msgs)
     if n >= 0:
-        return Resume(None, held, msgs[n:])
+        return Resume(None, held, msgs[n:], msgs[:n])
     if kept is None:
         i = first_difference(held, msgs)
         raise ConversationError(f"the conversation diverges from session {sid} at message {i} "
@@ -190,6 +232,6 @@ def resume(sid: str, version: int, held: Sequence[dict], msgs: list[dict],
         old = list(versions[v])
         k = extends(old, msgs)
         if k >= 0:
-            return Resume(v, old, msgs[k:])
+            return Resume(v, old, msgs[k:], msgs[:k])
     raise ConversationError(f"the conversation extends none of the versions session {sid} "
                             "keeps", "messages", "conversation_diverged", 409)

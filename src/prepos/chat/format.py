@@ -11,6 +11,7 @@ prompt adds to the committed text.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -20,6 +21,7 @@ from prepos.chat.tool_support import ToolSupport
 from prepos.errors import InvalidInput
 
 SENTINEL = "PREPOSxSENTINELx7f3a"
+ARGS_MARK = "PREPOSxARGSx9d41x"  # stands for a call's text arguments while rendering
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,22 @@ class Split:
 
     prefix: str
     suffix: str
+
+
+@dataclass(frozen=True)
+class CallMarkup:
+    """How the chat template writes an assistant call of one function after a conversation:
+    `opening`, from the answer's start through the name to the arguments; `closing`, from
+    the arguments to the end of the call (the end of the turn not included)."""
+
+    name: str
+    opening: str
+    closing: str
+
+
+# the arguments of a forced call: JSON spaced as the templates' `tojson` writes it, never
+# padded (a model cannot run out its tokens on whitespace)
+CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ChatFormat:
@@ -70,15 +88,57 @@ class ChatFormat:
         markup (`tool_formats`)."""
         return self.tool_format.parse(text)
 
+    def call_markup(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                    name: str) -> CallMarkup:
+        """How the template writes a call of `name` as the answer after `messages`
+        (InvalidInput where it writes none prepos can find the arguments of)."""
+        base = self.render(messages, tools, generation_prompt=True)
+
+        def written(fn: str) -> str:
+            call = {"type": "function", "function": {"name": fn, "arguments": {}}}
+            return self.render([*messages, {"role": "assistant", "content": "",
+                                             "tool_calls": [call]}], tools)
+
+        at = written(SENTINEL).find(SENTINEL, len(base))  # where the name starts
+        text = written(name)
+        args = text.find("{}", at + len(name)) if at >= 0 else -1
+        if not text.startswith(base) or args < 0:
+            raise InvalidInput("this model's chat template does not write tool calls in a "
+                               "form prepos can start")
+        rest = text[args + 2:]
+        end = self.controls.find_special(rest)
+        return CallMarkup(name, text[len(base):args], rest[:rest.find(end)] if end else rest)
+
+    def call_grammar(self, calls: Sequence[tuple[CallMarkup, dict, bool]]) -> str:
+        """A grammar (llguidance's Lark) of one call of one of `calls`, each a function's
+        markup, its arguments' JSON Schema and whether the schema is enforced strictly (an
+        unsupported keyword an error) or leniently (ignored): the markup as the template
+        writes it, its special tokens as tokens, then the end of the answer."""
+        def lark(text: str) -> str:
+            return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p)
+                            for p in self.controls.split_special(text))
+
+        rules = [f"start: {' | '.join(f'call_{i}' for i in range(len(calls)))}"]
+        for i, (markup, schema, strict) in enumerate(calls):
+            schema = {**schema, "x-guidance": {**CALL_JSON, "lenient": not strict}}
+            rules.append(f"call_{i}: {lark(markup.opening)} args_{i} {lark(markup.closing)}")
+            rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        return "\n".join(rules) + "\n"
+
     # -- rendering -----------------------------------------------------------------------
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                generation_prompt: bool = False) -> str:
         """The template's text of a conversation: the tools and tool calls it does not
         render written by prepos's fallback (`ToolSupport.apply`), content defused."""
-        msgs, tool_list = self.tool_support.apply(messages, tools)
+        msgs, raw = _marked_arguments([without_ids(m) for m in messages])
+        msgs, tool_list = self.tool_support.apply(msgs, tools)
         if self.plain_text:
             msgs, tool_list = self.controls.defuse_obj(msgs), self.controls.defuse_obj(tool_list)
-        return self._template(msgs, tool_list, generation_prompt)
+        text = self._template(msgs, tool_list, generation_prompt)
+        for mark, args in raw.items():  # text arguments, written as sent
+            args = self.defuse(args)
+            text = text.replace(json.dumps(mark), args).replace(mark, args)
+        return text
 
     def _template(self, messages: Sequence[dict], tools: Sequence[dict] | None,
                   generation_prompt: bool = False) -> str:
@@ -158,6 +218,7 @@ class ChatFormat:
         """Token ids that end an assistant turn: eos, and the first token the template puts
         after an assistant message's content."""
         ids: set[int] = set()
+        self.closing_tokens = 0  # the tokens the template writes after an assistant message
         eos = self.tokenizer.eos_token_id
         if isinstance(eos, int):
             ids.add(eos)
@@ -167,6 +228,7 @@ class ChatFormat:
             msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}]
             after = self.render(msgs).split(SENTINEL, 1)[1]
             toks = self.encode(after)
+            self.closing_tokens = len(toks)
             special = set(self.tokenizer.all_special_ids)
             if toks and toks[0] in special:
                 ids.add(toks[0])
@@ -188,13 +250,51 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
 def normalize_tool_call(call: object) -> dict:
     """A client's tool call (`{"function": {"name": ..., "arguments": ...}}`, the arguments
     a JSON object or its text, empty text for none) in the one form a session holds and the
-    chat template renders. Refuses (InvalidInput) a call without a name or whose arguments
-    are not a JSON object."""
+    chat template renders. Arguments that are other text (a call cut off, not JSON) are kept
+    as sent and rendered as they are. Refuses (InvalidInput) a call without a name, or whose
+    arguments are neither text nor an object."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise InvalidInput("a tool call needs function.name")
     try:
-        args = tool_formats.arguments(fn.get("arguments", {}))
+        args = tool_formats.sent_arguments(fn.get("arguments", {}))
     except ValueError as exc:
-        raise InvalidInput(f"tool call arguments are not a JSON object: {exc}") from None
+        raise InvalidInput(f"tool call arguments must be a string (or a JSON object): "
+                           f"{exc}") from None
     return tool_formats.call(fn["name"], args)
+
+
+def without_ids(m: dict) -> dict:
+    """A message without the ids that pair tool calls with results (the session's form
+    compares and renders without them)."""
+    if "tool_call_id" not in m and not any("id" in c for c in m.get("tool_calls") or ()):
+        return m
+    out = {k: v for k, v in m.items() if k != "tool_call_id"}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{k: v for k, v in c.items() if k != "id"}
+                             for c in m["tool_calls"]]
+    return out
+
+
+def _marked_arguments(messages: list[dict]) -> tuple[list[dict], dict[str, str]]:
+    """The messages with each call's text arguments (not a JSON object) replaced by a mark
+    the template writes as a string, and the text each mark stands for."""
+    if not any(isinstance(c["function"].get("arguments"), str)
+               for m in messages for c in m.get("tool_calls") or ()):
+        return messages, {}
+    base, blob = ARGS_MARK, json.dumps(messages)
+    while base in blob:  # never a string the conversation holds
+        base += "x"
+    raw: dict[str, str] = {}
+    out = []
+    for m in messages:
+        calls = []
+        for c in m.get("tool_calls") or ():
+            args = c["function"].get("arguments")
+            if isinstance(args, str):
+                mark = f"{base}{len(raw)}x"
+                raw[mark] = args
+                c = {**c, "function": {**c["function"], "arguments": mark}}
+            calls.append(c)
+        out.append({**m, "tool_calls": calls} if calls else m)
+    return out, raw

@@ -15,7 +15,8 @@ model emits the same markup, so the parser is chosen from the template (`detect`
 Each parser returns `(content, calls)`: the text outside the markup and the calls in the
 normalized form a session holds (`{"type": "function", "function": {"name", "arguments"}}`,
 arguments a JSON object). Markup that does not hold a well-formed call is not a call: it
-stays in the content, and the text is returned as it was.
+stays in the content, and the text is returned as it was. (A call a client sends may carry
+any text as its arguments, a call cut off included: it is held and rendered as sent.)
 
 The special-token markers (`<|python_tag|>`, `[TOOL_CALLS]`) are usually removed when the
 answer is detokenized; the parsers take the text with or without them.
@@ -53,6 +54,20 @@ def arguments(args: object) -> dict:
     if not isinstance(args, dict):
         raise ValueError(f"got {type(args).__name__}")
     return args
+
+
+def sent_arguments(args: object) -> dict | str:
+    """A client's call arguments as a session holds them: a JSON object, or the JSON text
+    of one (empty text: none), as the object; any other text as sent (a call cut off, text
+    that is not JSON), rendered as it is. ValueError for anything but an object or text."""
+    if isinstance(args, dict):
+        return args
+    if not isinstance(args, str):
+        raise ValueError(f"got {type(args).__name__}")
+    try:
+        return arguments(args)
+    except ValueError:
+        return args
 
 
 def as_call(obj: object, arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> dict | None:
@@ -179,9 +194,12 @@ def parse_prepos(text: str) -> Parsed:
 def render_prepos_call(c: dict) -> str:
     """A call as prepos writes it into an assistant message's text: the markup
     `parse_prepos` reads back."""
-    fn = c["function"]
-    return ("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]},
-                                         ensure_ascii=False) + "\n</tool_call>")
+    fn, args = c["function"], c["function"]["arguments"]
+    if isinstance(args, str):  # text as sent, not a JSON object: written as it is
+        body = f'{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": {args}}}'
+    else:
+        body = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+    return "<tool_call>\n" + body + "\n</tool_call>"
 
 
 def render_prepos_tools(tools: list[dict]) -> str:

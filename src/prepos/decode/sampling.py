@@ -53,8 +53,8 @@ def generator_for(params: SamplingParams, constraint: Constraint | None = None
     """A request's random state: None for greedy decoding, a `SamplerState` when penalties,
     biases or a response format shape the logits (it counts the generated tokens and holds
     the format's `constraint`), else a generator."""
-    if params.response_format is not None and constraint is None:
-        raise ValueError("a response_format is sampled with its Constraint")
+    if (params.response_format or params.grammar) is not None and constraint is None:
+        raise ValueError("a response_format or grammar is sampled with its Constraint")
     if params.shaped:
         return SamplerState(None if params.temperature == 0 else _generator(params),
                             constraint)

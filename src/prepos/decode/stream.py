@@ -32,6 +32,9 @@ class Stream:
         # set when the reader comes back after the first event (it has been delivered: written
         # to the client, printed), or wants the whole result at once
         self.first_delivered = threading.Event()
+        # a raw completion's prompt logprobs (`Result.prompt_logprobs`), set before the first
+        # event when asked for
+        self.prompt_logprobs: list | None = None
 
     # -- producer side (worker or fast path) ---------------------------------------------
     def push(self, event: TokenEvent) -> None:

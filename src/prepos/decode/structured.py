@@ -1,4 +1,5 @@
-"""Structured output: an OpenAI `response_format` as constrained decoding.
+"""Structured output: an OpenAI `response_format`, or a grammar (a forced tool call's), as
+constrained decoding.
 
 - A format reaches here checked and canonical (`prepos.response_format`).
 - `Grammars` (one per engine) compiles a format into a matcher over the engine's tokenizer,
@@ -88,33 +89,42 @@ class Grammars:
         self._lock = threading.Lock()
 
     def constraint(self, sampling: SamplingParams) -> Constraint | None:
-        """A fresh constraint for one answer under `sampling`; None without a format."""
-        if sampling.response_format is None:
+        """A fresh constraint for one answer under `sampling`; None without a format or a
+        grammar."""
+        if sampling.response_format is not None:
+            key = ("json", sampling.response_format)
+        elif sampling.grammar is not None:
+            key = ("lark", sampling.grammar)
+        else:
             return None
         with self._lock:
-            template = self._cache.get(sampling.response_format)
+            template = self._cache.get(key)
             if template is None:
-                template = self._compile(sampling.response_format)
-                self._cache[sampling.response_format] = template
+                template = self._compile(*key)
+                self._cache[key] = template
                 while len(self._cache) > self._capacity:
                     self._cache.popitem(last=False)
             else:
-                self._cache.move_to_end(sampling.response_format)
+                self._cache.move_to_end(key)
             matcher = template.deep_copy()
         return Constraint(matcher, self._tokenizer.vocab_size)
 
     def __len__(self) -> int:
         return len(self._cache)
 
-    def _compile(self, canonical: str):
+    def _compile(self, kind: str, text: str):
         import llguidance
 
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            dumps(schema_of(canonical)), JSON_OPTIONS, STRICT)
+        if kind == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                dumps(schema_of(text)), JSON_OPTIONS, STRICT)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-        if matcher.is_error():  # checked at canonical(); a tokenizer-specific one
-            raise InvalidResponseFormat(f"response_format cannot be compiled for this "
-                                        f"model: {matcher.get_error()}")
+        if matcher.is_error():  # checked before; a tokenizer-specific one
+            what = "the grammar" if kind == "lark" else "response_format"
+            raise InvalidResponseFormat(f"{what} cannot be compiled for this model: "
+                                        f"{matcher.get_error()}")
         return matcher
 
     def _llg_tokenizer(self):

@@ -5,12 +5,13 @@ about to run (speculative cells only)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat
 from prepos.core import Request, SamplingParams
-from prepos.engine.session import Session, SessionStore
+from prepos.engine.session import AGENTIC, Session, SessionStore
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
 
@@ -20,9 +21,13 @@ def check_request(req: Request, backend: Backend, topk_sampling: bool) -> Sampli
     if not isinstance(req, Request):
         raise InvalidInput(f"expected a prepos.core.Request, got {type(req).__name__}")
     sampling = req.sampling
+    if req.prompt_logprobs and not backend.verifies_drafts:
+        raise InvalidSampling(f"the {backend.name} back end does not return the logits at "
+                              "every prompt position: no prompt logprobs there")
     if sampling.shaped and backend.streams_answers:
         raise InvalidSampling(f"the {backend.name} back end samples answers itself: "
-                              "penalties, logit_bias and response_format are not applied there")
+                              "penalties, logit_bias, response_format and grammars are not "
+                              "applied there")
     if (not sampling.greedy and not backend.full_distribution and not backend.streams_answers
             and not topk_sampling):
         raise InvalidSampling(f"the {backend.name} back end returns top-k logprobs only: it "
@@ -75,7 +80,25 @@ class Room:
         self.pool, self.sessions = pool, sessions
 
     def check(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
-        check_room(prompt_len, sampling, self.max_context, s.budget(self.session_cells))
+        self.fit(s, prompt_len, sampling)
+
+    def fit(self, s: Session, prompt_len: int, sampling: SamplingParams) -> SamplingParams:
+        """The sampling an answer after `prompt_len` tokens of `s` runs with: refused where
+        it does not fit; with `fit_context`, its max_tokens cut to the room left (refused
+        only where none is): an agentic session's answer is committed, so its room keeps
+        the session's reserve and the end of the message."""
+        budget = s.budget(self.session_cells)
+        room = min(self.max_context, budget) - prompt_len
+        if s.kind == AGENTIC:
+            room -= s.reserve + s.fmt.closing_tokens
+        if sampling.fit_context and room < 1:
+            raise OverBudget(f"prompt of {prompt_len} tokens leaves no room for an answer "
+                             f"in the context of {self.max_context} (session budget "
+                             f"{budget} cells)")
+        if sampling.fit_context and room < sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=room)
+        check_room(prompt_len, sampling, self.max_context, budget)
+        return sampling
 
     def admit(self, s: Session, n: int) -> None:
         """`s` may commit `n` tokens: committed state across all sessions fits the pool (an

@@ -98,6 +98,9 @@ class Answers:
         self.count("fast_exact")
         res = Result(AnswerPath.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)
+        seq = snap.tokens + rec.entry
+        if sampling.fit_context:  # max_tokens bounded by the room left
+            sampling = self.room.fit(s, len(seq), sampling)
         stream = Stream()
         grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
         rng = generator_for(sampling, grammar)
@@ -108,7 +111,6 @@ class Answers:
         first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
         if out.add(first, dist, rec.top_logprobs[0] if sampling.greedy else None):
             return stream
-        seq = snap.tokens + rec.entry
         self.room.check(s, len(seq), sampling)
         kv = self.pool.get(s.id)
 
@@ -124,10 +126,11 @@ class Answers:
     def prefill(self, s: Session, seq: tuple[int, ...], base_len: int, version: int,
                 ready: ReadySet, sampling: SamplingParams, logprobs: bool, t0: float,
                 gap: float | None = None, on_finish: Callable[[Result], None] | None = None,
-                settle_dropped: bool = False) -> Stream:
+                settle_dropped: bool = False, prompt_logprobs: bool = False) -> Stream:
         """Fall-through or cold, decided by what the KV holds: restore to the longest
-        resident prefix, prefill only the delta, then decode."""
-        self.room.check(s, len(seq), sampling)
+        resident prefix, prefill only the delta, then decode. With `prompt_logprobs`, the
+        whole sequence is run, and the logprobs of its tokens kept in the result."""
+        sampling = self.room.fit(s, len(seq), sampling)
         stream = Stream()
         res = Result(AnswerPath.COLD, Match.NONE, gap=gap, version=version, prompt_tokens=len(seq))
         rng = generator_for(sampling, self.grammars.constraint(sampling))
@@ -146,7 +149,11 @@ class Answers:
                 kept = kv.common_prefix(seq)
                 step = None
             else:
-                step = yield Forward(kv, seq)
+                step = yield Forward(kv, seq, logits_from=0 if prompt_logprobs else None)
+                if prompt_logprobs:
+                    stream.prompt_logprobs = res.prompt_logprobs = _prompt_logprobs(
+                        seq, step.logits, sampling.top_logprobs)
+                    step.logits = step.logits[-1]
                 kept = step.kept
                 tm.restore, tm.prefill = step.restore_s, step.forward_s
                 tm.prefill_tokens = step.prefilled
@@ -202,3 +209,16 @@ class Answers:
             self.observe(res)
 
         return finish
+
+
+def _prompt_logprobs(seq: tuple[int, ...], logits: torch.Tensor, k: int) -> list:
+    """Each token of `seq`, its logprob after the ones before it (None for the first), and
+    the k likeliest tokens there, from the logits at every position."""
+    lsm = torch.log_softmax(logits[:-1].float(), dim=-1)
+    ids = torch.tensor(seq[1:], dtype=torch.long)
+    lps = lsm.gather(1, ids[:, None])[:, 0].tolist()
+    tops: list = [[] for _ in lps]
+    if k:
+        vals, top_ids = torch.topk(lsm, k=min(k, lsm.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), vals.tolist())]
+    return [(seq[0], None, []), *zip(seq[1:], lps, tops)]

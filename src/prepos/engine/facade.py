@@ -313,7 +313,7 @@ class Engine:
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, expected_version=req.expected_version,
-                check=lambda n: self.room.check(s, n + n_header, sampling))
+                check=lambda n: self.room.check(s, n + n_header, sampling), turn=True)
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
@@ -346,7 +346,7 @@ class Engine:
         snap, ready = s.current()
         seq = prompt_ids(prompt, self.fmt, self.backend.vocab_size)
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
-                                    req.logprobs, t0)
+                                    req.logprobs, t0, prompt_logprobs=req.prompt_logprobs)
 
     # == helpers ===========================================================================
     def _abandon(self, s: Session, dropped: ReadySet | None) -> None:

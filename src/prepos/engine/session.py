@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from prepos.chat.conversation import awaits_tool
+from prepos.chat.conversation import awaits_tool, pending_calls
 from prepos.chat.format import ChatFormat, Split
 from prepos.core import FAST_MODES
 from prepos.engine.ready import ReadySet
@@ -276,10 +276,11 @@ class Session:
             return self._commit(list(old.messages), old.text, old.tokens)
 
     def add_message(self, message: dict, expected_version: int | None = None,
-                    check: Callable[[int], None] | None = None
+                    check: Callable[[int], None] | None = None, turn: bool = False
                     ) -> tuple[Snapshot, ReadySet | None]:
         """Agentic: commit a user, assistant or tool message. `check` sees the new length
-        before anything changes and may refuse by raising."""
+        before anything changes and may refuse by raising. With `turn` (the message starts
+        an assistant turn), a tool result is refused while other calls await theirs."""
         self.require(AGENTIC)
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool"):  # system: where the template
@@ -294,6 +295,11 @@ class Session:
                 raise NoToolResultAwaited(f"session {self.id} is not awaiting a tool result")
             if role in ("user", "assistant", "system") and self.awaiting_tool:
                 raise ToolResultAwaited(f"session {self.id} awaits a tool result first")
+            pending = len(pending_calls(self.snap.messages))
+            if role == "tool" and turn and pending > 1:
+                raise ToolResultAwaited(f"session {self.id} awaits {pending} tool results: add "
+                                        "all but the last as messages, then the last starts "
+                                        "the turn")
             msgs = [*self.snap.messages, dict(message)]
             text, tokens = self._render(msgs)
             if check is not None:

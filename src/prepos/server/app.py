@@ -177,7 +177,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-sessions-per-key", type=int)
     p.add_argument("--max-tokens", type=int, default=1024,
                    help="most tokens a request may generate")
-    p.add_argument("--default-max-tokens", type=int, default=64)
+    p.add_argument("--default-max-tokens", type=int, default=64,
+                   help="tokens a session-API request generates when it names no max_tokens "
+                        "(an OpenAI request without one takes the rest of the context, up "
+                        "to --max-tokens)")
     p.add_argument("--max-input-tokens", type=int, default=8192,
                    help="most tokens of input text in one request")
     p.add_argument("--max-session-tokens", type=int,

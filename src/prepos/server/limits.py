@@ -30,8 +30,14 @@ class Limits:
                  seed: int | None = None, stop=None, param: str = "max_tokens",
                  top_logprobs: int = 0, presence_penalty: float | None = None,
                  frequency_penalty: float | None = None,
-                 logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+                 logit_bias: tuple[tuple[int, float], ...] = (),
+                 fit: bool = False) -> SamplingParams:
+        """A request's sampling. max_tokens left out is `default_max_tokens`, or with `fit`
+        (OpenAI's) the rest of the context, up to `max_tokens`."""
         n = self.default_max_tokens if max_tokens is None else max_tokens
+        fit = fit and max_tokens is None
+        if fit:
+            n = self.max_tokens
         if isinstance(n, int) and n > self.max_tokens:
             raise ApiError(400, "max_tokens_limit",
                            f"{param} {n} is over this server's limit of {self.max_tokens}",
@@ -49,19 +55,25 @@ class Limits:
                 top_k=top_k or 0, top_p=1.0 if top_p is None else float(top_p), seed=seed,
                 stop=tuple(stop or ()), top_logprobs=top_logprobs,
                 presence_penalty=float(presence_penalty or 0.0),
-                frequency_penalty=float(frequency_penalty or 0.0), logit_bias=logit_bias)
+                frequency_penalty=float(frequency_penalty or 0.0), logit_bias=logit_bias,
+                fit_context=fit)
         except InvalidSampling as exc:  # the field it names is the param
             first = str(exc).split(" ", 1)[0]
             name = param if first == "max_tokens" else first
             raise ApiError(400, "invalid_sampling", str(exc).replace("max_tokens", param, 1),
                            name if name.isidentifier() else None) from None
 
-    def check_input(self, engine, text: str, what: str) -> None:
-        """At most `max_input_tokens` tokens. A byte-level token covers at least one byte,
-        so text within the limit in bytes is never tokenized here."""
+    def check_input(self, engine, text: str, what: str, context: bool = False) -> None:
+        """At most `max_input_tokens` tokens; with `context` (OpenAI's routes), text over the
+        model's context is refused as the engine would (400 `context_length_exceeded` there)
+        whatever the limit. A byte-level token covers at least one byte, so text within the
+        limit in bytes is never tokenized here."""
         if len(text) <= self.max_input_tokens and len(text.encode()) <= self.max_input_tokens:
             return
         n = len(engine.fmt.encode(text))
+        if context and n > engine.max_context:
+            raise ApiError(413, "over_budget", f"{what} is {n} tokens, over the model's "
+                           f"context of {engine.max_context}", what)
         if n > self.max_input_tokens:
             raise ApiError(413, "input_too_large",
                            f"{what} is {n} tokens, over this server's limit of "

@@ -22,8 +22,10 @@ the last chunk instead), and the body's `prepos` extension field.
 and `logprobs: N` (completions) list the N most likely tokens at each step, from the full
 distribution in process (a remote top-k back end lists at most the k it returned).
 /v1/completions without `session_id` continues the prompt as given (no chat template, the
-tokenizer's own special tokens added); with a streaming session's `session_id` the prompt is
-that session's query.
+tokenizer's own special tokens added; `echo` with `logprobs` lists the prompt's tokens
+first, the first one's logprob null); with a streaming session's `session_id` the prompt is
+that session's query. `max_tokens` left out is the rest of the context, up to the server's
+`--max-tokens`.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ async def chat_completions(request: Request):
     sampling = chat_sampling(state, body)
     msgs = session_messages(body.messages)
     for i, m in enumerate(msgs):
-        await state.check_input(eng, m["content"], f"messages[{i}].content")
+        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(body)
     call = ChatCall(state, body, sampling, request.receive)
     if body.session_id is None:
@@ -132,5 +134,5 @@ async def completions(request: Request):
         if body.session_id is not None:  # a streaming session's query: its text
             prompts[i] = p = prompt_text(eng, p, where)
         if isinstance(p, str):
-            await state.check_input(eng, p, where)
+            await state.check_input(eng, p, where, context=True)
     return await complete(state, request.receive, eng, owner, body, prompts, sampling)

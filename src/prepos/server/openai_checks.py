@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from prepos.core import SamplingParams
 from prepos.engine.admission import valid_ids
-from prepos.errors import InvalidResponseFormat
-from prepos.response_format import canonical
+from prepos.errors import InvalidInput, InvalidResponseFormat
+from prepos.response_format import canonical, schema_error
 from prepos.server.errors import ApiError
 from prepos.server.schemas import ChatCompletion, Completion, OpenAISampling
 
@@ -23,26 +23,49 @@ def logit_bias(engine, raw: dict | None) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
     vocab = engine.backend.vocab_size
-    out = []
+    out, bad_keys, bad_values = [], [], []
     for key, bias in raw.items():
         try:
             tok = int(key)
         except ValueError:
             tok = -1
         if not 0 <= tok < vocab or str(tok) != key.strip():
-            raise ApiError(400, "invalid_request", f"logit_bias keys must be token ids in "
-                           f"[0, {vocab}), got {key!r}", "logit_bias")
-        if not -100.0 <= bias <= 100.0:  # NaN fails too
-            raise ApiError(400, "invalid_request", f"logit_bias values must be in [-100, "
-                           f"100], got {bias} for token {tok}", "logit_bias")
-        out.append((tok, float(bias)))
+            bad_keys.append(repr(key))
+        elif not -100.0 <= bias <= 100.0:  # NaN fails too
+            bad_values.append(f"{bias} for token {tok}")
+        else:
+            out.append((tok, float(bias)))
+    problems = []
+    if bad_keys:  # every bad key named, so a client fixes them at once
+        problems.append(f"keys must be token ids in [0, {vocab}), got {', '.join(bad_keys)}")
+    if bad_values:
+        problems.append(f"values must be in [-100, 100], got {', '.join(bad_values)}")
+    if problems:
+        raise ApiError(400, "invalid_request", f"logit_bias {'; '.join(problems)}",
+                       "logit_bias")
     return tuple(out)
+
+
+INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed: a signed 64-bit integer
+
+
+def check_seed(seed: int | None) -> None:
+    """A seed within int64, refused in OpenAI's words otherwise."""
+    if seed is not None and seed > INT64[1]:
+        raise ApiError(400, "integer_above_max_value", f"Invalid 'seed': integer above "
+                       f"maximum value. Expected a value <= {INT64[1]}, but got {seed} "
+                       "instead.", "seed")
+    if seed is not None and seed < INT64[0]:
+        raise ApiError(400, "integer_below_min_value", f"Invalid 'seed': integer below "
+                       f"minimum value. Expected a value >= {INT64[0]}, but got {seed} "
+                       "instead.", "seed")
 
 
 def check_common(state, body: OpenAISampling) -> None:
     if body.model != state.model_name:
         raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; this "
                        f"server serves {state.model_name!r}", "model")
+    check_seed(body.seed)
     if body.n is not None and not 1 <= body.n <= MAX_N:
         raise ApiError(400, "invalid_request", f"n must be in [1, {MAX_N}], got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -66,7 +89,7 @@ def _sampling(state, body: OpenAISampling, max_tokens, param: str, top: int):
         max_tokens, body.temperature, body.top_k, body.top_p, body.seed, body.stop,
         param=param, top_logprobs=top, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        logit_bias=logit_bias(state.engine, body.logit_bias))
+        logit_bias=logit_bias(state.engine, body.logit_bias), fit=True)
 
 
 def chat_sampling(state, body: ChatCompletion) -> SamplingParams:
@@ -133,6 +156,42 @@ def tool_choice(body: ChatCompletion) -> str | None:
         raise ApiError(400, "invalid_request", f"tool_choice names function {name!r}, which "
                        f"is not among the request's tools {names}", "tool_choice")
     return name
+
+
+def forced_call(engine, msgs: list[dict], tools: list[dict], choice: str,
+                grammar: bool = True) -> tuple[str | None, dict[str, str]]:
+    """tool_choice 'required' or a function's name: a grammar of one call (of that function,
+    or of any tool), written in the template's markup, its arguments valid JSON of the
+    function's parameter schema (enforced strictly where the tool says `strict`, else its
+    unsupported keywords ignored); and each function's opening as the answer's text shows
+    it (its special tokens left out), by name. Without `grammar` (a back end that samples
+    itself), the openings alone."""
+    fmt = engine.fmt
+    calls = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if choice != "required" and fn["name"] != choice:
+            continue
+        where = f"tools[{i}].function.parameters"
+        schema = fn.get("parameters") or {"type": "object"}
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise ApiError(400, "invalid_request", f"{where} must be a JSON Schema of an "
+                           "object (a call's arguments are one)", where)
+        schema = {"type": "object", **schema}
+        strict = fn.get("strict") is True
+        error = schema_error(schema, strict) if grammar else ""
+        if error:
+            raise ApiError(400, "invalid_request", f"{where} cannot be enforced on a forced "
+                           f"call{' (strict)' if strict else ''}: {error}", where)
+        try:
+            markup = fmt.call_markup(msgs, tools, fn["name"])
+        except InvalidInput as exc:
+            raise ApiError(400, "unsupported", f"{exc}: tool_choice must be 'auto' or 'none'",
+                           "tool_choice") from None
+        calls.append((markup, schema, strict))
+    shown = {m.name: "".join(p for p in fmt.controls.split_special(m.opening)
+                             if isinstance(p, str)) for m, _, _ in calls}
+    return (fmt.call_grammar(calls) if grammar else None), shown
 
 
 def tool_specs(body: ChatCompletion) -> list[dict]:

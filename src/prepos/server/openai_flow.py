@@ -9,27 +9,30 @@ is committed, and an empty delta after a committed user or tool message is the e
 path. Completions: a streaming session's query, or a raw completion on an ephemeral session.
 
 A stateless conversation that ends with an assistant message is continued (the message's
-text is the start of the answer, which returns what follows it); `tool_choice` "required"
-or a named function is the same continuation after the opening of a tool call, as the chat
-template writes one. `n` choices are n requests: on a streaming session each is answered
-from the same ready distribution when one is cached (n answers, one cache); an agentic
-session commits one answer per turn, so it takes n = 1 only.
+text is the start of the answer, which returns what follows it). `tool_choice` "required"
+or a named function is one call, constrained by a grammar of the template's call markup
+around arguments valid for the function's parameter schema (of any tool, for "required"),
+the answer ending where the call closes; on a back end that samples itself (no grammars)
+it is an unconstrained continuation of the calls' opening. `n` choices are n requests: on
+a streaming session each is answered from the same ready distribution when one is cached
+(n answers, one cache); an agentic session commits one answer per turn, so it takes n = 1
+only.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from starlette.responses import Response
 
 from prepos.chat.conversation import check_order, resume
-from prepos.chat.format import SENTINEL
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput
 from prepos.server.errors import ApiError
-from prepos.server.openai_checks import tool_choice
+from prepos.server.openai_checks import forced_call, tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
@@ -53,24 +56,6 @@ def _continuation_prompt(fmt, text: str) -> str:
     return text
 
 
-def tool_opening(fmt, msgs: list[dict], tools: list[dict], name: str | None) -> str:
-    """How the template opens an assistant tool call after `msgs`: up to the function's
-    name, or with `name`, up to its arguments."""
-    base = fmt.render(msgs, tools, generation_prompt=True)
-    call = {"type": "function", "function": {"name": SENTINEL, "arguments": {}}}
-    text = fmt.render([*msgs, {"role": "assistant", "content": "", "tool_calls": [call]}], tools)
-    at = text.find(SENTINEL, len(base) if text.startswith(base) else 0)
-    args = text.find("{}", at)
-    if not text.startswith(base) or at < 0 or args < 0:
-        raise ApiError(400, "unsupported", "this model's chat template does not write tool "
-                       "calls in a form prepos can start: tool_choice must be 'auto' or 'none'",
-                       "tool_choice")
-    opening = text[len(base):at]
-    if name is None:
-        return opening
-    return opening + name + text[at + len(SENTINEL):args]
-
-
 class ChatCall:
     def __init__(self, state: ServerState, body: ChatCompletion, sampling, receive):
         self.state = state
@@ -80,14 +65,28 @@ class ChatCall:
         self.logprobs = bool(body.logprobs)
         self.n = body.n or 1
         self.choice = tool_choice(body)
+        self.forced: dict[str, str] | None = None  # a forced call's openings, by function
+
+    def _constrained(self, eng, msgs: list[dict], tools: list[dict]) -> bool:
+        """tool_choice 'required' or named, where the back end samples in process: the
+        call is constrained by its grammar and the turn ends when it closes (True);
+        elsewhere it is an unconstrained continuation of the call's opening (False)."""
+        backend = eng.backend
+        if self.choice in ("auto", "none") or backend.streams_answers or \
+                not backend.full_distribution:
+            return False
+        grammar, self.forced = forced_call(eng, msgs, tools, self.choice)
+        self.sampling = replace(self.sampling, grammar=grammar)
+        return True
 
     def _req(self, sampling: SamplingParams, fast_path: str | None = None) -> EngineRequest:
         return EngineRequest(sampling, fast_path, self.logprobs)
 
     def _reply(self, sid: str | None, agentic: bool, tools: bool, prefix: str = "",
-               forced: str | None = None) -> ChatReply:
+               forced: dict[str, str] | None = None) -> ChatReply:
         return ChatReply(self.state, self.body, sid, agentic, tools, prefix=prefix,
-                         forced=forced, parallel=self.body.parallel_tool_calls is not False)
+                         forced=forced or self.forced,
+                         parallel=self.body.parallel_tool_calls is not False)
 
     async def _respond(self, streams, sid: str | None, agentic: bool, tools: bool,
                        cleanup=None, **kw) -> Response:
@@ -146,8 +145,9 @@ class ChatCall:
             self.state.close_after(stream, sid)
 
     async def _continue(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
-        """The continuation of the final assistant message, or of a tool call's opening
-        (tool_choice required or named): a raw completion of the rendered conversation."""
+        """The continuation of the final assistant message, or a forced tool call (its
+        grammar, or its opening continued): a raw completion of the rendered
+        conversation."""
         fmt = eng.fmt
         for i, m in enumerate(msgs):
             fmt.check_text(m["content"], f"messages[{i}].content")
@@ -171,17 +171,20 @@ class ChatCall:
                 else:
                     text = full[:at + len(content)]
                 prefix = ""
-            else:
-                forced = None if self.choice == "required" else self.choice
-                if self.choice == "required" and len(tools) == 1:
-                    forced = tools[0]["function"]["name"]
-                prefix = tool_opening(fmt, msgs, tools, forced)
+            elif self._constrained(eng, msgs, tools):  # the grammar writes the whole call
+                text, prefix = fmt.render(msgs, tools, generation_prompt=True), ""
+            else:  # the openings the calls share, continued
+                _, forced = forced_call(eng, msgs, tools, self.choice, grammar=False)
+                openings = [fmt.call_markup(msgs, tools, name).opening for name in forced]
+                prefix = os.path.commonprefix(openings)
                 text = fmt.render(msgs, tools, generation_prompt=True) + prefix
+                prefix = os.path.commonprefix(list(forced.values()))  # as the answer shows it
         except InvalidInput as exc:
             raise ApiError(400, "invalid_input", str(exc), "messages") from None
         prompt = _continuation_prompt(fmt, text)
         self.state.backpressure(eng)
-        spec = SessionSpec(AGENTIC, None, (), (), "off", False, None, owner=owner)
+        # a raw completion, never committed: the context is all its room
+        spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
         streams: list = []
 
         def start(sid):
@@ -229,7 +232,12 @@ class ChatCall:
             return self.sampling
         if self.choice == "none":
             held = list(eng.snapshot(s.id).messages)
-            opening = tool_opening(eng.fmt, held, list(s.spec.tools), None)
+            tools = list(s.spec.tools)
+            try:
+                opening = eng.fmt.call_markup(held, tools, tools[0]["function"]["name"]).opening
+            except InvalidInput as exc:
+                raise ApiError(400, "unsupported", f"{exc}: tool_choice must be 'auto'",
+                               "tool_choice") from None
             ids = eng.fmt.encode(opening.strip())
             if ids:
                 bias = dict(self.sampling.logit_bias)
@@ -249,7 +257,7 @@ class ChatCall:
         r = resume(s.id, snap.version, snap.messages, msgs,
                    (lambda: eng.versions(s.id)) if rollback else None)
         target, held, delta = r.rollback_to, r.held, r.delta
-        check_order(held, delta, len(held))
+        check_order(r.sent, delta, len(held))
         req = self._req(sampling, self.body.fast_path)
         tools = bool(s.spec.tools) and self.choice != "none"
         if target is None and not delta and (
@@ -290,7 +298,8 @@ class ChatCall:
             raise ApiError(400, "invalid_input", str(exc), "messages") from None
         n = len(eng.fmt.encode(text))
         room = min(eng.max_context, s.budget(eng.config.budget.session_cells))
-        need = n + max(self.sampling.max_tokens, eng.config.reserve_tokens)
+        answer = 1 if self.sampling.fit_context else self.sampling.max_tokens
+        need = n + max(answer, eng.config.reserve_tokens)
         if need > room:
             raise ApiError(400, "context_length_exceeded", f"the conversation is {n} tokens; "
                            f"with max_tokens {self.sampling.max_tokens} it needs {need} of the "
@@ -325,13 +334,15 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
     """Completions: a streaming session's queries (text), or stateless raw completions of
     text or token ids, each on an ephemeral session."""
     want_lp = body.logprobs is not None
+    prompt_lp = bool(body.echo) and want_lp  # the prompt's own logprobs, echoed with it
     n = body.n or 1
-    if body.echo and want_lp:
-        raise ApiError(400, "unsupported", "echo with logprobs is not supported (the prompt's "
-                       "own logprobs are not computed)", "echo")
     echo = [p if isinstance(p, str) else eng.fmt.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if body.echo else None
     if body.session_id is not None:
+        if prompt_lp:
+            raise ApiError(400, "unsupported", "echo with logprobs is not supported on a "
+                           "session's query (stateless completions compute the prompt's "
+                           "logprobs)", "echo")
         s = state.session(eng, body.session_id, owner, "session_id")
         if s.kind != STREAMING:
             raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
@@ -353,7 +364,8 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
     def start_all(prompt):
         def start(sid):
             for i in range(n):
-                req = EngineRequest(choice_sampling(sampling, i), None, want_lp)
+                req = EngineRequest(choice_sampling(sampling, i), None, want_lp,
+                                    prompt_logprobs=prompt_lp)
                 streams.append(eng.complete(sid, prompt, req))
             return streams[-1]
         return start

@@ -34,23 +34,21 @@ def _token_lp(chat_format: ChatFormat, token: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def message(res: Result, agentic: bool, prefix: str = "", forced: str | None = None,
-            parallel: bool = True, fmt: ToolFormat = PREPOS) -> tuple[dict, str]:
-    """The assistant message of a chat answer, and its finish reason. `prefix`: the text the
-    answer continued (a tool call's opening); `forced`: the function it must call (its
-    arguments are the generated JSON object, or the text if it is none); `fmt`: the tool-call
-    markup of the model's family."""
+def message(res: Result, agentic: bool, prefix: str = "",
+            forced: dict[str, str] | None = None, parallel: bool = True,
+            fmt: ToolFormat = PREPOS) -> tuple[dict, str]:
+    """The assistant message of a chat answer, and its finish reason ("length" when cut by
+    max_tokens, a call or not, as OpenAI's). `prefix`: the text the answer continued (a
+    tool call's opening); `forced`: the openings of the functions it must call, by name (a
+    call the parser cannot read, cut off or unconstrained, is still that function's call,
+    its arguments the JSON object after the opening, else the text as it is); `fmt`: the
+    tool-call markup of the model's family."""
     text = prefix + res.text
     content, calls = fmt.parse(text) if agentic else (res.text, [])
-    if forced is not None and not calls:
-        raw = res.text.lstrip()
-        try:
-            args, _ = json.JSONDecoder().raw_decode(raw)
-        except ValueError:
-            args = None
-        content = ""
-        calls = [{"function": {"name": forced,
-                               "arguments": args if isinstance(args, dict) else raw}}]
+    if forced and not calls:
+        cut = _forced_call(text, forced)
+        if cut is not None:
+            content, calls = "", [cut]
     if not parallel:
         calls = calls[:1]
     msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
@@ -59,8 +57,29 @@ def message(res: Result, agentic: bool, prefix: str = "", forced: str | None = N
                               "function": {"name": c["function"]["name"],
                                            "arguments": _arguments(c["function"]["arguments"])}}
                              for c in calls]
-        return msg, "tool_calls"
-    return msg, finish_reason(res)
+    return msg, finish_reason(res) if res.finish_reason == "length" or not calls \
+        else "tool_calls"
+
+
+def _forced_call(text: str, forced: dict[str, str]) -> dict | None:
+    """The call of the function whose opening `text` starts with (or, of one function,
+    is a start of)."""
+    body = text.lstrip()
+    for name, opening in forced.items():
+        opening = opening.lstrip()
+        if body.startswith(opening):
+            rest = body[len(opening):]
+        elif len(forced) == 1 and opening.startswith(body):
+            rest = ""
+        else:
+            continue
+        try:
+            args, _ = json.JSONDecoder().raw_decode(rest)
+        except ValueError:
+            args = None
+        return {"function": {"name": name, "arguments": args if isinstance(args, dict)
+                             else rest}}
+    return None
 
 
 def _arguments(args) -> str:
@@ -164,7 +183,7 @@ async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=N
 # -- chat ---------------------------------------------------------------------------------
 class ChatReply(Reply):
     def __init__(self, state, body: ChatCompletion, sid: str | None, agentic: bool,
-                 tools: bool, prefix: str = "", forced: str | None = None,
+                 tools: bool, prefix: str = "", forced: dict[str, str] | None = None,
                  parallel: bool = True):
         super().__init__(state, body, sid, "chatcmpl-", "chat.completion",
                          "chat.completion.chunk")
@@ -269,11 +288,27 @@ class CompletionReply(Reply):
         return {"tokens": texts, "token_logprobs": list(lps), "top_logprobs": listed,
                 "text_offset": offsets}
 
+    def _prompt_block(self, prompt: list | None) -> dict:
+        """The echoed prompt's logprobs, as OpenAI's legacy API lists them: the first
+        token's logprob and top_logprobs null."""
+        prompt = prompt or []
+        block = self._lp_block([t for t, _, _ in prompt], [lp for _, lp, _ in prompt],
+                               [top for _, _, top in prompt], 0)
+        if prompt:
+            block["top_logprobs"][0] = None
+        return block
+
     def choice(self, res: Result) -> dict:
+        lp = None
+        if self.want_lp:
+            lp = self._lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
+            if self.echo:  # the prompt's tokens first, then the answer's after its text
+                head = self._prompt_block(res.prompt_logprobs)
+                shift = len(self._echoed())
+                lp = {k: head[k] + ([o + shift for o in lp[k]] if k == "text_offset"
+                                    else lp[k]) for k in lp}
         return {"index": self.index, "text": self._echoed() + res.text,
-                "finish_reason": finish_reason(res),
-                "logprobs": self._lp_block(res.tokens, res.logprobs, res.top_logprobs, 0)
-                if self.want_lp else None}
+                "finish_reason": finish_reason(res), "logprobs": lp}
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
         choice = {"index": self.index, "text": text, "logprobs": logprobs,
@@ -283,9 +318,17 @@ class CompletionReply(Reply):
     def chunks(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
             at = 0
-            if self.echo:
+            # the echo with the prompt's logprobs waits for them (they come before the first
+            # token); without logprobs it goes at once
+            echo = bool(self.echo)
+            if echo and not self.want_lp:
                 yield self._chunk(self._echoed())
+                echo = False
             async for ev in source:
+                if echo:
+                    yield self._chunk(self._echoed(),
+                                      logprobs=self._prompt_block(stream.prompt_logprobs))
+                    at, echo = len(self._echoed()), False
                 lp = None
                 if self.want_lp and ev.token >= 0 and ev.logprob is not None:
                     lp = self._lp_block([ev.token], [ev.logprob], [ev.top], at)
@@ -294,6 +337,9 @@ class CompletionReply(Reply):
                 at += len(ev.text)
                 yield self._chunk(ev.text, logprobs=lp)
             res = stream.result()
+            if echo:  # no token came: the prompt's logprobs are in the result
+                yield self._chunk(self._echoed(),
+                                  logprobs=self._prompt_block(res.prompt_logprobs))
             yield self._chunk("", finish_reason(res), prepos=results.extension(res, self.sid))
             if self.include_usage:
                 yield self.usage_chunk([res])

@@ -239,14 +239,15 @@ class ServerState:
                 err = ApiError(400, "invalid_request", "the body must be a JSON object")
             raise err from None
 
-    async def check_input(self, engine: Engine, text: str, what: str) -> None:
+    async def check_input(self, engine: Engine, text: str, what: str,
+                          context: bool = False) -> None:
         """`Limits.check_input`: text short enough is never tokenized; longer text is
         tokenized off the event loop, in the bounded CPU pool."""
         if len(text) <= self.limits.max_input_tokens and \
                 len(text.encode()) <= self.limits.max_input_tokens:
             return
         await asyncio.get_running_loop().run_in_executor(
-            self.cpu, self.limits.check_input, engine, text, what)
+            self.cpu, self.limits.check_input, engine, text, what, context)
 
     async def run(self, fn, *args):
         """Run blocking engine work (rendering, waiting for the worker) off the loop."""
