@@ -172,9 +172,9 @@ class ResponsesCall(ChatCall):
             response=RS.ResponseObject, events=RS.RESPONSE_EVENTS, errors=(404, 409, 429),
             tags=("openai",))
 async def create_response(request: Request):
-    c = await ServerState.open(request, CreateResponse)
     rename = Renamer()
     try:
+        c = await ServerState.open(request, CreateResponse)
         return await _create(c, request, rename)
     except (ApiError, PreposError) as exc:
         raise rename(exc) from None
@@ -203,10 +203,10 @@ async def _create(c, request: Request, rename: Renamer):
     head = [{"role": "system", "content": system}] if system else []
     msgs = head + history + new
     rename.where = ["instructions"] * len(head) + ["previous_response_id"] * len(history) + where
-    check_order([], msgs, 0)
     if msgs[-1]["role"] not in ("user", "tool"):
         raise ApiError(400, "invalid_request", "the conversation must end with a user message "
                        "or a function_call_output for the model to answer", "input")
+    check_order([], msgs, 0)
     if system:
         await state.check_input(eng, system, "instructions")
     for m, at in zip(new, where):

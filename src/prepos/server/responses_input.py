@@ -219,7 +219,7 @@ def input_messages(raw: str | list[dict], calls: set[str]) -> tuple[list[dict], 
                           "response or the input before it", at + ".call_id")
             out.append({"role": "tool", "content": _text(item.get("output"), at + ".output")})
         else:
-            raise unsupported(f"{at}: item type {kind!r} is not supported (messages, "
+            raise unsupported(f"{at}: item type {kind!r} is not supported (message, "
                               "function_call and function_call_output items are)", at + ".type")
         where += [at] * (len(out) - n)
     return out, where
@@ -243,7 +243,9 @@ def output_calls(output: list[dict]) -> set[str]:
 
 
 # -- errors in the Responses API's terms --------------------------------------------------
-RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMES = {"max_completion_tokens": "max_output_tokens",
+           "response_format.json_schema": "text.format", "response_format": "text.format"}
+TYPE_TAGS = {"str", "int", "float", "bool"}  # pydantic's union members in an error's loc
 MESSAGE = re.compile(r"messages\[(\d+)\]")
 
 
@@ -265,9 +267,19 @@ class Renamer:
             text = text.replace(old, new)
         return re.sub(r"\bmessages\b", "input", text)
 
+    @staticmethod
+    def _loc(param: str) -> str:
+        """A pydantic loc as a field path: `input.list[...].0` is `input[0]`."""
+        out = ""
+        for seg in param.split("."):
+            if seg in TYPE_TAGS or seg.startswith(("list[", "dict[")):
+                continue
+            out += f"[{seg}]" if seg.isdigit() else (f".{seg}" if out else seg)
+        return out
+
     def __call__(self, exc: BaseException) -> ApiError:
         err = as_api_error(exc)
-        param = self._sub(err.param) if err.param else err.param
+        param = self._sub(self._loc(err.param)) if err.param else err.param
         if err.code in ("over_budget", "context_length_exceeded"):
             return ApiError(400, "context_length_exceeded", self._sub(err.message),
                             param or "input")
