@@ -347,6 +347,40 @@ def test_other_malformed_requests_are_4xx(http, model):
                          ).status_code == 401
 
 
+def test_a_stream_that_fails_ends_with_error_and_response_failed():
+    """An engine error after the first events: an `error` event naming it, then
+    `response.failed`, and the reply's cleanup runs (no server: the reply alone)."""
+    from types import SimpleNamespace
+
+    from server_harness import sse_events
+
+    from prepos.chat.tool_formats import PREPOS
+    from prepos.errors import PreposError
+    from prepos.server.responses_format import Reply
+
+    class Failing:
+        done = False
+
+        def result(self):
+            raise PreposError("the worker failed")
+
+    async def tokens():
+        yield SimpleNamespace(text="Hi", token=1)
+
+    state = SimpleNamespace(engine=SimpleNamespace(fmt=SimpleNamespace(tool_format=PREPOS)))
+    reply, cleaned = Reply(state, {"model": "m"}, True), []
+
+    async def run():
+        chunks = reply._guarded(Failing(), lambda: cleaned.append(1))(tokens())
+        return b"".join([c async for c in chunks]).decode()
+
+    events = [data for _, data in sse_events(asyncio.run(run()))]
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2]["message"] == "the worker failed"
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events))) and cleaned
+
+
 # -- the Agents SDK -----------------------------------------------------------------------
 def test_the_agents_sdk_runs_on_both_models(server, model):
     from agents import (

@@ -265,6 +265,7 @@ class Renamer:
         text = MESSAGE.sub(one, text)
         for old, new in RENAMES.items():
             text = text.replace(old, new)
+        text = re.sub(r"\bmax_tokens\b", "max_output_tokens", text)
         return re.sub(r"\bmessages\b", "input", text)
 
     @staticmethod
