@@ -230,9 +230,12 @@ async def _create(c, request: Request, rename: Renamer):
             return
         answer = output_message(obj["output"])
         sid = reply.sid
-        api.store.put(Stored(obj["id"], owner, prev.id if prev else None, sid,
-                             res.version + 1 if sid else None,
-                             new + ([answer] if answer else []), obj))
+        try:
+            api.store.put(Stored(obj["id"], owner, prev.id if prev else None, sid,
+                                 res.version + 1 if sid else None,
+                                 new + ([answer] if answer else []), obj))
+        except Exception as exc:  # the answer stands; only its retrieval by id is lost
+            log.error("response %s not stored: %s", obj["id"], exc)
 
     reply.save = save
     if not store or forced or not api.chains.capacity:
