@@ -28,7 +28,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {
     "type": "object", "properties": {"ticker": {"type": "string"}}}}}]
 CALL = {"function": {"name": "get_price", "arguments": "{\"ticker\": \"ACME\"}"}}
 ARGS = ["--max-tokens", "8", "--default-max-tokens", "4", "--max-session-tokens", "512",
-        "--max-input-tokens", "400", "--max-sessions", "64"]
+        "--max-input-tokens", "400", "--max-sessions", "64", "--response-sessions", "8"]
 FASTAPI_OWN = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
@@ -206,6 +206,22 @@ def test_real_responses_of_every_route_validate_against_the_document(client, doc
                   {"stream": True, "logprobs": 1, "stream_options": {"include_usage": True}}):
         check(cmpl, "POST", post(cmpl, json={"model": model, "prompt": "ACME", "max_tokens": 3,
                                              **extra}))
+    # the Responses API: create (whole, streamed, a function call), retrieve, delete
+    resp, one = "/v1/responses", "/v1/responses/{response_id}"
+    tool = {"type": "function", "name": "get_price", "parameters": TOOLS[0]["function"][
+        "parameters"]}
+    rid = check(resp, "POST", post(resp, json={"model": model, "input": "Hello?",
+                                               "max_output_tokens": 3, "metadata": {"a": "b"},
+                                               "instructions": SYSTEM})).json()["id"]
+    check(resp, "POST", post(resp, json={"model": model, "input": "Again?", "stream": True,
+                                         "previous_response_id": rid, "instructions": SYSTEM,
+                                         "max_output_tokens": 3}))
+    check(resp, "POST", post(resp, json={"model": model, "input": "Price?", "tools": [tool],
+                                         "tool_choice": "required", "max_output_tokens": 3}))
+    check(one, "GET", get(f"/v1/responses/{rid}"))
+    check(one, "DELETE", client.delete(f"/v1/responses/{rid}"))
+    check(one, "GET", get(f"/v1/responses/{rid}"))  # 404
+    check(resp, "POST", post(resp, json={"model": model, "input": []}))  # 400
     # errors: the one shape, documented for each route
     check(S, "GET", get("/sessions/nope"))
     check(S + "/append", "POST", post(f"/sessions/{a}/append", json={"data": "x"}))  # 409
@@ -263,7 +279,7 @@ def test_schemathesis_finds_no_5xx_and_every_response_on_its_schema(
     @settings(max_examples=2 * EXAMPLES, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
     def run(case):
-        if method == "DELETE":  # a fresh session to close each time
+        if method == "DELETE" and "{sid}" in path:  # a fresh session to close each time
             case.path_parameters["sid"] = client.post(
                 "/sessions", json={"kind": "streaming"}).json()["id"]
         if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):

@@ -38,6 +38,7 @@ from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
 from prepos.server.openai import routes as openai_routes
+from prepos.server.responses_api import routes as responses_routes
 from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.sessions import routes as sessions_routes
@@ -88,7 +89,8 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     api = Routes()
-    api.routes = [*sessions_routes.routes, *openai_routes.routes, *own.routes]
+    api.routes = [*sessions_routes.routes, *openai_routes.routes, *responses_routes.routes,
+                  *own.routes]
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     openapi.install(app, api.routes)  # /openapi.json: every route above
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,
@@ -203,6 +205,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stateless chat conversations kept as implicit sessions, so a stock "
                    "client's next turn pays only its new messages (0: none; default "
                    "%(default)s)")
+    p.add_argument("--response-sessions", type=int, default=ServerConfig.response_sessions,
+                   help="stored Responses API chains kept as sessions, least recently used "
+                   "closed first (their responses stay stored; 0: none; default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a client may take to send one whole request (headers and "
                    "body); slower ones are closed (default %(default)s)")
@@ -217,7 +222,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from prepos.server.auth import load_keys
 
-    for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions"):
+    for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions",
+                 "response_sessions"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
@@ -250,7 +256,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         api_keys=load_keys(args.api_key, args.api_keys_file),
                         served_model_name=args.served_model_name, limits=limits,
                         allowed_origins=origins, request_timeout=args.request_timeout,
-                        implicit_sessions=args.implicit_sessions)
+                        implicit_sessions=args.implicit_sessions,
+                        response_sessions=args.response_sessions)
 
 
 def main(argv: list[str] | None = None) -> int:

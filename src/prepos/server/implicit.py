@@ -86,9 +86,21 @@ class ImplicitSessions:
         with self._lock:
             self._leased.discard(sid)
 
-    def evict_one(self) -> bool:
-        """Close the least recently used free session (to make room); False if none is."""
-        return self._trim(len(self._kept) - 1)
+    def evict_one(self, owner: str | None | object = ...) -> bool:
+        """Close the least recently used free session (to make room), of `owner` where one
+        is given; False if none is."""
+        if owner is ...:
+            return self._trim(len(self._kept) - 1)
+        with self._lock:
+            sid = next((s for s, o in self._kept.items()
+                        if o == owner and s not in self._leased), None)
+            if sid is not None:
+                del self._kept[sid]
+        if sid is None:
+            return False
+        self._close(sid)
+        self._count("evicted")
+        return True
 
     def _trim(self, bound: int) -> bool:
         gone = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 FastMode = Literal["exact", "relaxed", "off"]
 
@@ -135,3 +135,35 @@ class Completion(OpenAISampling):
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+
+
+class CreateResponse(Open):
+    """POST /v1/responses (`server/responses_api.py`): OpenAI's Responses API. Fields typed
+    `Any` are checked by the route, which refuses by name what prepos cannot honour."""
+
+    model: StrictStr
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    previous_response_id: StrictStr | None = None
+    store: StrictBool | None = None
+    stream: StrictBool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    stream_options: dict[str, Any] | None = None
+    include: list[StrictStr] | None = None
+    truncation: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    top_logprobs: Any = None
+    context_management: Any = None
+    moderation: Any = None

@@ -53,6 +53,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
     implicit_sessions: int = 64  # stateless conversations kept as sessions (0: none)
+    response_sessions: int = 64  # stored response chains kept as sessions (0: none)
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""The Responses API's response bodies and stream events as models, for `/openapi.json`
+(`server/responses_format.py` writes them; `server/responses.py` holds the other routes')."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from prepos.server.responses import Body, Extension
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputText(Body):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputItem(Body):
+    """A `message` (its `content`, output_text parts) or a `function_call` (`call_id`,
+    `name`, `arguments`: a JSON object as text)."""
+
+    id: str
+    type: Literal["message", "function_call"]
+    status: ItemStatus
+    role: Literal["assistant"] | None = None
+    content: list[OutputText] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class InputTokens(Body):
+    cached_tokens: int = Field(description="input tokens found in the KV cache (exact)")
+    cache_write_tokens: int = Field(description="input tokens prefilled into a kept KV")
+
+
+class ResponseUsage(Body):
+    input_tokens: int
+    input_tokens_details: InputTokens
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(description="reasoning_tokens: 0")
+    total_tokens: int
+
+
+class ResponseError(Body):
+    code: str
+    message: str
+
+
+class ResponseObject(Body):
+    """A response (`openai.types.responses.Response`), as created, retrieved or streamed."""
+
+    id: str = Field(description="resp_...")
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None
+    incomplete_details: dict[str, str] | None = Field(
+        description="{reason: max_output_tokens} when incomplete")
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+    instructions: str | None
+    previous_response_id: str | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    store: bool
+    metadata: dict[str, str]
+    text: dict[str, Any]
+    prepos: Extension | None = None
+
+
+class ResponseDeleted(Body):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
+class ResponseEvent(Body):
+    """One event of a streamed response: `type` (its name), `sequence_number`, and the
+    fields of its type (OpenAI's `response_*_event`)."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    item: OutputItem | None = None
+    output_index: int | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+RESPONSE_EVENTS = {name: ResponseEvent for name in (
+    "response.created", "response.in_progress", "response.output_item.added",
+    "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+    "response.content_part.done", "response.output_item.done",
+    "response.function_call_arguments.delta", "response.function_call_arguments.done",
+    "response.completed", "response.incomplete", "response.failed", "error")}
