@@ -10,6 +10,7 @@ assistant messages with `tool_calls`, as frameworks do: the tiny models need not
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import openai
@@ -442,3 +443,36 @@ def test_a_back_end_without_grammars_continues_the_call_unconstrained(model_dirs
         check_request(Request(SamplingParams(grammar='start: "a"')), remote, False)
     with pytest.raises(InvalidSampling, match="prompt logprobs"):
         check_request(Request(prompt_logprobs=True), remote, False)
+
+
+def test_the_agents_sdk_runs_a_forced_call_and_the_turn_after_it(server, model):
+    """The OpenAI Agents SDK, unchanged, where it is installed (not a test dependency): a
+    strict function tool called under tool_choice required, its result sent back, and the
+    turn after it (the SDK resets tool_choice to auto once a tool ran)."""
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is not "
+                        "installed")
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_price(ticker: Literal["ACME", "MSFT"]) -> str:
+        """The latest price of a ticker."""
+        asked.append(ticker)
+        return "41.5"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    agent = Agent(name="analyst", instructions="Answer in one word.", tools=[get_price],
+                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=40))
+    result = Runner.run_sync(agent, "What is ACME at?", max_turns=4)
+    assert len(asked) == 1 and asked[0] in ("ACME", "MSFT")
+    assert isinstance(result.final_output, str)
