@@ -163,7 +163,7 @@ class ResponsesCall(ChatCall):
     async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):
         r = self.reply
         r.sid, r.agentic, r.tools = sid, agentic, tools
-        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced")
+        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
         r.parallel = self.body.parallel_tool_calls is not False
         return await r.respond(self.receive, streams[0], cleanup)
 
