@@ -27,7 +27,6 @@ is the version it was computed from, as on every route).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import weakref
 
@@ -139,18 +138,7 @@ class ResponsesApi:
         return sid
 
     def _release_after(self, stream, sid: str) -> None:
-        if stream.done:
-            self.chains.release(sid)
-            return
-
-        async def wait_then_release():
-            try:
-                await self.state.run(stream.result)
-            except Exception as exc:  # the request's own error, already reported to it
-                log.debug("chain session %s answer ended with %s", sid, exc)
-            self.chains.release(sid)
-
-        asyncio.ensure_future(wait_then_release())
+        self.state.after(stream, lambda: self.chains.release(sid), f"chain session {sid}")
 
 
 class ResponsesCall(ChatCall):

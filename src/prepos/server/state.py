@@ -365,20 +365,25 @@ class ServerState:
                 if not self.implicit.evict_one():
                     raise
 
-    def release_after(self, stream: Stream, sid: str) -> None:
-        """Free an implicit session for the next request once its answer has finished."""
+    def after(self, stream: Stream, then: Callable[[], None], what: str) -> None:
+        """`then()` once `stream` has finished (or was cancelled by a client that went
+        away), off the request: its own error was already reported to it."""
         if stream.done:
-            self.implicit.release(sid)
+            then()
             return
 
-        async def wait_then_release():
+        async def wait_then():
             try:
                 await self.run(stream.result)
-            except Exception as exc:  # the request's own error, already reported to it
-                log.debug("implicit session %s ended with %s", sid, exc)
-            self.implicit.release(sid)
+            except Exception as exc:
+                log.debug("%s ended with %s", what, exc)
+            then()
 
-        asyncio.ensure_future(wait_then_release())
+        asyncio.ensure_future(wait_then())
+
+    def release_after(self, stream: Stream, sid: str) -> None:
+        """Free an implicit session for the next request once its answer has finished."""
+        self.after(stream, lambda: self.implicit.release(sid), f"implicit session {sid}")
 
     def start_ephemeral(self, engine: Engine, spec: SessionSpec,
                         start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
@@ -391,20 +396,8 @@ class ServerState:
             raise
 
     def close_after(self, stream, sid: str) -> None:
-        """Close an ephemeral session once its stream has finished (or was cancelled by a
-        client that went away)."""
-        if stream.done:
-            self.close_ephemeral(sid)
-            return
-
-        async def wait_then_close():
-            try:
-                await self.run(stream.result)
-            except Exception as exc:  # the request's own error, already reported to it
-                log.debug("ephemeral session %s ended with %s", sid, exc)
-            self.close_ephemeral(sid)
-
-        asyncio.ensure_future(wait_then_close())
+        """Close an ephemeral session once its stream has finished."""
+        self.after(stream, lambda: self.close_ephemeral(sid), f"ephemeral session {sid}")
 
     def close_ephemeral(self, sid: str) -> None:
         eng = self.loaded
