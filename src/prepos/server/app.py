@@ -15,8 +15,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -211,7 +213,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         allowed_origins=origins, request_timeout=args.request_timeout)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None = None) -> int:
+    """`prepos serve`. `around(app)`, where given, is the ASGI app served instead of prepos's
+    own (benchmarks/fast_http.py serves reference endpoints beside it with these settings)."""
     import uvicorn
 
     args = parse_args(argv)
@@ -239,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     state: ServerState = app.state.prepos
     # h11 (not httptools): it bounds a request's head, and the guard adds a deadline for
     # the whole request, so half-sent requests and huge headers cannot hold the server
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    served = app if around is None else around(app)
+    uv = uvicorn.Config(served, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=args.access_log, timeout_graceful_shutdown=5,
                         timeout_keep_alive=args.keep_alive,
                         http=guarded_protocol(args.request_timeout, args.max_header_bytes),
