@@ -29,6 +29,7 @@ from prepos.config import KV_LAYOUTS, BudgetConfig, EngineConfig, RelaxedConfig,
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
+from prepos.server.fast import App, StraightLine
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
@@ -41,7 +42,7 @@ from prepos.server.state import ServerConfig, ServerState
 log = logging.getLogger("prepos.server")
 
 
-def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
+def create_app(config: ServerConfig, engine_factory=None) -> App:
     state = ServerState(config, engine_factory)
 
     @asynccontextmanager
@@ -50,11 +51,12 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
         yield
         await asyncio.to_thread(state.stop)
 
-    app = FastAPI(title="prepos", version="0.1.0", lifespan=lifespan,
-                  description="A stateful-session LLM server that answers before it is asked.")
+    app = App(title="prepos", version="0.1.0", lifespan=lifespan,
+              description="A stateful-session LLM server that answers before it is asked.")
     app.state.prepos = state
-    errors.install(app, on_error=lambda err: state.metrics.errors.labels(
+    respond = errors.install(app, on_error=lambda err: state.metrics.errors.labels(
         str(err.status), err.code).inc())
+    app.straight = StraightLine(state, respond, cors=bool(config.allowed_origins))
 
     own = Routes()
 

@@ -9,7 +9,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -172,17 +172,24 @@ class ServerState:
     @classmethod
     async def open(cls, request: Request, model: type[BaseModel] | None = None,
                    sid: str | None = None, kind: str | None = None) -> Call:
-        """A request's context, refused in this order: 503 while loading, 401 for a bad key,
-        404 for no session `sid` (of this key), 400 for a bad body, 409 for a session of
+        """A Starlette request's context (`call`)."""
+        return await cls.of(request).call(request.headers.get("authorization"), request.body,
+                                          model, sid, kind)
+
+    async def call(self, authorization: str | None, read: Callable[[], Awaitable[bytes]],
+                   model: type[BaseModel] | None = None, sid: str | None = None,
+                   kind: str | None = None) -> Call:
+        """A request's context, refused in this order: 503 while loading, 401 for a bad key
+        (`authorization`, the request's header), 404 for no session `sid` (of this key), 400
+        for a bad body (`read()`, read where there is a `model`), 409 for a session of
         another kind."""
-        state = cls.of(request)
-        eng = state.engine
-        owner = state.owner(request)
-        s = state.session(eng, sid, owner) if sid is not None else None
-        body = await state.body(request, model) if model is not None else None
+        eng = self.engine
+        owner = self.keys.owner_of(authorization)
+        s = self.session(eng, sid, owner) if sid is not None else None
+        body = await self.parse(await read(), model) if model is not None else None
         if kind is not None:
             s.require(kind)
-        return Call(state, eng, owner, body, s)
+        return Call(self, eng, owner, body, s)
 
     @property
     def engine(self) -> Engine:
@@ -217,8 +224,8 @@ class ServerState:
         ephemeral one (a stateless request's)."""
         return not is_ephemeral(s.id) and (owner is None or s.spec.owner == owner)
 
-    async def body(self, request: Request, model: type[M]) -> M:
-        raw = await request.body()
+    async def parse(self, raw: bytes, model: type[M]) -> M:
+        """A request body as `model`: 400 naming the problem."""
         if not raw:
             raise ApiError(400, "missing_body", f"this endpoint needs a JSON body "
                            f"({model.__name__})")
