@@ -1,7 +1,7 @@
 """The exact fast path over HTTP against the floor of the server it runs on.
 
 One server process, `prepos serve`'s own (its uvicorn settings: the guarded h11 protocol of
-server/guard.py, the event loop uvicorn picks, the same limits and timeouts), serves three
+server/guard.py, the event loop uvicorn picks, the same limits and timeouts), serves four
 endpoints side by side:
 
 - fast: prepos's exact fast path, a streaming session's standing query asked with
@@ -17,12 +17,13 @@ endpoints side by side:
 
 The client is Python's http.client, one keep-alive connection per endpoint, loopback, the
 same request body to each, the garbage collector paused while timing. Each series times
-`--requests` requests of each endpoint in turn (after `--warmup` untimed ones), the order
-rotating from series to series, so the machine's noise falls on all three alike. Printed
-last: one JSON line with P50/P99 per endpoint over all series, per series, and the ratios
-(`fast_over_raw_asgi_p50`, target <= 1.5).
+`--requests` requests of each endpoint (after `--warmup` untimed ones), one request of each
+in turn, the order rotating (`--interleave request`, so the machine's noise falls on all
+alike), or each endpoint's in a row, the order rotating from series to series (`block`).
+Printed last: one JSON line with P50/P99 per endpoint over all series, per series, and the
+ratios (`fast_over_raw_asgi_p50`, target <= 1.5).
 
-    python benchmarks/fast_http.py [--series 3] [--requests 500] [--backend auto]
+    python benchmarks/fast_http.py [--series 3] [--requests 500] [--interleave request]
 """
 
 from __future__ import annotations
@@ -163,23 +164,15 @@ class Endpoint:
         self.series: list[dict] = []
         self.wrong: list[str] = []
 
-    def run(self, n: int, timed: bool) -> None:
-        xs = []
-        conn, path, body, headers = self.conn, self.path, self.body, self.headers
-        gc.disable()
-        try:
-            for _ in range(n):
-                t0 = time.perf_counter()
-                conn.request("POST", path, body, headers)
-                r = conn.getresponse()
-                raw = r.read()
-                xs.append(time.perf_counter() - t0)
-                self.check(r, raw)
-        finally:
-            gc.enable()
-        if timed:
-            self.samples += xs
-            self.series.append(summarize(xs))
+    def once(self, into: list[float] | None) -> None:
+        """One request, its seconds appended to `into` (None: untimed)."""
+        t0 = time.perf_counter()
+        self.conn.request("POST", self.path, self.body, self.headers)
+        r = self.conn.getresponse()
+        raw = r.read()
+        if into is not None:
+            into.append(time.perf_counter() - t0)
+        self.check(r, raw)
 
     def check(self, r: http.client.HTTPResponse, raw: bytes) -> None:
         ok = r.status == 200
@@ -196,7 +189,8 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3)
 
 
-def measure(port: int, series: int, requests: int, warmup: int) -> dict:
+def measure(port: int, series: int, requests: int, warmup: int,
+            interleave: str = "request") -> dict:
     sid = fast_session(port)
     body = json.dumps({"question": QUESTION, "max_tokens": 1}).encode()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -212,10 +206,22 @@ def measure(port: int, series: int, requests: int, warmup: int) -> dict:
     gc.collect()
     gc.freeze()
     for i in range(series):
-        order = eps[i % len(eps):] + eps[:i % len(eps)]
-        for ep in order:
-            ep.run(warmup, timed=False)
-            ep.run(requests, timed=True)
+        xs: dict[str, list[float]] = {ep.name: [] for ep in eps}
+        gc.disable()
+        try:
+            if interleave == "request":  # one request of each in turn, the order rotating
+                for k in range(warmup + requests):
+                    for ep in eps[k % len(eps):] + eps[:k % len(eps)]:
+                        ep.once(xs[ep.name] if k >= warmup else None)
+            else:  # each endpoint's requests in a row, the order rotating per series
+                for ep in eps[i % len(eps):] + eps[:i % len(eps)]:
+                    for k in range(warmup + requests):
+                        ep.once(xs[ep.name] if k >= warmup else None)
+        finally:
+            gc.enable()
+        for ep in eps:
+            ep.samples += xs[ep.name]
+            ep.series.append(summarize(xs[ep.name]))
     by = {ep.name: ep for ep in eps}
     total = {name: summarize(by[name].samples) for name in ENDPOINTS}
     p50 = {name: total[name]["p50_ms"] for name in ENDPOINTS}
@@ -247,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--series", type=int, default=3)
     ap.add_argument("--requests", type=int, default=500, help="timed requests per endpoint "
                     "per series")
-    ap.add_argument("--warmup", type=int, default=100, help="untimed requests before each")
+    ap.add_argument("--warmup", type=int, default=100, help="untimed requests of each "
+                    "endpoint before each series")
+    ap.add_argument("--interleave", default="request", choices=["request", "block"],
+                    help="request: one request of each endpoint in turn (the machine's noise "
+                    "falls on all alike); block: each endpoint's series in a row (its code "
+                    "stays warm in the caches)")
     ap.add_argument("--model", type=Path, help="default: prepos serve's (the bundled model)")
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"])
     ap.add_argument("--server-arg", action="append", default=[],
@@ -264,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         "server": "prepos serve's uvicorn settings: h11 with server/guard.py, loop "
                   f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'} (auto)",
         "client": "http.client, one keep-alive connection per endpoint, loopback",
-        "series_count": args.series, "requests": args.requests, "warmup": args.warmup}
+        "series_count": args.series, "requests": args.requests, "warmup": args.warmup,
+        "interleave": args.interleave}
     try:
-        summary.update(measure(port, args.series, args.requests, args.warmup))
+        summary.update(measure(port, args.series, args.requests, args.warmup,
+                               args.interleave))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
