@@ -56,7 +56,8 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
     app.state.prepos = state
     respond = errors.install(app, on_error=lambda err: state.metrics.errors.labels(
         str(err.status), err.code).inc())
-    app.straight = StraightLine(state, respond, cors=bool(config.allowed_origins))
+    if not config.allowed_origins:  # CORS adds its headers to every response
+        app.straight = StraightLine(state, respond)
 
     own = Routes()
 

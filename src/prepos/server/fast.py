@@ -4,11 +4,12 @@ A standing query answered from its pre-positioned ready distribution costs the e
 tens of microseconds; FastAPI's layers around it (its telemetry check, the server-error,
 exception-telemetry, body-limit, exception and exit-stack middlewares, prepos's `BodyLimit`,
 the router's match, Starlette's request and exception wrappers) cost as much again. `App`
-takes a query whose head none of those layers would act on straight to the route's own code
+takes a query none of those layers would act on straight to the route's own code
 (`sessions.ask`), after the same checks in the same order (503, 401, 404, 400, 409) and with
-the same error responses; any other request, and a query with a head over the limit, a
-body without a Content-Length or over the limit, or a browser's Origin where CORS is on,
-goes through the whole stack as before."""
+the same error responses. Every other request, and a query whose head is over the limit or
+whose body has no Content-Length or is over the limit, goes through the whole stack as
+before; so does every request of a server with CORS on (its middleware adds headers to
+every response, `Vary: Origin` at least)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,17 @@ from prepos.server.state import ServerState
 from prepos.session import STREAMING
 
 PREFIX, SUFFIX = "/sessions/", "/query"
+KNOWN_BYTES = 1024  # query bodies up to this size are remembered parsed,
+KNOWN_BODIES = 256  # this many at most
 
 
 class StraightLine:
-    def __init__(self, state: ServerState, respond: Callable[[ApiError], Response],
-                 cors: bool):
+    def __init__(self, state: ServerState, respond: Callable[[ApiError], Response]):
         self.state = state
         self.respond = respond  # the error response the app's exception handlers give
-        self.cors = cors
         self.max_body = state.limits.max_body_bytes
         self.max_head = state.limits.max_header_bytes
+        self.known: dict[bytes, Query] = {}  # bodies seen before, parsed
 
     def take(self, scope) -> tuple[str, str | None] | None:
         """The session id and Authorization header of a query this line answers; None for
@@ -47,24 +49,36 @@ class StraightLine:
         sid = path[len(PREFIX):-len(SUFFIX)]
         if not sid or "/" in sid:  # the route's {sid}: one path segment
             return None
-        head = len(scope["raw_path"]) + len(scope["query_string"])  # as BodyLimit counts
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         length = auth = None
-        for name, value in scope["headers"]:
+        for name, value in scope["headers"]:  # the head counted as BodyLimit counts it
             head += len(name) + len(value) + 4
             if name == b"content-length":
                 length = value if length is None else length
             elif name == b"authorization":
                 auth = value if auth is None else auth
-            elif name == b"origin" and self.cors:
-                return None
         if head > self.max_head or length is None or not length.isdigit() or \
                 int(length) > self.max_body:
             return None
         return sid, None if auth is None else auth.decode("latin-1")
 
+    async def body(self, receive) -> Query:
+        """The query's body, parsed; a small one seen before is the body parsed then (a
+        dashboard asks the same question the same way again and again; bodies are never
+        changed once parsed)."""
+        raw = await read_body(receive)
+        body = self.known.get(raw)
+        if body is None:
+            body = await self.state.parse(raw, Query)
+            if len(raw) <= KNOWN_BYTES:
+                if len(self.known) >= KNOWN_BODIES:
+                    self.known.clear()
+                self.known[raw] = body
+        return body
+
     async def answer(self, scope, receive, send, sid: str, auth: str | None) -> None:
         try:
-            c = await self.state.call(auth, partial(read_body, receive), Query, sid, STREAMING)
+            c = await self.state.call(auth, partial(self.body, receive), sid, STREAMING)
             response = await ask(c, receive)
         except Exception as exc:
             response = self.respond(as_api_error(exc))

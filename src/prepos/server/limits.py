@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prepos.core import SamplingParams
 from prepos.errors import InvalidSampling
 from prepos.server.errors import ApiError, error_body
+
+KNOWN_SAMPLINGS = 256
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class Limits:
     max_input_tokens: int = 8192  # tokens of input text per request
     max_queue: int = 256  # foreground tasks queued on the model worker before 429
     max_header_bytes: int = 64 * 1024  # a request's line and headers (431 beyond)
+    # the sampling of each set of values asked for lately (a dashboard asks alike every time)
+    _known: dict[tuple, SamplingParams] = field(default_factory=dict, init=False, repr=False,
+                                                compare=False)
 
     def sampling(self, max_tokens: int | None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None,
@@ -31,6 +36,22 @@ class Limits:
                  top_logprobs: int = 0, presence_penalty: float | None = None,
                  frequency_penalty: float | None = None,
                  logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+        """A request's sampling, checked: 400 naming the field beyond a limit or out of its
+        range."""
+        key = (max_tokens, temperature, top_k, top_p, seed,
+               tuple(stop) if isinstance(stop, list) else stop, param, top_logprobs,
+               presence_penalty, frequency_penalty, logit_bias)
+        known = self._known.get(key)
+        if known is None:
+            known = self._sampling(*key)
+            if len(self._known) >= KNOWN_SAMPLINGS:
+                self._known.clear()
+            self._known[key] = known
+        return known
+
+    def _sampling(self, max_tokens, temperature, top_k, top_p, seed, stop, param: str,
+                  top_logprobs: int, presence_penalty, frequency_penalty,
+                  logit_bias) -> SamplingParams:
         n = self.default_max_tokens if max_tokens is None else max_tokens
         if isinstance(n, int) and n > self.max_tokens:
             raise ApiError(400, "max_tokens_limit",

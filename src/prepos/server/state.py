@@ -172,24 +172,28 @@ class ServerState:
     @classmethod
     async def open(cls, request: Request, model: type[BaseModel] | None = None,
                    sid: str | None = None, kind: str | None = None) -> Call:
-        """A Starlette request's context (`call`)."""
-        return await cls.of(request).call(request.headers.get("authorization"), request.body,
-                                          model, sid, kind)
+        """A Starlette request's context (`call`), its body parsed as `model`."""
+        state = cls.of(request)
 
-    async def call(self, authorization: str | None, read: Callable[[], Awaitable[bytes]],
-                   model: type[BaseModel] | None = None, sid: str | None = None,
-                   kind: str | None = None) -> Call:
+        async def body():
+            return await state.parse(await request.body(), model)
+
+        return await state.call(request.headers.get("authorization"),
+                                body if model is not None else None, sid, kind)
+
+    async def call(self, authorization: str | None, body: Callable[[], Awaitable[Any]] | None,
+                   sid: str | None = None, kind: str | None = None) -> Call:
         """A request's context, refused in this order: 503 while loading, 401 for a bad key
         (`authorization`, the request's header), 404 for no session `sid` (of this key), 400
-        for a bad body (`read()`, read where there is a `model`), 409 for a session of
+        for a bad body (`body()`, the request's, read and parsed), 409 for a session of
         another kind."""
         eng = self.engine
         owner = self.keys.owner_of(authorization)
         s = self.session(eng, sid, owner) if sid is not None else None
-        body = await self.parse(await read(), model) if model is not None else None
+        parsed = await body() if body is not None else None
         if kind is not None:
             s.require(kind)
-        return Call(self, eng, owner, body, s)
+        return Call(self, eng, owner, parsed, s)
 
     @property
     def engine(self) -> Engine:
