@@ -15,8 +15,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -34,6 +36,7 @@ from prepos.config import (
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
+from prepos.server.fast import App, StraightLine
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
@@ -47,7 +50,7 @@ from prepos.server.state import ServerConfig, ServerState
 log = logging.getLogger("prepos.server")
 
 
-def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
+def create_app(config: ServerConfig, engine_factory=None) -> App:
     state = ServerState(config, engine_factory)
 
     @asynccontextmanager
@@ -56,11 +59,13 @@ def create_app(config: ServerConfig, engine_factory=None) -> FastAPI:
         yield
         await asyncio.to_thread(state.stop)
 
-    app = FastAPI(title="prepos", version="0.1.0", lifespan=lifespan,
-                  description="A stateful-session LLM server that answers before it is asked.")
+    app = App(title="prepos", version="0.1.0", lifespan=lifespan,
+              description="A stateful-session LLM server that answers before it is asked.")
     app.state.prepos = state
-    errors.install(app, on_error=lambda err: state.metrics.errors.labels(
+    respond = errors.install(app, on_error=lambda err: state.metrics.errors.labels(
         str(err.status), err.code).inc())
+    if not config.allowed_origins:  # CORS adds its headers to every response
+        app.straight = StraightLine(state, respond)
 
     own = Routes()
 
@@ -260,7 +265,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         response_sessions=args.response_sessions)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None = None) -> int:
+    """`prepos serve`. `around(app)`, where given, is the ASGI app served instead of prepos's
+    own (benchmarks/fast_http.py serves reference endpoints beside it with these settings)."""
     import uvicorn
 
     args = parse_args(argv)
@@ -288,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     state: ServerState = app.state.prepos
     # h11 (not httptools): it bounds a request's head, and the guard adds a deadline for
     # the whole request, so half-sent requests and huge headers cannot hold the server
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    served = app if around is None else around(app)
+    uv = uvicorn.Config(served, host=args.host, port=args.port, log_level=args.log_level,
                         access_log=args.access_log, timeout_graceful_shutdown=5,
                         timeout_keep_alive=args.keep_alive,
                         http=guarded_protocol(args.request_timeout, args.max_header_bytes),

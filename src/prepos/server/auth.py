@@ -38,9 +38,12 @@ class Keys:
 
     def owner(self, request: Request) -> str | None:
         """The owner id of the request's key; None when keys are off. 401 otherwise."""
+        return self.owner_of(request.headers.get("authorization")) if self._owners else None
+
+    def owner_of(self, header: str | None) -> str | None:
+        """`owner`, from the request's Authorization header (None: not sent)."""
         if not self._owners:
             return None
-        header = request.headers.get("authorization")
         if not header:
             raise ApiError(401, "missing_api_key",
                            "this server needs an API key: send 'Authorization: Bearer <key>'",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -77,8 +78,9 @@ def validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, "invalid_request", "; ".join(parts), param)
 
 
-def install(app: FastAPI, on_error=None) -> None:
-    """Exception handlers that turn every failure into the JSON error shape."""
+def install(app: FastAPI, on_error=None) -> Callable[[ApiError], Response]:
+    """Exception handlers that turn every failure into the JSON error shape; returned, the
+    response they give an ApiError (counted by `on_error`)."""
 
     def respond(err: ApiError) -> Response:
         if on_error is not None:
@@ -116,3 +118,5 @@ def install(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         return respond(as_api_error(exc))
+
+    return respond

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prepos.core import SamplingParams
 from prepos.errors import InvalidSampling
 from prepos.server.errors import ApiError, error_body
+
+KNOWN_SAMPLINGS = 256
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class Limits:
     max_input_tokens: int = 8192  # tokens of input text per request
     max_queue: int = 256  # foreground tasks queued on the model worker before 429
     max_header_bytes: int = 64 * 1024  # a request's line and headers (431 beyond)
+    # the sampling of each set of values asked for lately (a dashboard asks alike every time)
+    _known: dict[tuple, SamplingParams] = field(default_factory=dict, init=False, repr=False,
+                                                compare=False)
 
     def sampling(self, max_tokens: int | None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None,
@@ -32,8 +37,27 @@ class Limits:
                  frequency_penalty: float | None = None,
                  logit_bias: tuple[tuple[int, float], ...] = (),
                  fit: bool = False) -> SamplingParams:
-        """A request's sampling. max_tokens left out is `default_max_tokens`, or with `fit`
-        (OpenAI's) the rest of the context, up to `max_tokens`."""
+        """A request's sampling, checked: 400 naming the field beyond a limit or out of its
+        range. max_tokens left out is `default_max_tokens`, or with `fit` (OpenAI's) the rest
+        of the context, up to `max_tokens`. Remembered per distinct request (the fast path's
+        are the same request again and again)."""
+        key = (max_tokens, temperature, top_k, top_p, seed,
+               tuple(stop) if isinstance(stop, list) else stop, param, top_logprobs,
+               presence_penalty, frequency_penalty, logit_bias, fit)
+        try:
+            known = self._known.get(key)
+        except TypeError:  # a value that cannot be a key: checked, not remembered
+            return self._sampling(*key)
+        if known is None:
+            known = self._sampling(*key)
+            if len(self._known) >= KNOWN_SAMPLINGS:
+                self._known.clear()
+            self._known[key] = known
+        return known
+
+    def _sampling(self, max_tokens, temperature, top_k, top_p, seed, stop, param: str,
+                  top_logprobs: int, presence_penalty, frequency_penalty,
+                  logit_bias, fit: bool) -> SamplingParams:
         n = self.default_max_tokens if max_tokens is None else max_tokens
         fit = fit and max_tokens is None
         if fit:

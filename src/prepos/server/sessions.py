@@ -229,12 +229,18 @@ async def add_message(sid: str, request: Request):
             body=Query, response=R.Answer, events=R.ANSWER_EVENTS, errors=(409, 429))
 async def query(sid: str, request: Request):
     c = await ServerState.open(request, Query, sid, STREAMING)
-    eng, b = c.engine, c.body
+    return await ask(c, request.receive)
+
+
+async def ask(c: Call, receive) -> Response:
+    """A query's answer, its context open (by the route, or by server/fast.py's straight
+    line); `receive`, the request's ASGI receive."""
+    eng, b, sid = c.engine, c.body, c.sid
     req = _request(c)
     await c.check_input(b.question, "question")
     stream = await c.state.start_exact(eng, sid, query_key(b.question), req,
                                        lambda: eng.query(sid, b.question, req), len(b.question))
-    return await respond(c, request, stream, agentic=False)
+    return await respond(c, receive, stream, agentic=False)
 
 
 @routes.add("POST", "/sessions/{sid}/turn", 10, summary="Take a turn (agentic)", body=Turn,
@@ -247,7 +253,7 @@ async def turn(sid: str, request: Request):
         stream = await c.state.start_exact(eng, sid, TURN, req, lambda: eng.turn(sid, None, req))
     else:
         stream = await _committing(c, eng.turn, b.user, "user", req)
-    return await respond(c, request, stream, agentic=True)
+    return await respond(c, request.receive, stream, agentic=True)
 
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12, summary="Send a tool result (agentic)",
@@ -257,7 +263,7 @@ async def tool_result(sid: str, request: Request):
     c = await ServerState.open(request, ToolResult, sid, AGENTIC)
     stream = await _committing(c, c.engine.tool_result, c.body.content, "content",
                                _request(c))
-    return await respond(c, request, stream, agentic=True)
+    return await respond(c, request.receive, stream, agentic=True)
 
 
 async def _committing(c: Call, start, text: str, what: str, req: EngineRequest):
@@ -274,7 +280,7 @@ def _token(ev) -> dict:
     return out
 
 
-async def respond(c: Call, request: Request, stream, agentic: bool) -> Response:
+async def respond(c: Call, receive, stream, agentic: bool) -> Response:
     """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
     state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
 
@@ -283,7 +289,7 @@ async def respond(c: Call, request: Request, stream, agentic: bool) -> Response:
         return results.session_result(res, sid, logprobs, agentic, content)
 
     if not streamed:
-        res = await streaming.result(state, stream, request.receive)
+        res = await streaming.result(state, stream, receive)
         return json_response(final(res), headers=results.headers(res, sid))
     if stream.done:
         stream.result()  # a finished stream that failed answers with its error, not events

@@ -9,7 +9,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -179,17 +179,28 @@ class ServerState:
     @classmethod
     async def open(cls, request: Request, model: type[BaseModel] | None = None,
                    sid: str | None = None, kind: str | None = None) -> Call:
-        """A request's context, refused in this order: 503 while loading, 401 for a bad key,
-        404 for no session `sid` (of this key), 400 for a bad body, 409 for a session of
-        another kind."""
+        """A Starlette request's context (`call`), its body parsed as `model`."""
         state = cls.of(request)
-        eng = state.engine
-        owner = state.owner(request)
-        s = state.session(eng, sid, owner) if sid is not None else None
-        body = await state.body(request, model) if model is not None else None
+
+        async def body():
+            return await state.parse(await request.body(), model)
+
+        return await state.call(request.headers.get("authorization"),
+                                body if model is not None else None, sid, kind)
+
+    async def call(self, authorization: str | None, body: Callable[[], Awaitable[Any]] | None,
+                   sid: str | None = None, kind: str | None = None) -> Call:
+        """A request's context, refused in this order: 503 while loading, 401 for a bad key
+        (`authorization`, the request's header), 404 for no session `sid` (of this key), 400
+        for a bad body (`body()`, the request's, read and parsed), 409 for a session of
+        another kind."""
+        eng = self.engine
+        owner = self.keys.owner_of(authorization)
+        s = self.session(eng, sid, owner) if sid is not None else None
+        parsed = await body() if body is not None else None
         if kind is not None:
             s.require(kind)
-        return Call(state, eng, owner, body, s)
+        return Call(self, eng, owner, parsed, s)
 
     @property
     def engine(self) -> Engine:
@@ -224,8 +235,8 @@ class ServerState:
         ephemeral one (a stateless request's)."""
         return not is_ephemeral(s.id) and (owner is None or s.spec.owner == owner)
 
-    async def body(self, request: Request, model: type[M]) -> M:
-        raw = await request.body()
+    async def parse(self, raw: bytes, model: type[M]) -> M:
+        """A request body as `model`: 400 naming the problem."""
         if not raw:
             raise ApiError(400, "missing_body", f"this endpoint needs a JSON body "
                            f"({model.__name__})")
