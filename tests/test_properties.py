@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import cold_logits, greedy_agrees, tolerance
+from helpers import cold_logits, greedy_agrees, promote, tolerance
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import AnswerPath, Match, Request, SamplingParams
 from prepos.engine import Engine
@@ -134,6 +134,9 @@ def run_machine(engine):
             s = self.eng.session(self.stream)
             version, committed = s.version, s.snap.tokens
             header = s.entries().header
+            rec = self.eng.ready_header(self.stream)
+            if rec is not None:  # the class's evidence says what the header does (a random
+                promote(self.eng, "Is it rising?", rec.argmax)  # model's full path need not)
             res = self.eng.query(self.stream, "Is it rising?",
                                  Request(SamplingParams(max_tokens=1))).result()
             if res.match is Match.RELAXED:
