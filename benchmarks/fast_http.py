@@ -102,6 +102,7 @@ def serve(argv: list[str]) -> int:
 
 # -- the client side ----------------------------------------------------------------------
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int]:
+    """This file's server mode as a subprocess, once its /health says 200."""
     port_file = log.with_suffix(".port")
     port_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -112,43 +113,33 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen,
            *args.server_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        if port_file.exists():
-            port = int(port_file.read_text())
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    return proc, port
-            except OSError:
-                pass
-        if time.monotonic() > deadline:
+    while not healthy(port_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise TimeoutError("server not ready in 300 s")
+            raise RuntimeError(f"server not ready: {log.read_text()[-2000:]}")
         time.sleep(0.1)
+    return proc, int(port_file.read_text())
 
 
-def call(conn: http.client.HTTPConnection, method: str, path: str, body=None) -> dict:
-    conn.request(method, path, json.dumps(body).encode() if body is not None else None,
-                 {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    raw = r.read()
-    if r.status >= 300:
-        raise RuntimeError(f"{method} {path}: HTTP {r.status}: {raw[:300]!r}")
-    return json.loads(raw)
+def healthy(port_file: Path) -> bool:
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", int(port_file.read_text()), timeout=5)
+        c.request("GET", "/health")
+        return c.getresponse().status == 200
+    except (OSError, ValueError):  # no port yet, or not listening yet
+        return False
 
 
 def fast_session(port: int) -> str:
     """A streaming session whose standing query is pre-positioned at its current version."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    sid = call(c, "POST", "/sessions", {"kind": "streaming",
-                                        "standing_queries": [QUESTION]})["id"]
-    call(c, "POST", f"/sessions/{sid}/append", {"data": DATA})
-    if not call(c, "GET", f"/sessions/{sid}?wait_ready=60")["ready"]["done"]:
+    from http_ttft import Client  # its JSON calls
+
+    c = Client("127.0.0.1", port)
+    sid = c.call("POST", "/sessions", {"kind": "streaming", "standing_queries": [QUESTION]})["id"]
+    c.call("POST", f"/sessions/{sid}/append", {"data": DATA})
+    if not c.call("GET", f"/sessions/{sid}?wait_ready=60")["ready"]["done"]:
         raise RuntimeError("the standing query was not pre-positioned in 60 s")
-    c.close()
+    c.conn.close()
     return sid
 
 
@@ -196,8 +187,9 @@ def measure(port: int, series: int, requests: int, warmup: int,
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     c.request("POST", f"/sessions/{sid}/query", body, {"Content-Type": "application/json"})
     r = c.getresponse()
-    answer = r.read()
-    call(c, "POST", RAW_SAME, {"headers": r.getheaders(), "body": answer.decode()})
+    answer = r.read()  # the raw callable's copy, sent as its first request's body
+    c.request("POST", RAW_SAME, json.dumps({"headers": r.getheaders(), "body": answer.decode()}))
+    c.getresponse().read()
     c.close()
     eps = [Endpoint("fast", port, f"/sessions/{sid}/query", body),
            Endpoint("empty", port, EMPTY, body, CONSTANT),
