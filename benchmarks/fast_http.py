@@ -34,11 +34,11 @@ import http.client
 import importlib.util
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,8 +102,9 @@ def serve(argv: list[str]) -> int:
 
 
 # -- the client side ----------------------------------------------------------------------
-def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int]:
-    """This file's server mode as a subprocess, once its /health says 200."""
+@contextmanager
+def serving(args: argparse.Namespace, log: Path):
+    """This file's server mode as a subprocess: its port, once its /health says 200."""
     port_file = log.with_suffix(".port")
     port_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -119,7 +120,14 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen,
             proc.kill()
             raise RuntimeError(f"server not ready: {log.read_text()[-2000:]}")
         time.sleep(0.1)
-    return proc, int(port_file.read_text())
+    try:
+        yield int(port_file.read_text())
+    finally:
+        proc.terminate()  # a graceful stop
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def healthy(port_file: Path) -> bool:
@@ -273,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.series < 1 or args.requests < 1:
         ap.error("--series and --requests must be >= 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    proc, port = start_server(args, args.out.with_suffix(".server.log"))
     summary: dict = {
         "benchmark": "fast_http", "machine": machine(),
         "model": str(args.model or "prepos serve's default"), "backend": args.backend,
@@ -282,15 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "client": "http.client, one keep-alive connection per endpoint, loopback",
         "series_count": args.series, "requests": args.requests, "warmup": args.warmup,
         "interleave": args.interleave}
-    try:
+    with serving(args, args.out.with_suffix(".server.log")) as port:
         summary.update(measure(port, args.series, args.requests, args.warmup,
                                args.interleave))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     summary["target_fast_over_raw_asgi_p50_le_1_5"] = summary["fast_over_raw_asgi_p50"] <= 1.5
     write(args.out, summary)
     summary.pop("samples_ms")  # the file keeps every sample; the printed line does not
