@@ -6,6 +6,7 @@ engine counters and gauges (pre-positions, paths, KV cells, queues, sessions) ar
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -70,7 +71,17 @@ class Metrics:
         r.register(_EngineCollector(self))
 
     def observe(self, res: Result) -> None:
-        """Engine observer: runs on the worker (or the caller, for the fast path)."""
+        """Engine observer: runs on the model worker, or on the event loop for an answer made
+        there (the fast path), where it counts on the loop's next turn, once the answer is
+        written: its client does not wait for the counting."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the worker's (or another thread's) answer
+            self._count(res)
+            return
+        loop.call_soon(self._count, res)
+
+    def _count(self, res: Result) -> None:
         self.prompt_tokens.inc(res.prompt_tokens)
         self.generation_tokens.inc(len(res.tokens))
         if res.finish_reason == "cancelled":  # no answer was delivered: not a latency sample
