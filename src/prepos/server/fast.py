@@ -20,11 +20,11 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from prepos.engine.session import STREAMING
 from prepos.server.errors import ApiError, as_api_error
 from prepos.server.schemas import Query
 from prepos.server.sessions import ask
 from prepos.server.state import ServerState
-from prepos.engine.session import STREAMING
 
 PREFIX, SUFFIX = "/sessions/", "/query"
 KNOWN_BYTES = 1024  # query bodies up to this size are remembered parsed,
