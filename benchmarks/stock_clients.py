@@ -389,6 +389,10 @@ def p50(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 1)
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(a / b, 3)
 
@@ -397,6 +401,17 @@ def cached_fraction(turns: list[dict]) -> float | None:
     got = [t for t in turns if t["cached_tokens"] is not None]
     prompt = sum(t["prompt_tokens"] for t in got)
     return round(sum(t["cached_tokens"] for t in got) / prompt, 4) if prompt else None
+
+
+def cacheable_fraction(runs: list[dict]) -> float | None:
+    """The most a prompt cache could hold of turns after the first: what the server saw
+    before (the previous prompt and its answer), over the prompt tokens."""
+    held = prompt = 0
+    for r in runs:
+        for a, b in zip(r["turns"], r["turns"][1:]):
+            held += min(b["prompt_tokens"], a["prompt_tokens"] + (a["completion_tokens"] or 0))
+            prompt += b["prompt_tokens"]
+    return round(held / prompt, 4) if prompt else None
 
 
 def summary_of(runs: dict[str, list[dict]]) -> dict:
@@ -412,6 +427,8 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
         a = {"turns_after_first": summarize([t["wall_s"] for t in rest]) if rest else None,
              "first_turn": summarize(first) if first else None,
              "conversation_total": summarize(whole) if whole else None,
+             "user_turns_p50_ms": _ms(p50([t["wall_s"] for t in rest if t["turn"] % 2])),
+             "tool_turns_p50_ms": _ms(p50([t["wall_s"] for t in rest if not t["turn"] % 2])),
              "per_turn_p50_ms": {str(k): round(p50([t["wall_s"] for r in rs for t in r["turns"]
                                                      if t["turn"] == k]) * 1e3, 1)
                                  for k in range(1, TURNS + 1)
@@ -421,6 +438,7 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
              "completion_tokens_mean": round(statistics.fmean(
                  [t["completion_tokens"] or 0 for r in rs for t in r["turns"]]), 2),
              "cached_fraction": cached_fraction(rest),
+             "cacheable_fraction": cacheable_fraction(rs),
              "model_tool_calls": sum(r["model_tool_calls"] for r in rs),
              "errors": sum(len(r["errors"]) for r in rs),
              "complete_conversations": len(whole)}
@@ -437,6 +455,14 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
             a["server_prefill_tokens_p50"] = p50(ptok)
             a["client_minus_server_p50_ms"] = p50([t["wall_s"] * 1e3 - t["server"]["total_ms"]
                                                    for t in rest if t.get("server")])
+            a["prefill_ms_per_token_p50"] = p50([t["server"]["prefill_ms"]
+                                                 / t["server"]["prefill_tokens"] for t in rest
+                                                 if t.get("server") and
+                                                 t["server"]["prefill_tokens"] >= 64])
+            a["decode_ms_per_token_p50"] = p50([(t["server"]["total_ms"] - t["server"]["ttft_ms"])
+                                                / (t["completion_tokens"] - 1) for t in rest
+                                                if t.get("server") and
+                                                (t["completion_tokens"] or 0) > 1])
         elif any(t.get("server") for t in rest):  # llama-server's timings
             s = [t["server"] for t in rest if t.get("server")]
             a["server_total_p50_ms"] = p50([x["prompt_ms"] + x["predicted_ms"] for x in s])
@@ -447,6 +473,10 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
             a["client_minus_server_p50_ms"] = p50([t["wall_s"] * 1e3 - t["server"]["prompt_ms"]
                                                    - t["server"]["predicted_ms"]
                                                    for t in rest if t.get("server")])
+            a["prefill_ms_per_token_p50"] = p50([x["prompt_ms"] / x["prompt_n"] for x in s
+                                                 if x["prompt_n"] >= 64])
+            a["decode_ms_per_token_p50"] = p50([x["predicted_ms"] / x["predicted_n"] for x in s
+                                                if x["predicted_n"]])
         out[arm] = a
     return out
 
@@ -576,12 +606,17 @@ def main(argv: list[str] | None = None) -> int:
         "turn_ratio_vs_llama_server": {
             "value": ratio(med.get("prepos"), med.get("llama_server")), "target_le": 1.0,
             "prepos": arms_summary.get("prepos", {}).get("turns_after_first"),
-            "llama_server": llama_cached.get("turns_after_first")},
+            "llama_server": llama_cached.get("turns_after_first"),
+            "user_turns": ratio(arms_summary.get("prepos", {}).get("user_turns_p50_ms"),
+                                llama_cached.get("user_turns_p50_ms")),
+            "tool_turns": ratio(arms_summary.get("prepos", {}).get("tool_turns_p50_ms"),
+                                llama_cached.get("tool_turns_p50_ms"))},
         "cached_fraction": {
             "prepos": arms_summary.get("prepos", {}).get("cached_fraction"), "target_ge": 0.9,
             "llama_server": llama_cached.get("cached_fraction"),
             "llama_server_cache_n": llama_cached.get("cache_n_fraction"),
-            "prepos_session": arms_summary.get("prepos_session", {}).get("cached_fraction")},
+            "prepos_session": arms_summary.get("prepos_session", {}).get("cached_fraction"),
+            "cacheable": {a: s["cacheable_fraction"] for a, s in arms_summary.items()}},
         "stateless_vs_session_ratio": {
             "value": ratio(med.get("prepos"), med.get("prepos_session")), "target_le": 1.1,
             "prepos_session": arms_summary.get("prepos_session", {}).get("turns_after_first")},
