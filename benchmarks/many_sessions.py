@@ -985,6 +985,7 @@ def part4(ctx, args) -> dict:
     if binary is None:
         return {"skipped": "no llama-server binary"}
     from openai import OpenAI
+
     from prepos.engine.loading import resolve_model
     fmt = smollm2_format()
     system = long_system_prompt(fmt, args.p4_system_tokens)

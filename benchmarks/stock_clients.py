@@ -108,9 +108,11 @@ TICKERS = ["ACME", "BOLT", "CRUX", "DYNA", "ECHO", "FLUX", "GRID", "HALO", "IONX
            "UMBR", "VOLT", "WREN", "XENO", "YARD", "ZETA"]
 OPENERS = [
     "I'm looking at {t} for a possible swing trade. How has it traded over the last {d} days?",
-    "My manager asked me for a quick read on {t}. What did the stock do over the past {d} sessions?",
+    "My manager asked me for a quick read on {t}. What did the stock do over the past {d} "
+    "sessions?",
     "Can you check how {t} has been moving lately? I care about the last {d} trading days.",
-    "{t} came up in our morning meeting. Was it up or down over the last {d} days, and by how much?",
+    "{t} came up in our morning meeting. Was it up or down over the last {d} days, and by "
+    "how much?",
     "Before I write my note on {t}: what was its closing range over the last {d} trading days?",
     "A client holds {t} and is nervous. Has it been volatile over the last {d} sessions?",
     "Give me the short version of how {t} performed over the past {d} trading days.",
@@ -147,7 +149,8 @@ def price_table(ticker: str, days: int, rng: random.Random) -> str:
     for _ in range(days):
         o = price * (1 + rng.gauss(0, 0.004))
         c = o * (1 + rng.gauss(0.0005, 0.018))
-        hi, lo = max(o, c) * (1 + abs(rng.gauss(0, 0.006))), min(o, c) * (1 - abs(rng.gauss(0, 0.006)))
+        hi = max(o, c) * (1 + abs(rng.gauss(0, 0.006)))
+        lo = min(o, c) * (1 - abs(rng.gauss(0, 0.006)))
         rows.append([f"2024-06-{day:02d}", round(o, 2), round(hi, 2), round(lo, 2), round(c, 2),
                      int(rng.lognormvariate(14, 0.4))])
         price, day = c, day + (3 if day % 7 == 0 else 1)
