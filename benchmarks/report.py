@@ -555,6 +555,20 @@ def main() -> int:
             f"{t['fast']['p99_ms']:.3f} ms (in process, no HTTP in front): the engine's full "
             f"prompt-cache hit / prepos fast = "
             f"{t['engine_hit']['p50_ms'] / t['fast']['p50_ms']:.0f}x at P50.\n")
+    sc = load("stock_clients.json")
+    if sc:
+        tr, cf = sc["turn_ratio_vs_llama_server"], sc["cached_fraction"]
+        sv, rr = sc["stateless_vs_session_ratio"], sc["responses_turn_ratio_vs_chat"]
+        ratios += (
+            f"- A stock OpenAI client's 8-turn agent conversation (`benchmarks/stock_clients.py`"
+            f", {sc['conversations']} conversations, {sc['threads']} thread(s) each, load "
+            f"{sc['machine']['loadavg_1m_at_start']} at start): time per turn after the first, "
+            f"prepos / llama-server = {tr['value']} (P50 {tr['prepos']['p50_ms']:.0f} vs "
+            f"{tr['llama_server']['p50_ms']:.0f} ms, n={tr['prepos']['n']}); cached fraction "
+            f"prepos {cf['prepos']}, llama-server {cf['llama_server']} (at most "
+            f"{cf.get('cacheable', {}).get('prepos')} cacheable); stateless / named session = "
+            f"{sv['value']}; Responses / chat = "
+            f"{rr['value'] if rr else 'not run (no /v1/responses)'}.\n")
     (DOCS / "figures").mkdir(parents=True, exist_ok=True)
     ttft_figure(ep, http, DOCS / "figures" / "ttft_cdf_ours.png")
     gpu = gpu_table(RESULTS / "gpu")

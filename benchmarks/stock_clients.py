@@ -18,6 +18,11 @@ itself, llama-server ignores `tool_choice` for this template (a named function i
 the wrong type, `required` changes nothing, and the tools are not rendered in its prompt),
 and prepos's forced call is cut by max_tokens 32 into arguments that are not JSON. So the
 client replays an agent's trace, the same on both servers (`tool_calls_mode` in the output).
+The same messages are not the same tokens: SmolLM2's template renders neither tools nor
+calls, so prepos writes a <tools> block into the system message and each call as
+<tool_call> markup (ARCHITECTURE, "Tools on any template"), while llama-server's render drops
+both (a call is an empty assistant message): prepos's prompts are a few hundred tokens longer
+by turn 8 (`prompt_tokens_last_turn` of each arm).
 Where a model writes a call itself (prepos parses it), the next request answers it first with
 a tool result, as an agent loop would; those are counted (`model_tool_calls`).
 
