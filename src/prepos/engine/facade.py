@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import Counter
@@ -30,7 +31,7 @@ from prepos.engine.session import (
     Snapshot,
     query_key,
 )
-from prepos.errors import Conflict, InvalidInput
+from prepos.errors import Conflict, InvalidInput, OverBudget
 from prepos.gate.calibrated import Gate
 from prepos.gate.relaxed import Relaxed
 from prepos.worker.kv import Forward, KVPool
@@ -224,8 +225,9 @@ class Engine:
         self._abandon(s, dropped)
         if dropped is not None:
             self._emit("commit", s, snap)
-        if wait and snap.tokens:
-            self._call(self._ingest(s, snap), key=s.id)
+        if wait and snap.tokens:  # the commit stands: its KV is a cache, rebuilt when needed
+            with contextlib.suppress(OverBudget):
+                self._call(self._ingest(s, snap), key=s.id)
         if self.config.preposition and s.spec.preposition:
             _, ready = s.current()
             if ready.version == snap.version and ready.valid:
@@ -424,8 +426,7 @@ class Engine:
         return self.sessions.get(sid).ready_now()
 
     def snapshot(self, sid: str, version: int | None = None) -> Snapshot:
-        """A committed version of a session: `version` while it is kept rendered, else the
-        current one."""
+        """A committed version of a session: `version` while it is kept, else the current."""
         return self.sessions.get(sid).at(version)
 
     def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:

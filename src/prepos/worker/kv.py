@@ -342,15 +342,20 @@ class KVPool:
         loaded from its tier, or recomputed from its tokens where no tier holds it."""
         sid = kv.key
         t0 = time.perf_counter()
-        while self.used + len(kv.tokens) > self.engine_cells:
-            if not moves or not self._spill_one(sid):
-                raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells "
-                                 f"cannot hold session {sid}'s {len(kv.tokens)} tokens")
-        while self.backend.free_handles() == 0:  # every handle taken: free the LRU one
-            if not moves or not self._spill_one(sid):
-                raise TooManySessions(f"the {self.backend.name} back end holds no more "
-                                      f"sessions' KV at once")
-        data = self.tiers.take(sid) if kv.tokens else None
+        data = self.tiers.take(sid) if kv.tokens else None  # before others move down past it
+        try:
+            while self.used + len(kv.tokens) > self.engine_cells:
+                if not moves or not self._spill_one(sid):
+                    raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells "
+                                     f"cannot hold session {sid}'s {len(kv.tokens)} tokens")
+            while self.backend.free_handles() == 0:  # every handle taken: free the LRU one
+                if not moves or not self._spill_one(sid):
+                    raise TooManySessions(f"the {self.backend.name} back end holds no more "
+                                          f"sessions' KV at once")
+        except BaseException:
+            if data is not None:
+                self.tiers.put(sid, data)
+            raise
         handle = self.backend.load(data, sid) if data is not None else self.backend.new_kv(sid)
         if handle is None:  # the state would not load: recompute it
             handle, data = self.backend.new_kv(sid), None
