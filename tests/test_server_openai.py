@@ -185,8 +185,12 @@ def test_top_logprobs_list_the_most_likely_tokens(oai, http, model_name):
     streamed = [c.choices[0].logprobs.content[0] for c in oai.chat.completions.create(
         model=model_name, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=3,
         stream=True) if c.choices and c.choices[0].logprobs]
-    assert [[a.logprob for a in e.top_logprobs] for e in streamed] == \
-        [[a.logprob for a in e.top_logprobs] for e in content]
+    # the same tokens; their logprobs within llama.cpp's stated tolerance (the second request
+    # starts from the first's prefix, computed in other batches)
+    assert [[a.token for a in e.top_logprobs] for e in streamed] == \
+        [[a.token for a in e.top_logprobs] for e in content]
+    assert [a.logprob for e in streamed for a in e.top_logprobs] == pytest.approx(
+        [a.logprob for e in content for a in e.top_logprobs], abs=0.05)
     # the fast path lists them from the cached distribution
     sid = http.post("/sessions", json={"kind": "streaming", "system": SYSTEM,
                                        "standing_queries": [Q]}).json()["id"]
