@@ -84,7 +84,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import RESULTS, machine, summarize, write  # noqa: E402
+from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 from prepos.config import default_threads  # noqa: E402
 from prepos.lab.task.market import SYSTEM_PROMPT  # noqa: E402
@@ -1146,16 +1146,6 @@ class Context:
                 s.stop()
             except Exception:  # noqa: BLE001
                 pass
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

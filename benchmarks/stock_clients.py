@@ -65,7 +65,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine, summarize, write  # noqa: E402
+from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 
 TURNS = 8
@@ -487,16 +487,6 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
                                                 if x["predicted_n"]])
         out[arm] = a
     return out
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def resolve(model: str) -> tuple[str, Path, str]:
