@@ -8,10 +8,9 @@ trend-reader's): `prepos.lab.tiny.vllm_tiny_model` builds a tiny model it serves
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
-from prepos.backends.llama_server import free_port, wait_for_health
+from prepos.backends.local_server import LocalServer
 
 VERSION = "0.32.0"
 
@@ -29,24 +28,24 @@ def find_python() -> Path | None:
     return py if py.is_file() and done.is_file() else None
 
 
-class VLLMServer:
+class VLLMServer(LocalServer):
     """One vLLM OpenAI API server process on 127.0.0.1 (CPU build, float32, eager)."""
+
+    what = "vLLM"
+    poll_interval = 0.5
+    default_wait = 600.0
+    own_group = True  # its engine core is a child process
+    stop_grace = 30.0
 
     def __init__(self, python: str | Path, model: str | Path, port: int | None = None,
                  max_model_len: int = 2048, block_size: int = 32, priority: bool = True,
                  kv_cache_gb: int = 1, max_logprobs: int = 20, extra: tuple[str, ...] = (),
                  log: str | Path | None = None):
+        super().__init__(port, log)
         self.python, self.model = str(python), str(model)
-        self.port = port or free_port()
         self.max_model_len, self.block_size = max_model_len, block_size
         self.priority, self.kv_cache_gb, self.max_logprobs = priority, kv_cache_gb, max_logprobs
         self.extra = extra
-        self.log = Path(log) if log else None
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def args(self) -> list[str]:
         out = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -59,45 +58,8 @@ class VLLMServer:
             out += ["--scheduling-policy", "priority"]
         return [*out, *self.extra]
 
-    def start(self, wait: float = 600.0) -> VLLMServer:
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+    def env(self) -> dict[str, str]:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)  # its own venv, not prepos's
-        self.proc = subprocess.Popen(self.args(), stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
-        self.wait_healthy(wait)
-        return self
-
-    def wait_healthy(self, wait: float) -> None:
-        wait_for_health(self.proc, self.url, wait, "vLLM", self.log, 0.5)
-
-    def _signal(self, sig: int, grace: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = None
-            return
-        # its engine core is a child process: signal the whole group it leads
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(timeout=30)
-        self.proc = None
-
-    def kill(self) -> None:
-        """Dies at once, the way a crashed replica does."""
-        self._signal(9, 30)
-
-    def stop(self) -> None:
-        self._signal(15, 30)
-
-    def __enter__(self) -> VLLMServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        return env
