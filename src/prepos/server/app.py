@@ -163,8 +163,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--served-model-name", help="the model id of /v1 (default: the dir name)")
     p.add_argument("--journal", help="SQLite journal path (default: "
                    "$XDG_STATE_HOME/prepos/<model>.sqlite3); 'none' disables persistence")
-    p.add_argument("--store", help="the session store: a SQLite path (as --journal) or a "
-                   "postgresql:// URL, shared by several nodes that own sessions by lease")
+    p.add_argument("--store", dest="journal", help="the session store: a SQLite path (as "
+                   "--journal) or a postgresql:// URL, shared by several nodes that own "
+                   "sessions by lease")
     p.add_argument("--node-id", default="", help="this node's name in a shared store "
                    "(default: a new random one per process)")
     p.add_argument("--advertise-url", help="where the other nodes reach this one (default: "
@@ -253,12 +254,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
-    if args.store is not None and args.journal is not None:
-        raise ValueError("give --store or --journal, not both")
-    if args.store is not None:
-        journal: Path | str | None = args.store if is_url(args.store) else Path(args.store)
-    elif args.journal is None:
-        journal = default_journal(args.model)
+    if args.journal is None:
+        journal: Path | str | None = default_journal(args.model)
+    elif is_url(args.journal):
+        journal = args.journal
     elif args.journal.lower() in ("none", ""):
         journal = None
     else:

@@ -90,6 +90,8 @@ class Front:
                         found = value.decode("latin-1").rsplit("/", 1)[-1]
                 if found is not None:
                     headers.append((HEADER, found.encode("latin-1")))
+                    if cluster is not None:  # who served it
+                        headers.append((b"x-prepos-node", cluster.leases.node.encode()))
                     message = {**message, "headers": headers}
             await send(message)
 

@@ -97,7 +97,10 @@ async def create_session(request: Request):
                        body.budget_cells, owner=owner,
                        relaxed_queries=tuple(body.relaxed_queries), r_max=body.r_max)
     spec.validate()
-    requested = request.headers.get("x-session-id")  # the id the client (router) chose
+    requested = request.headers.get("x-session-id") or body.session_id  # the client's id
+    if body.session_id is not None and body.session_id != requested:
+        raise ApiError(400, "session_id_mismatch", "x-session-id and session_id differ",
+                       "session_id")
     if requested is not None:
         check_new_id(state, eng, requested)
     with state.new_session(eng, owner, requested) as sid:
