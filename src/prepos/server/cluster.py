@@ -47,6 +47,11 @@ def named_session(scope) -> tuple[str | None, bool]:
     in_path = None
     if path.startswith("/sessions/"):
         in_path = path[len("/sessions/"):].split("/", 1)[0] or None
+    if header is not None and not SESSION_ID.fullmatch(header):
+        raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, "
+                       f"digits and ._:- (starting with a letter or digit), got {header[:140]!r}")
+    if in_path is not None and not SESSION_ID.fullmatch(in_path):
+        in_path = None  # no session's id: the route answers 404
     if header and in_path and header != in_path:
         raise ApiError(400, "session_id_mismatch", f"x-session-id {header!r} names another "
                        f"session than the path's {in_path!r}")
@@ -88,6 +93,7 @@ class Front:
                     if name == b"x-prepos-session" or (found is None and name == b"location"
                                                        and value.startswith(b"/sessions/")):
                         found = value.decode("latin-1").rsplit("/", 1)[-1]
+                        found = found if SESSION_ID.fullmatch(found) else None
                 if found is not None:
                     headers.append((HEADER, found.encode("latin-1")))
                     if cluster is not None:  # who served it
@@ -122,7 +128,7 @@ async def with_body_session(sid: str | None, receive):
                                f"another session than the body's {named!r}", "session_id")
             if named is None and sid is not None:
                 raw = json.dumps({**body, "session_id": sid}).encode()
-            sid = named if isinstance(named, str) else sid
+            sid = named if isinstance(named, str) and SESSION_ID.fullmatch(named) else sid
     return sid, replaying(raw, receive)
 
 
