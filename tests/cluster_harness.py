@@ -68,6 +68,13 @@ class Postgres:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+# a dead node leaves the ring at its first failed probe, a restarted one rejoins at its
+# first good one; the circuit breaker (open 30 s by default) half-opens after 2 s
+ROUTER_HEALTH = ("--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
+                 "--health-failure-threshold", "1", "--health-success-threshold", "1",
+                 "--cb-timeout-duration-secs", "2")
+
+
 def router_command() -> list[str] | None:
     exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
     return [exe] if os.access(exe, os.X_OK) else None
@@ -92,8 +99,7 @@ class Router:
     def command(self) -> list[str]:
         return [*router_command(), "--host", "127.0.0.1", "--port", str(self.port),
                 "--worker-urls", *self.workers, "--policy", "consistent_hash",
-                "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
-                "--log-level", "warning"]
+                *ROUTER_HEALTH, "--log-level", "warning"]
 
     def start(self, timeout: float = 60.0) -> Router:
         self._logf = open(self.log, "ab")

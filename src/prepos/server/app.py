@@ -69,7 +69,8 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
         str(err.status), err.code).inc())
     if not config.allowed_origins:  # CORS adds its headers to every response
         app.straight = StraightLine(state, respond)
-    app.front = state.front = Front(respond)  # x-session-id both ways; the cluster's owner
+    # x-session-id both ways; with a shared store, who serves the session
+    app.front = state.front = Front(respond, config.limits.max_body_bytes)
 
     own = Routes()
 

@@ -62,17 +62,17 @@ class Front:
     """The ASGI layer in front of the app: the session's id both ways, and ownership where
     the store is shared (`cluster`, set once the node has joined)."""
 
-    def __init__(self, respond):
+    def __init__(self, respond, max_body: int):
         self.respond = respond  # an ApiError as the app's JSON error response
+        self.max_body = max_body  # a body over it is left to the app's 413, never read here
         self.cluster: Cluster | None = None
 
     async def __call__(self, scope, receive, send, app) -> None:
         try:
             sid, from_header = named_session(scope)
             cluster = self.cluster
-            if from_header and scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY \
-                    or (cluster is not None and sid is None and scope["method"] == "POST"
-                        and scope["path"] in NAMED_IN_BODY):
+            if scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY and (
+                    from_header or cluster is not None) and self.small(scope):
                 sid, receive = await with_body_session(sid, receive)
             if cluster is not None and sid is not None and not (
                     scope["method"] == "POST" and scope["path"] == "/sessions"):
@@ -102,6 +102,13 @@ class Front:
             await send(message)
 
         await app(scope, receive, tagged)
+
+
+    def small(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                return value.isdigit() and int(value) <= self.max_body
+        return False
 
 
 async def with_body_session(sid: str | None, receive):
