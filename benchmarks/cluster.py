@@ -294,6 +294,10 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             takeover_s.append(first - k["t_kill"])
             takeovers += 1
             k.setdefault("takeover_s", {})[sid] = round(first - k["t_kill"], 3)
+            op = next(op for op in later if op["done"] == first)  # the first answer after
+            k.setdefault("first_answer", {})[sid] = {  # the kill: when asked, how long, where
+                "sent_s": round(op["sent"] - k["t_kill"], 3),
+                "took_s": round(op["done"] - op["sent"], 3), "node": op["node"]}
             k.setdefault("errors_before", {})[sid] = [
                 (round(op["sent"] - k["t_kill"], 2), round(op["done"] - k["t_kill"], 2),
                  op["error"][:70]) for op in c.ops[sid]
@@ -309,7 +313,8 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             "failures": errors, "sessions": len(c.ops), "lost_acked": lost,
             "stale_answers": stale, "served_by_dead_node": dead,
             "kills": [{"victim": k["victim"], "sessions_moved": len(k["affected"]),
-                       "takeover_s": k["takeover_s"], "failed_ops": k["errors_before"]}
+                       "takeover_s": k["takeover_s"], "first_answer": k["first_answer"],
+                       "failed_ops": k["errors_before"]}
                       for k in kills],
             "takeovers": takeovers, "takeover_p50_s": tk["p50_ms"] / 1e3,
             "takeover_p99_s": tk["p99_ms"] / 1e3, "takeover_max_s": max(takeover_s),
