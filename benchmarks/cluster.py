@@ -106,7 +106,8 @@ def store_commits(url: str, tmp: Path, n: int) -> dict:
 
 
 def log(msg: str) -> None:
-    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[cluster {time.strftime('%H:%M:%S')} {time.monotonic():.2f}] {msg}",
+          file=sys.stderr, flush=True)
 
 
 def owners(url: str) -> dict[str, str]:
@@ -301,7 +302,7 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             k.setdefault("errors_before", {})[sid] = [
                 (round(op["sent"] - k["t_kill"], 2), round(op["done"] - k["t_kill"], 2),
                  op["error"][:70]) for op in c.ops[sid]
-                if not op["ok"] and k["t_kill"] - 1 <= op["sent"] <= first]
+                if not op["ok"] and op["done"] >= k["t_kill"] - 1 and op["sent"] <= first]
     errors: dict[str, int] = {}
     for op in all_ops:
         if not op["ok"]:
@@ -361,6 +362,7 @@ def main() -> int:
     ap.add_argument("--commits", type=int, default=300)
     ap.add_argument("--fast", type=int, default=300, help="fast-path requests each way")
     ap.add_argument("--seconds", type=float, default=15.0, help="each throughput window")
+    ap.add_argument("--node-log", default="warning", help="the nodes' --log-level")
     ap.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
     args = ap.parse_args()
     reason = missing_postgres() or missing_router()
@@ -372,7 +374,8 @@ def main() -> int:
     pg = Postgres().start()
     nodes = [ServerProc(DEFAULT_MODEL, work / f"n{i}", "--store", pg.url, "--node-id",
                         f"n{i}", "--port", str(PORTS[i]), "--lease-seconds", str(args.lease),
-                        "--renew-seconds", str(args.lease / 4), "--threads", "1")
+                        "--renew-seconds", str(args.lease / 4), "--threads", "1",
+                        "--log-level", args.node_log)
              for i in range(3)]
     router = None
     try:

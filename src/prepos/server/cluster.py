@@ -285,9 +285,12 @@ class Cluster:
                                              content=body)
             upstream = await self._client.send(req, stream=True)
         except httpx.ConnectError:
+            log.info("session %s: its owner %s refused the connection; waiting its lease out",
+                     sid, claim.node)
             scope["prepos.dead"].add(claim.url)
             return False
         except httpx.TransportError as exc:
+            log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
             raise ApiError(503, "owner_unreachable", f"session {sid}'s owner node "
                            f"{claim.node} did not answer ({exc}); retry",
                            headers={"Retry-After": "1"}) from None
