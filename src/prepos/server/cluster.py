@@ -67,6 +67,12 @@ class Front:
         self.max_body = max_body  # a body over it is left to the app's 413, never read here
         self.cluster: Cluster | None = None
 
+    def small(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                return value.isdigit() and int(value) <= self.max_body
+        return False
+
     async def __call__(self, scope, receive, send, app) -> None:
         try:
             sid, from_header = named_session(scope)
@@ -102,13 +108,6 @@ class Front:
             await send(message)
 
         await app(scope, receive, tagged)
-
-
-    def small(self, scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                return value.isdigit() and int(value) <= self.max_body
-        return False
 
 
 async def with_body_session(sid: str | None, receive):
@@ -191,11 +190,12 @@ class Cluster:
                             await self.state.run(self.take_over, sid)
                         return True
                     dead = scope.setdefault("prepos.dead", set())
-                    if dict(scope["headers"]).get(FORWARDED) is None and claim.url and \
-                            claim.url not in dead:
+                    forwarded = dict(scope["headers"]).get(FORWARDED) is not None
+                    if not forwarded and claim.url and claim.url not in dead:
                         scope["prepos.owner"] = claim
                         return False
-                    if asyncio.get_running_loop().time() > deadline:
+                    if forwarded and claim.url not in dead or \
+                            asyncio.get_running_loop().time() > deadline:
                         raise ApiError(409, "session_moved", f"session {sid} is owned by node "
                                        f"{claim.node} at {claim.url}",
                                        headers={"x-prepos-owner": claim.url or ""})
