@@ -245,6 +245,7 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             t_kill = time.monotonic()
             proc.proc.send_signal(signal.SIGKILL)
             proc.proc.wait()
+            t_dead = time.monotonic()  # an answer it wrote before this is not a dead node's
             proc.stop()
             deadline = t_kill + 120
             while time.monotonic() < deadline and not all(
@@ -253,7 +254,8 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
                 time.sleep(0.05)
             log(f"{victim} killed; its {len(affected)} sessions served again")
             proc.start(timeout=240)  # on its own port again: a new epoch, owning nothing
-            kills.append({"victim": victim, "t_kill": t_kill, "affected": affected,
+            kills.append({"victim": victim, "t_kill": t_kill, "t_dead": t_dead,
+                          "affected": affected,
                           "t_back": time.monotonic()})
         while c.acked() < ops and time.monotonic() < t0 + 900:
             time.sleep(0.1)
@@ -290,7 +292,7 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
         for sid in k["affected"]:
             later = [op for op in c.ops[sid] if op["ok"] and op["sent"] >= k["t_kill"]]
             dead += sum(1 for op in later if op["node"] == k["victim"]
-                        and op["sent"] < k["t_back"])
+                        and k["t_dead"] <= op["sent"] < k["t_back"])
             first = min(op["done"] for op in later if op["node"] != k["victim"])
             takeover_s.append(first - k["t_kill"])
             takeovers += 1

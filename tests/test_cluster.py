@@ -191,6 +191,8 @@ def test_sessions_move_when_their_owner_is_killed(cluster):
         slowest = max(op["done"] - op["sent"] for s in load.ops for op in load.acks(s))
         t_kill = time.monotonic()
         nodes[int(victim[1:])].proc.send_signal(signal.SIGKILL)
+        nodes[int(victim[1:])].proc.wait()
+        t_dead = time.monotonic()  # an answer it wrote before this is not a dead node's
         deadline = t_kill + 120
         while any(len(load.acks(s, t_kill)) < 4 for s in load.ops) or \
                 time.monotonic() < t_kill + LEASE + 2:
@@ -226,7 +228,7 @@ def test_sessions_move_when_their_owner_is_killed(cluster):
         assert None not in served, sid
         if sid in moved:
             assert after[sid] != victim
-            assert all(op["node"] != victim for op in acks if op["sent"] > t_kill), sid
+            assert all(op["node"] != victim for op in acks if op["sent"] > t_dead), sid
             first = served.index(after[sid])
             assert set(served[:first]) == {victim} and set(served[first:]) == {after[sid]}
             # served again within the lease + 1 s (+ the slowest answer before the kill)

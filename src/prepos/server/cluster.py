@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import socket
+import time
 
 from prepos.errors import PreposError
 from prepos.server.errors import ApiError
@@ -31,6 +32,7 @@ log = logging.getLogger("prepos.server.cluster")
 HEADER = b"x-session-id"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 FORWARDED = b"x-prepos-forwarded"
+SLOW_S = 5.0  # a request on a session slower than this is logged
 NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
        b"proxy-connection", b"content-length"}
@@ -74,6 +76,7 @@ class Front:
         return False
 
     async def __call__(self, scope, receive, send, app) -> None:
+        t0 = time.monotonic()
         try:
             sid, from_header = named_session(scope)
             cluster = self.cluster
@@ -84,6 +87,7 @@ class Front:
                     scope["method"] == "POST" and scope["path"] == "/sessions"):
                 while not await cluster.serve_here(sid, scope):
                     if await cluster.forward(sid, scope, receive, send):
+                        slow(scope, sid, t0, "forwarded")
                         return  # the owner answered; else it is dead: wait it out
                 if "prepos.body" in scope:  # read for a forward that found no one
                     receive = replaying(scope["prepos.body"], receive)
@@ -108,6 +112,16 @@ class Front:
             await send(message)
 
         await app(scope, receive, tagged)
+        if cluster is not None and sid is not None:
+            slow(scope, sid, t0, "served here")
+
+
+def slow(scope, sid: str, t0: float, how: str) -> None:
+    """A request on a session that took long is logged (a takeover's wait, a recompute)."""
+    took = time.monotonic() - t0
+    if took > SLOW_S:
+        log.warning("session %s: %s %s %s in %.1f s", sid, scope["method"], scope["path"],
+                    how, took)
 
 
 async def with_body_session(sid: str | None, receive):
