@@ -36,8 +36,10 @@ from prepos.config import (
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
+from prepos.server.cluster import Front, default_url
 from prepos.server.fast import App, StraightLine
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
+from prepos.server.lease import LeaseConfig
 from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
 from prepos.server.openai import routes as openai_routes
@@ -46,6 +48,7 @@ from prepos.server.results import json_response
 from prepos.server.routing import Routes
 from prepos.server.sessions import routes as sessions_routes
 from prepos.server.state import ServerConfig, ServerState
+from prepos.server.store import is_url, redacted
 
 log = logging.getLogger("prepos.server")
 
@@ -66,6 +69,8 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
         str(err.status), err.code).inc())
     if not config.allowed_origins:  # CORS adds its headers to every response
         app.straight = StraightLine(state, respond)
+    # x-session-id both ways; with a shared store, who serves the session
+    app.front = state.front = Front(respond, config.limits.max_body_bytes)
 
     own = Routes()
 
@@ -79,13 +84,19 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
                 body["error"] = state.error
             return Response(json.dumps(body), 503, media_type="application/json",
                             headers={"Retry-After": "1"})
+        cluster = state.cluster.health() if state.cluster is not None else None
+        if cluster is not None and not cluster["serving"]:  # its lease lapsed: route away
+            return json_response({"status": "lapsed", "model": state.model_name,
+                                  "cluster": cluster}, 503, {"Retry-After": "1"})
         tiers = eng.metrics()["kv_tiers"]
         body = {"status": "ok", "model": state.model_name,
                 "sessions": state.persistent_sessions(eng), "max_sessions": state.session_cap,
                 "restored": state.restored, "journal": config.journal is not None,
                 "kv": {t: tiers[t] for t in ("resident", "ram", "disk") if t in tiers}}
+        if cluster is not None:
+            body["cluster"] = cluster
         if config.journal is not None and state.keys.admits(request):  # the path: keys only
-            body["journal_path"] = str(config.journal)
+            body["journal_path"] = redacted(config.journal)
         return json_response(body)
 
     @own.add("GET", "/metrics", 70, summary="Prometheus metrics", response={"type": "string"},
@@ -153,6 +164,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--served-model-name", help="the model id of /v1 (default: the dir name)")
     p.add_argument("--journal", help="SQLite journal path (default: "
                    "$XDG_STATE_HOME/prepos/<model>.sqlite3); 'none' disables persistence")
+    p.add_argument("--store", dest="journal", help="the session store: a SQLite path (as "
+                   "--journal) or a postgresql:// URL, shared by several nodes that own "
+                   "sessions by lease")
+    p.add_argument("--node-id", default="", help="this node's name in a shared store "
+                   "(default: a new random one per process)")
+    p.add_argument("--advertise-url", help="where the other nodes reach this one (default: "
+                   "http://HOST:PORT as bound)")
+    p.add_argument("--lease-seconds", type=float, default=LeaseConfig.lease_s,
+                   help="a node's lease on its sessions: another node takes them over this "
+                   "long after it stops renewing (default %(default)s)")
+    p.add_argument("--renew-seconds", type=float, default=LeaseConfig.renew_s,
+                   help="how often the lease is renewed (default %(default)s)")
     p.add_argument("--api-key", action="append", default=[],
                    help="accept this Bearer key (repeatable; also PREPOS_API_KEYS, comma-"
                    "separated); with none given the server is open")
@@ -233,7 +256,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
     if args.journal is None:
-        journal: Path | None = default_journal(args.model)
+        journal: Path | str | None = default_journal(args.model)
+    elif is_url(args.journal):
+        journal = args.journal
     elif args.journal.lower() in ("none", ""):
         journal = None
     else:
@@ -262,7 +287,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_name=args.served_model_name, limits=limits,
                         allowed_origins=origins, request_timeout=args.request_timeout,
                         implicit_sessions=args.implicit_sessions,
-                        response_sessions=args.response_sessions)
+                        response_sessions=args.response_sessions,
+                        lease=LeaseConfig(args.node_id, args.lease_seconds, args.renew_seconds,
+                                          min(1.0, args.lease_seconds / 4)),
+                        advertise_url=args.advertise_url)
 
 
 def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None = None) -> int:
@@ -304,7 +332,8 @@ def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None 
     server = _Server(uv, state, args.port_file)
     state.on_failure = server.fail
     print(f"prepos: serving {config.model} on http://{args.host}:{args.port} (journal: "
-          f"{config.journal or 'off'}; API keys: {len(config.api_keys) or 'off'})",
+          f"{redacted(config.journal) if config.journal else 'off'}; API keys: "
+          f"{len(config.api_keys) or 'off'})",
           file=sys.stderr, flush=True)
     server.run()
     failed = state.status == "failed" or server.failed
@@ -334,8 +363,11 @@ class _Server:
 
             async def startup(self, sockets=None):
                 await super().startup(sockets)
-                if port_file is not None and self.servers:
+                if self.servers:
                     port = self.servers[0].sockets[0].getsockname()[1]
+                    state.url = default_url(config.host, port)
+                    state.bound.set()
+                if port_file is not None and self.servers:
                     tmp = port_file.with_name(port_file.name + ".tmp")
                     tmp.write_text(str(port))
                     tmp.replace(port_file)

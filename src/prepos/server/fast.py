@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from prepos.engine.session import STREAMING
+from prepos.server.cluster import Front
 from prepos.server.errors import ApiError, as_api_error
 from prepos.server.schemas import Query
 from prepos.server.sessions import ask
@@ -101,8 +102,14 @@ class App(FastAPI):
     """prepos's FastAPI app, the straight line (`straight`, once set) in front."""
 
     straight: StraightLine | None = None
+    front: Front | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if self.front is not None and scope["type"] == "http":
+            return await self.front(scope, receive, send, self._serve)
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope, receive, send) -> None:
         line = self.straight
         if line is not None and scope["type"] == "http":
             taken = line.take(scope)

@@ -1,19 +1,22 @@
-"""The SQLite journal: every committed version of every session, so a restarted server
-restores them all. Ready records and KV caches are never persisted: a restored session's
-KV is rebuilt lazily by its pre-position job at idle priority.
+"""The journal: every committed version of every session, in the session store
+(`server/store.py`: SQLite by default, PostgreSQL for several nodes), so a restarted server
+restores them all, or, with a shared store, the node a session moves to loads it. Ready
+records and KV caches are never persisted: a restored session's KV is rebuilt lazily by its
+pre-position job at idle priority.
 
-A row is written in the engine's commit listener, before the request that committed it
-returns, in WAL mode: an answered request survives a crash of the server process. Rows are
-deltas against the session's previous version (slices of its messages plus new ones), with
-a full checkpoint every `checkpoint_every` versions; rows older than the newest checkpoint
-that still covers the `max_versions` the engine keeps for rollback are pruned.
+A row is written in the engine's commit listener, in one transaction of the store, before
+the request that committed it returns: an answered request survives a crash of the server
+process. Rows are deltas against the session's previous version (slices of its messages plus
+new ones), with a full checkpoint every `checkpoint_every` versions; rows older than the
+newest checkpoint that still covers the `max_versions` the engine keeps for rollback are
+pruned. With a shared store every write first checks, in its transaction, that this node
+still owns the session (`fence`, server/lease.py): a write it refuses fails the request.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,18 +25,13 @@ from pathlib import Path
 
 from prepos.engine.session import Session, SessionSpec, Snapshot
 from prepos.errors import SessionNotFound
+from prepos.server.store import Database
 
 log = logging.getLogger("prepos.server.journal")
+Restored = tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, spec TEXT NOT NULL, extras TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS versions (
-    sid TEXT NOT NULL, version INTEGER NOT NULL, full INTEGER NOT NULL, ops TEXT NOT NULL,
-    PRIMARY KEY (sid, version)) WITHOUT ROWID;
-"""
-
+UPSERT_VERSION = ('INSERT INTO versions VALUES (?, ?, ?, ?) ON CONFLICT (sid, version) DO '
+                  'UPDATE SET "full"=excluded."full", ops=excluded.ops')
 EPHEMERAL = "eph-"  # the id prefix of sessions the server makes for one stateless request
 
 
@@ -86,18 +84,18 @@ def spec_from_json(raw: str) -> SessionSpec:
 
 
 class Journal:
-    def __init__(self, path: str | Path, max_versions: int = 1024, checkpoint_every: int = 64,
-                 metrics=None):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, target: str | Path | Database, max_versions: int = 1024,
+                 checkpoint_every: int = 64, metrics=None):
+        self._db = target if isinstance(target, Database) else Database(target)
+        self.shared = self._db.shared
         self.max_versions = max_versions
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics
         self.extras: dict[str, dict] = {}  # server-side per-session settings, set on create
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        # shared store: fence(db, sid) raises unless this node owns sid (inside the write's
+        # transaction); a session closed here because it moved is left in the store
+        self.fence: Callable[[Database, str], None] | None = None
+        self.moving: set[str] = set()
         self._lock = threading.Lock()
         self._last: dict[str, tuple[int, tuple[dict, ...]]] = {}  # sid -> last row written
         self._since_full: dict[str, int] = {}
@@ -114,37 +112,50 @@ class Journal:
     def check_model(self, model: str) -> str | None:
         """Record the model; a different one from last time is allowed (sessions are kept as
         messages and re-rendered) and returned so the caller can say so."""
-        with self._lock, self._db:
-            row = self._db.execute("SELECT value FROM meta WHERE key='model'").fetchone()
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('model', ?)", (model,))
+        with self._lock, self._db.tx():
+            row = self._db.q("SELECT value FROM meta WHERE key='model'").fetchone()
+            self._db.q("INSERT INTO meta VALUES ('model', ?) ON CONFLICT (key) DO UPDATE "
+                       "SET value=excluded.value", (model,))
         return row[0] if row and row[0] != model else None
 
     # -- restore ---------------------------------------------------------------------------
-    def load(self) -> list[tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]]:
+    def load(self) -> list[Restored]:
         """Every journalled session: id, spec, server extras, and the history the engine
         keeps ((version, messages), oldest first, the last current)."""
-        out = []
         with self._lock:
-            rows = self._db.execute("SELECT id, spec, extras FROM sessions ORDER BY created")
-            for sid, spec_raw, extras_raw in rows.fetchall():
-                try:
-                    spec = spec_from_json(spec_raw)
-                    history = self._replay(sid)
-                except Exception as exc:  # a damaged row loses its session, not the server
-                    log.error("journal: cannot restore session %s: %s", sid, exc)
-                    continue
-                if not history:
-                    continue
-                extras = json.loads(extras_raw)
-                self._last[sid] = (history[-1][0], tuple(history[-1][1]))
-                self._since_full[sid] = 0
-                self.extras[sid] = extras
-                out.append((sid, spec, extras, history))
-        return out
+            rows = self._db.q("SELECT id, spec, extras FROM sessions ORDER BY created")
+            found = [self._restored(*row) for row in rows.fetchall()]
+        return [r for r in found if r is not None]
+
+    def load_one(self, sid: str) -> Restored | None:
+        """One journalled session, as `load` gives it; None where the store has none."""
+        with self._lock:
+            row = self._db.q("SELECT id, spec, extras FROM sessions WHERE id=?",
+                             (sid,)).fetchone()
+            return self._restored(*row) if row is not None else None
+
+    def exists(self, sid: str) -> bool:
+        with self._lock:
+            return self._db.q("SELECT 1 FROM sessions WHERE id=?", (sid,)).fetchone() is not None
+
+    def _restored(self, sid: str, spec_raw: str, extras_raw: str) -> Restored | None:
+        try:
+            spec = spec_from_json(spec_raw)
+            history = self._replay(sid)
+        except Exception as exc:  # a damaged row loses its session, not the server
+            log.error("journal: cannot restore session %s: %s", sid, exc)
+            return None
+        if not history:
+            return None
+        extras = json.loads(extras_raw)
+        self._last[sid] = (history[-1][0], tuple(history[-1][1]))
+        self._since_full[sid] = 0
+        self.extras[sid] = extras
+        return sid, spec, extras, history
 
     def _replay(self, sid: str) -> list[tuple[int, list[dict]]]:
-        rows = self._db.execute("SELECT version, full, ops FROM versions WHERE sid=? "
-                                "ORDER BY version", (sid,)).fetchall()
+        rows = self._db.q('SELECT version, "full", ops FROM versions WHERE sid=? '
+                          "ORDER BY version", (sid,)).fetchall()
         history: list[tuple[int, list[dict]]] = []
         messages: list[dict] | None = None
         for version, full, ops in rows:
@@ -165,29 +176,34 @@ class Journal:
 
     # -- the engine listener -----------------------------------------------------------------
     def on_event(self, event: str, s: Session, payload: object) -> None:
-        if is_ephemeral(s.id):
+        if is_ephemeral(s.id) or event not in ("commit", "create", "close"):
             return
         try:
-            with self._lock, self._db:
+            with self._lock, self._db.tx():
+                if self.fence is not None and not (event == "close" and s.id in self.moving):
+                    self.fence(self._db, s.id)
                 if event == "commit":
                     self._commit(s, payload)
                 elif event == "create":
                     self._create(s, payload)
                 elif event == "close":
                     self._close(s.id)
-        except Exception as exc:  # never fail the engine's commit for a journal error
+        except Exception as exc:
             self.errors += 1
             if self.metrics is not None:
                 self.metrics.journal_errors.inc()
             log.error("journal: %s of session %s not written: %s", event, s.id, exc)
+            if self.shared and event != "close":  # not in the store: not acknowledged
+                raise
 
     def _create(self, s: Session, snap: Snapshot) -> None:
         if s.id in self._last:  # restored from this journal
             return
         extras = self.extras.get(s.id, {})
-        self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?)",
-                         (s.id, spec_to_json(s.spec), json.dumps(extras), time.time()))
-        self._db.execute("DELETE FROM versions WHERE sid=?", (s.id,))
+        self._db.q("INSERT INTO sessions VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                   "spec=excluded.spec, extras=excluded.extras, created=excluded.created",
+                   (s.id, spec_to_json(s.spec), json.dumps(extras), time.time()))
+        self._db.q("DELETE FROM versions WHERE sid=?", (s.id,))
         self._write(s.id, snap.version, snap.messages, full=True)
 
     def _commit(self, s: Session, snap: Snapshot) -> None:
@@ -208,28 +224,29 @@ class Journal:
                 self._prune(s.id, version)
             else:
                 self._since_full[s.id] = n
-                self._db.execute("INSERT OR REPLACE INTO versions VALUES (?, ?, 0, ?)",
-                                 (s.id, version, json.dumps(diff(base, messages))))
+                self._db.q(UPSERT_VERSION, (s.id, version, 0, json.dumps(diff(base, messages))))
                 self._last[s.id] = (version, messages)
                 self._count()
 
     def _write(self, sid: str, version: int, messages: Sequence[dict], full: bool) -> None:
-        self._db.execute("INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?)",
-                         (sid, version, json.dumps([{"m": m} for m in messages])))
+        self._db.q(UPSERT_VERSION, (sid, version, 1, json.dumps([{"m": m} for m in messages])))
         self._last[sid] = (version, tuple(messages))
         self._since_full[sid] = 0
         self._count()
 
     def _prune(self, sid: str, version: int) -> None:
         oldest_kept = version - self.max_versions + 1
-        row = self._db.execute("SELECT MAX(version) FROM versions WHERE sid=? AND full=1 "
-                               "AND version<=?", (sid, oldest_kept)).fetchone()
+        row = self._db.q('SELECT MAX(version) FROM versions WHERE sid=? AND "full"=1 '
+                         "AND version<=?", (sid, oldest_kept)).fetchone()
         if row and row[0] is not None:
-            self._db.execute("DELETE FROM versions WHERE sid=? AND version<?", (sid, row[0]))
+            self._db.q("DELETE FROM versions WHERE sid=? AND version<?", (sid, row[0]))
 
     def _close(self, sid: str) -> None:
-        self._db.execute("DELETE FROM versions WHERE sid=?", (sid,))
-        self._db.execute("DELETE FROM sessions WHERE id=?", (sid,))
+        if sid in self.moving:  # closed here because another node owns it now
+            self.moving.discard(sid)
+        else:
+            self._db.q("DELETE FROM versions WHERE sid=?", (sid,))
+            self._db.q("DELETE FROM sessions WHERE id=?", (sid,))
         self._last.pop(sid, None)
         self._since_full.pop(sid, None)
         self.extras.pop(sid, None)
@@ -240,7 +257,4 @@ class Journal:
 
     def close(self) -> None:
         with self._lock:
-            try:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            finally:
-                self._db.close()
+            self._db.close()

@@ -45,12 +45,15 @@ class Health(Body):
     restored: int = Field(description="sessions restored from the journal at start")
     journal: bool
     journal_path: str | None = Field(None, description="to callers with a key only")
+    cluster: dict | None = Field(None, description="with a shared store: this node's id, "
+                                 "epoch, whether it serves, sessions owned, takeovers, forwards")
 
 
 class HealthPending(Body):
-    status: Literal["loading", "failed", "stopping"]
+    status: Literal["loading", "failed", "stopping", "lapsed"]
     model: str
     error: str | None = None
+    cluster: dict | None = Field(None, description="a node whose own lease lapsed")
 
 
 # -- the session API ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Stored responses (`store: true`), for `GET`, `DELETE` and `previous_response_id`: a
-`responses` table in the journal's SQLite file (created if missing, as the journal creates
-its own; in memory when the server has no journal), so they survive a restart as the
-sessions do.
+`responses` table in the session store beside the journal's (`server/store.py`: its SQLite
+file or PostgreSQL database; SQLite in memory when the server has no journal), so they survive
+a restart as the sessions do.
 
 A row is one response: its owner (the API key), the response object as it was returned,
 the session and version its answer committed (none where it ran on no kept session), its
@@ -16,19 +16,14 @@ oldest forgotten first.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY, owner TEXT, parent TEXT, sid TEXT, version INTEGER,
-    created REAL NOT NULL, messages TEXT NOT NULL, body TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
-CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created);
-"""
+from prepos.server.store import Database
+
+SAME_OWNER = "owner IS NOT DISTINCT FROM ?"  # a key, or None (NULL) for an open server
 KEEP = 10000  # stored responses per API key
 
 
@@ -44,34 +39,32 @@ class Stored:
 
 
 class ResponseStore:
-    def __init__(self, path: str | Path | None, keep: int = KEEP):
+    def __init__(self, target: str | Path | None, keep: int = KEEP):
         self.keep = keep
-        self._db = sqlite3.connect(str(path) if path is not None else ":memory:",
-                                   check_same_thread=False, timeout=30)
-        if path is not None:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db = Database(target)  # the table is the store's migrations'
         self._lock = threading.Lock()
 
     def put(self, row: Stored) -> None:
-        with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             (row.id, row.owner, row.parent, row.sid, row.version, time.time(),
-                              json.dumps(row.messages), json.dumps(row.body)))
-            n = self._db.execute("SELECT COUNT(*) FROM responses WHERE owner IS ?",
-                                 (row.owner,)).fetchone()[0]
+        with self._lock, self._db.tx():
+            self._db.q("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) "
+                       "DO UPDATE SET owner=excluded.owner, parent=excluded.parent, "
+                       "sid=excluded.sid, version=excluded.version, created=excluded.created, "
+                       "messages=excluded.messages, body=excluded.body",
+                       (row.id, row.owner, row.parent, row.sid, row.version, time.time(),
+                        json.dumps(row.messages), json.dumps(row.body)))
+            n = self._db.q(f"SELECT COUNT(*) FROM responses WHERE {SAME_OWNER}",
+                           (row.owner,)).fetchone()[0]
             if n > self.keep:
-                old = self._db.execute("SELECT id FROM responses WHERE owner IS ? ORDER BY "
-                                       "created LIMIT ?", (row.owner, n - self.keep)).fetchall()
+                old = self._db.q(f"SELECT id FROM responses WHERE {SAME_OWNER} ORDER BY "
+                                 "created LIMIT ?", (row.owner, n - self.keep)).fetchall()
                 for (rid,) in old:
                     self._remove(rid)
 
     def get(self, owner: str | None, rid: str) -> Stored | None:
         """The caller's response `rid` (None for none, or another key's)."""
         with self._lock:
-            r = self._db.execute("SELECT id, owner, parent, sid, version, messages, body FROM "
-                                 "responses WHERE id=? AND owner IS ?", (rid, owner)).fetchone()
+            r = self._db.q("SELECT id, owner, parent, sid, version, messages, body FROM "
+                           f"responses WHERE id=? AND {SAME_OWNER}", (rid, owner)).fetchone()
         if r is None:
             return None
         return Stored(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]))
@@ -83,8 +76,8 @@ class ResponseStore:
         parent = row.parent
         with self._lock:
             while parent is not None:
-                r = self._db.execute("SELECT parent, messages FROM responses WHERE id=?",
-                                     (parent,)).fetchone()
+                r = self._db.q("SELECT parent, messages FROM responses WHERE id=?",
+                               (parent,)).fetchone()
                 if r is None:
                     break
                 parent = r[0]
@@ -92,30 +85,30 @@ class ResponseStore:
         return [m for part in reversed(parts) for m in part]
 
     def delete(self, owner: str | None, rid: str) -> bool:
-        with self._lock, self._db:
-            if self._db.execute("SELECT 1 FROM responses WHERE id=? AND owner IS ?",
-                                (rid, owner)).fetchone() is None:
+        with self._lock, self._db.tx():
+            if self._db.q(f"SELECT 1 FROM responses WHERE id=? AND {SAME_OWNER}",
+                          (rid, owner)).fetchone() is None:
                 return False
             self._remove(rid)
         return True
 
     def _remove(self, rid: str) -> None:
         """Delete a row; its children take its messages and its parent."""
-        parent, messages = self._db.execute("SELECT parent, messages FROM responses WHERE id=?",
-                                            (rid,)).fetchone()
+        parent, messages = self._db.q("SELECT parent, messages FROM responses WHERE id=?",
+                                      (rid,)).fetchone()
         mine = json.loads(messages)
-        children = self._db.execute("SELECT id, messages FROM responses WHERE parent=?",
-                                    (rid,)).fetchall()
+        children = self._db.q("SELECT id, messages FROM responses WHERE parent=?",
+                              (rid,)).fetchall()
         for cid, theirs in children:
-            self._db.execute("UPDATE responses SET parent=?, messages=? WHERE id=?",
-                             (parent, json.dumps(mine + json.loads(theirs)), cid))
-        self._db.execute("DELETE FROM responses WHERE id=?", (rid,))
+            self._db.q("UPDATE responses SET parent=?, messages=? WHERE id=?",
+                       (parent, json.dumps(mine + json.loads(theirs)), cid))
+        self._db.q("DELETE FROM responses WHERE id=?", (rid,))
 
     def sessions(self) -> list[tuple[str, str | None]]:
         """The sessions stored answers committed to, with their owners, least recently
         answered on first."""
         with self._lock:
-            rows = self._db.execute("SELECT sid, owner, MAX(created) AS t FROM responses "
+            rows = self._db.q("SELECT sid, owner, MAX(created) AS t FROM responses "
                                     "WHERE sid IS NOT NULL GROUP BY sid, owner ORDER BY t")
             return [(sid, owner) for sid, owner, _ in rows.fetchall()]
 

@@ -44,6 +44,7 @@ class CreateSession(Strict):
     push_max_tokens: StrictInt = 1  # tokens per standing-query answer pushed over SSE
     relaxed_queries: list[StrictStr] = Field(default_factory=list)  # classes served relaxed
     r_max: float | None = None  # this session's relaxed risk budget (default: the engine's)
+    session_id: StrictStr | None = None  # the new session's id (default: the server's)
 
 
 class Append(Strict):

@@ -21,6 +21,7 @@ from prepos.core import Request as EngineRequest
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.server import responses as R
 from prepos.server import results, streaming
+from prepos.server.cluster import check_new_id
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import logit_bias
 from prepos.server.results import json_response
@@ -96,7 +97,13 @@ async def create_session(request: Request):
                        body.budget_cells, owner=owner,
                        relaxed_queries=tuple(body.relaxed_queries), r_max=body.r_max)
     spec.validate()
-    with state.new_session(eng, owner) as sid:
+    requested = request.headers.get("x-session-id") or body.session_id  # the client's id
+    if body.session_id is not None and body.session_id != requested:
+        raise ApiError(400, "session_id_mismatch", "x-session-id and session_id differ",
+                       "session_id")
+    if requested is not None:
+        check_new_id(state, eng, requested)
+    with state.new_session(eng, owner, requested) as sid:
         state.hub.push_tokens[sid] = body.push_max_tokens
         if state.journal is not None:
             state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}

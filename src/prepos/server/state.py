@@ -30,6 +30,7 @@ from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
 from prepos.server.implicit import ImplicitSessions
 from prepos.server.journal import EPHEMERAL, Journal, is_ephemeral
+from prepos.server.lease import LeaseConfig
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
 from prepos.server.sse import Hub, disconnected
@@ -54,6 +55,8 @@ class ServerConfig:
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
     implicit_sessions: int = 64  # stateless conversations kept as sessions (0: none)
     response_sessions: int = 64  # stored response chains kept as sessions (0: none)
+    lease: LeaseConfig = field(default_factory=LeaseConfig)  # with a shared store
+    advertise_url: str | None = None  # where other nodes forward to (default: bound address)
 
 
 @dataclass
@@ -108,6 +111,10 @@ class ServerState:
         self.session_cap = config.limits.max_sessions  # persistent sessions, once loaded
         self._loader: threading.Thread | None = None
         self.on_failure: Callable[[], None] | None = None
+        self.cluster = None  # server/cluster.py's Cluster, with a shared store
+        self.front = None  # the app's cluster.Front, which serves its requests once joined
+        self.bound = threading.Event()  # set once listening, `url` the address bound
+        self.url = ""
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -132,9 +139,12 @@ class ServerState:
                     log.warning("journal %s was written with model %s; restoring its sessions "
                                 "with %s", self.config.journal, previous, self.model_name)
                 self.journal.attach(engine)
+                if self.journal.shared:  # several nodes: sessions loaded when asked for
+                    from prepos.server.cluster import join
+                    self.cluster = join(self, engine, self.journal)
             self.hub.attach(engine, self.loop)
             self.metrics.engine = engine
-            if self.journal is not None:
+            if self.journal is not None and self.cluster is None:
                 self._restore(engine, self.journal)
             gc.collect()
             gc.freeze()  # the model and libraries: out of the collector's way for good
@@ -164,6 +174,8 @@ class ServerState:
         self.hub.shutdown()
         if self._loader is not None:
             self._loader.join(timeout=60)
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.loaded is not None:
             self.loaded.close()
         if self.journal is not None:
@@ -309,13 +321,13 @@ class ServerState:
         return engine.session_count() - self.ephemeral
 
     @contextmanager
-    def new_session(self, engine: Engine, owner: str | None):
+    def new_session(self, engine: Engine, owner: str | None, requested: str | None = None):
         """Check the session limits and hold a place for the session being created (its id
         is yielded) until the block ends: concurrent creations at the limit never overshoot
         it (the check and the reservation happen on the event loop, with no await between
         them)."""
         self.check_new_session(engine, owner)
-        sid = engine.new_session_id()
+        sid = requested or engine.new_session_id()
         self.creating[sid] = owner
         try:
             yield sid

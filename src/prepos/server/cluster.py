@@ -1,0 +1,361 @@
+"""Several nodes behind a router: the session a request names, and who serves it.
+
+`Front` sits in front of the whole app (the straight line included). It finds the session a
+request names (the `x-session-id` header, the `/sessions/{id}` path, or an OpenAI body's
+`session_id`; the header alone names it for the OpenAI routes too) and puts `x-session-id`
+on the response, so a router can hash on it both ways. With a shared store (`Cluster`), it
+also decides who serves the request:
+- this node owns the session (its lease held with margin): served here, no store access;
+- the session is free or its owner dead: claimed (`Leases.claim`), loaded from the store
+  where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
+- another node owns it: the request is forwarded to it, once (a forwarded request that
+  finds another owner again gets 409 `session_moved` naming it); an owner that does not
+  answer is waited out until its lease expires, then taken over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import time
+
+from prepos.errors import PreposError
+from prepos.server.errors import ApiError
+from prepos.server.journal import Journal, is_ephemeral
+from prepos.server.lease import Claim, LeaseConfig, Leases
+from prepos.server.store import Database
+
+log = logging.getLogger("prepos.server.cluster")
+HEADER = b"x-session-id"
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+FORWARDED = b"x-prepos-forwarded"
+SLOW_S = 5.0  # a request on a session slower than this is logged
+NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
+HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
+       b"proxy-connection", b"content-length"}
+
+
+def named_session(scope) -> tuple[str | None, bool]:
+    """The session id the path or `x-session-id` names, and whether the header gave it;
+    400 where they differ."""
+    header = None
+    for name, value in scope["headers"]:
+        if name == HEADER:
+            header = value.decode("latin-1").strip() or None
+    path = scope["path"]
+    in_path = None
+    if path.startswith("/sessions/"):
+        in_path = path[len("/sessions/"):].split("/", 1)[0] or None
+    if header is not None and not SESSION_ID.fullmatch(header):
+        raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, "
+                       f"digits and ._:- (starting with a letter or digit), got {header[:140]!r}")
+    if in_path is not None and not SESSION_ID.fullmatch(in_path):
+        in_path = None  # no session's id: the route answers 404
+    if header and in_path and header != in_path:
+        raise ApiError(400, "session_id_mismatch", f"x-session-id {header!r} names another "
+                       f"session than the path's {in_path!r}")
+    return in_path or header, header is not None
+
+
+class Front:
+    """The ASGI layer in front of the app: the session's id both ways, and ownership where
+    the store is shared (`cluster`, set once the node has joined)."""
+
+    def __init__(self, respond, max_body: int):
+        self.respond = respond  # an ApiError as the app's JSON error response
+        self.max_body = max_body  # a body over it is left to the app's 413, never read here
+        self.cluster: Cluster | None = None
+
+    def small(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                return value.isdigit() and int(value) <= self.max_body
+        return False
+
+    async def __call__(self, scope, receive, send, app) -> None:
+        t0 = time.monotonic()
+        try:
+            sid, from_header = named_session(scope)
+            cluster = self.cluster
+            if scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY and (
+                    from_header or cluster is not None) and self.small(scope):
+                sid, receive = await with_body_session(sid, receive)
+            if cluster is not None and sid is not None and not (
+                    scope["method"] == "POST" and scope["path"] == "/sessions"):
+                while not await cluster.serve_here(sid, scope):
+                    if await cluster.forward(sid, scope, receive, send):
+                        slow(scope, sid, t0, "forwarded")
+                        return  # the owner answered; else it is dead: wait it out
+                if "prepos.body" in scope:  # read for a forward that found no one
+                    receive = replaying(scope["prepos.body"], receive)
+        except (ApiError, PreposError) as exc:  # before any byte of a response was sent
+            err = exc if isinstance(exc, ApiError) else ApiError(exc.status, exc.code, str(exc))
+            return await self.respond(err)(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                found = sid
+                for name, value in headers:
+                    if name == b"x-prepos-session" or (found is None and name == b"location"
+                                                       and value.startswith(b"/sessions/")):
+                        found = value.decode("latin-1").rsplit("/", 1)[-1]
+                        found = found if SESSION_ID.fullmatch(found) else None
+                if found is not None:
+                    headers.append((HEADER, found.encode("latin-1")))
+                    if cluster is not None:  # who served it
+                        headers.append((b"x-prepos-node", cluster.leases.node.encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await app(scope, receive, tagged)
+        if cluster is not None and sid is not None:
+            slow(scope, sid, t0, "served here")
+
+
+def slow(scope, sid: str, t0: float, how: str) -> None:
+    """A request on a session that took long is logged (a takeover's wait, a recompute)."""
+    took = time.monotonic() - t0
+    if took > SLOW_S:
+        log.warning("session %s: %s %s %s in %.1f s", sid, scope["method"], scope["path"],
+                    how, took)
+
+
+async def with_body_session(sid: str | None, receive):
+    """An OpenAI body's `session_id`, or the header's written into a body that has none;
+    the body replayed to the app."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return sid, receive
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    raw = b"".join(chunks)
+    if sid is not None or b'"session_id"' in raw:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None  # the route says what is wrong with it
+        if isinstance(body, dict):
+            named = body.get("session_id")
+            if sid is not None and named is not None and named != sid:
+                raise ApiError(400, "session_id_mismatch", f"x-session-id {sid!r} names "
+                               f"another session than the body's {named!r}", "session_id")
+            if named is None and sid is not None:
+                raw = json.dumps({**body, "session_id": sid}).encode()
+            sid = named if isinstance(named, str) and SESSION_ID.fullmatch(named) else sid
+    return sid, replaying(raw, receive)
+
+
+def replaying(raw: bytes, receive):
+    """`receive` with the body, already read, given again first."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class Cluster:
+    """This node's part of a cluster: its leases, takeovers and forwarding."""
+
+    def __init__(self, state, engine, journal: Journal, db: Database, config: LeaseConfig):
+        self.state = state
+        self.engine = engine
+        self.journal = journal
+        self.leases = Leases(db, config, on_lapse=self._give_up)
+        self.config = config
+        self.takeovers = 0
+        self.forwarded = 0
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._client = None
+        journal.fence = self.leases.fence
+        engine.listeners.append(self._on_event)
+
+    def start(self, url: str) -> None:
+        self.leases.start(url)
+
+    def stop(self) -> None:
+        self.leases.stop()
+
+    async def serve_here(self, sid: str, scope) -> bool:
+        """Whether this node serves `sid` now: owned, or claimed (and loaded) now."""
+        leases = self.leases
+        if leases.owns(sid):
+            return True
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:
+            try:
+                deadline = asyncio.get_running_loop().time() + self.config.lease_s + 1
+                while True:
+                    claim: Claim = await self.state.run(leases.claim, sid)
+                    if claim.ours:
+                        if claim.fresh:
+                            await self.state.run(self.take_over, sid)
+                        return True
+                    dead = scope.setdefault("prepos.dead", set())
+                    forwarded = dict(scope["headers"]).get(FORWARDED) is not None
+                    if not forwarded and claim.url and claim.url not in dead:
+                        scope["prepos.owner"] = claim
+                        return False
+                    if forwarded and claim.url not in dead or \
+                            asyncio.get_running_loop().time() > deadline:
+                        raise ApiError(409, "session_moved", f"session {sid} is owned by node "
+                                       f"{claim.node} at {claim.url}",
+                                       headers={"x-prepos-owner": claim.url or ""})
+                    await asyncio.sleep(min(claim.expires_in + 0.05, 0.5))
+            finally:
+                if len(self._locks) > 4096:
+                    self._locks = {k: v for k, v in self._locks.items() if v.locked()}
+
+    def take_over(self, sid: str) -> None:
+        """Load `sid` from the store unless this node's copy is the store's: its KV is
+        recomputed at idle priority and it is pre-positioned again."""
+        found = self.journal.load_one(sid)
+        eng = self.engine
+        if found is None:  # not in the store: nothing to own
+            self.leases.release(sid)
+            self._drop(sid)
+            return
+        _, spec, extras, history = found
+        if eng.has_session(sid):
+            try:
+                snap = eng.snapshot(sid)
+                if snap.version == history[-1][0] and list(snap.messages) == history[-1][1]:
+                    return  # this node's copy is the store's: keep it, and its KV
+            except PreposError:
+                pass
+            self._drop(sid)
+        self.state.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
+        eng.restore_session(sid, spec, history)
+        self.takeovers += 1
+        log.info("node %s took session %s over at version %d", self.leases.node, sid,
+                 history[-1][0])
+
+    def _drop(self, sid: str) -> None:
+        """Close this node's copy of `sid`, leaving the store's rows, and wait until its KV
+        is gone (so a session restored with the same id starts clean)."""
+        eng = self.engine
+        if not eng.has_session(sid):
+            return
+        self.journal.moving.add(sid)
+        try:
+            eng.close_session(sid)
+        except PreposError:
+            self.journal.moving.discard(sid)
+            return
+
+        def settled():
+            return
+            yield
+
+        eng.scheduler.submit(settled(), key=sid).done.wait(timeout=30)
+
+    def _give_up(self, sids: list[str]) -> None:
+        for sid in sids:
+            self._drop(sid)
+
+    def _on_event(self, event: str, s, payload) -> None:
+        if event == "close" and s.id not in self.journal.moving and s.id in self.leases.owned:
+            try:
+                self.leases.release(s.id)
+            except Exception as exc:
+                log.warning("lease of closed session %s not released: %s", s.id, exc)
+
+    async def forward(self, sid: str, scope, receive, send) -> bool:
+        """The request, answered by the owner's node; False where that node refused the
+        connection (nothing was sent: the caller waits its lease out and takes over)."""
+        import httpx
+
+        claim: Claim = scope["prepos.owner"]
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
+        body = scope.get("prepos.body")
+        while body is None:
+            message = await receive()
+            if message["type"] != "http.request":
+                return True  # the client left
+            scope["prepos.chunks"] = scope.get("prepos.chunks", b"") + message.get("body", b"")
+            if not message.get("more_body", False):
+                body = scope["prepos.body"] = scope["prepos.chunks"]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP]
+        headers.append((FORWARDED, self.leases.node.encode()))
+        target = claim.url.rstrip("/") + scope["path"]
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        self.forwarded += 1
+        try:
+            req = self._client.build_request(scope["method"], target, headers=headers,
+                                             content=body)
+            upstream = await self._client.send(req, stream=True)
+        except httpx.ConnectError:
+            log.info("session %s: its owner %s refused the connection; waiting its lease out",
+                     sid, claim.node)
+            scope["prepos.dead"].add(claim.url)
+            return False
+        except httpx.TransportError as exc:
+            log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
+            raise ApiError(503, "owner_unreachable", f"session {sid}'s owner node "
+                           f"{claim.node} did not answer ({exc}); retry",
+                           headers={"Retry-After": "1"}) from None
+        try:
+            out = [(k.encode("latin-1"), v.encode("latin-1"))
+                   for k, v in upstream.headers.multi_items() if k.encode() not in HOP]
+            await send({"type": "http.response.start", "status": upstream.status_code,
+                        "headers": out})
+            async for chunk in upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await upstream.aclose()
+        return True
+
+    def health(self) -> dict:
+        leases = self.leases
+        return {"node": leases.node, "epoch": leases.epoch, "serving": leases.serving(),
+                "owned": len(leases.owned), "takeovers": self.takeovers,
+                "forwarded": self.forwarded, "lapses": leases.lapses}
+
+
+def check_new_id(state, engine, sid: str) -> None:
+    """A session id a client chose for a new session: well formed, and no session's, here
+    or, with a shared store, anywhere (its lease is claimed for it now)."""
+    if not SESSION_ID.fullmatch(sid) or is_ephemeral(sid):
+        raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, digits "
+                       f"and ._:- (starting with a letter or digit), got {sid[:140]!r}")
+    taken = engine.has_session(sid) or sid in state.creating
+    if not taken and state.cluster is not None:
+        taken = not state.cluster.leases.claim(sid).ours or state.journal.exists(sid)
+    if taken:
+        raise ApiError(409, "session_exists", f"a session {sid!r} exists already")
+
+
+def join(state, engine, journal: Journal) -> Cluster:
+    """Join the nodes sharing the store, once the server listens: from then on this node
+    claims the sessions it is asked for (none is restored at start)."""
+    cluster = Cluster(state, engine, journal, Database(state.config.journal),
+                      state.config.lease)
+    if not state.bound.wait(120):
+        raise RuntimeError("the server did not listen within 120 s")
+    cluster.start(state.config.advertise_url or state.url)
+    if state.front is not None:
+        state.front.cluster = cluster
+    return cluster
+
+
+def default_url(host: str, port: int) -> str:
+    """The URL other nodes forward to, where none is given: the bound address, or this
+    machine's name where the server listens on every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"http://{host}:{port}"

