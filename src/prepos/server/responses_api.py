@@ -38,7 +38,6 @@ from prepos.engine.session import AGENTIC, SessionSpec
 from prepos.errors import PreposError
 from prepos.server import responses_schema as RS
 from prepos.server.errors import ApiError
-from prepos.server.implicit import ImplicitSessions
 from prepos.server.openai_checks import chat_sampling
 from prepos.server.openai_flow import ChatCall
 from prepos.server.responses_format import Reply
@@ -70,7 +69,7 @@ class ResponsesApi:
         self.state = state
         self.engine = eng
         self.store = ResponseStore(state.config.journal if state.journal is not None else None)
-        self.chains = ImplicitSessions(state.config.response_sessions, self._close)
+        self.chains = state.chains
         eng.listeners.append(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
             if eng.has_session(sid) and eng.session(sid).spec.owner == owner:
@@ -83,12 +82,6 @@ class ResponsesApi:
         if api is None:
             api = _APIS[state] = cls(state, eng)
         return api
-
-    def _close(self, sid: str) -> None:
-        try:
-            self.engine.close_session(sid)
-        except PreposError:
-            pass
 
     def _on_event(self, event: str, s, payload) -> None:
         if event == "close":  # closed by its owner through the session API, or by us
@@ -117,23 +110,15 @@ class ResponsesApi:
                          tools: list[dict]) -> str:
         """A persistent session holding the conversation up to its last message (the
         answer's turn commits that one), leased to the caller. At a session limit the least
-        recently used chain session goes first: the key's own, else (at the server's
-        limit) any key's."""
+        recently used chain session gives way (`ServerState.check_new_session`). Its KV is a
+        cache (`SessionSpec.implicit`: no budget, reclaimable whole), rebuilt from the
+        committed conversation when needed, so no chain makes another request fail."""
         state = self.state
-        spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None, owner=owner)
+        spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None, owner=owner,
+                           implicit=True)
         history = [(0, msgs[:-1])]
-        while True:
-            try:
-                with state.new_session(eng, owner) as sid:
-                    await state.run(state.with_room,
-                                    lambda: eng.restore_session(sid, spec, history))
-                break
-            except ApiError as exc:
-                if exc.code != "too_many_sessions":
-                    raise
-                full = state.persistent_sessions(eng) >= state.session_cap
-                if not (self.chains.evict_one(owner) or full and self.chains.evict_one()):
-                    raise
+        with state.new_session(eng, owner) as sid:
+            await state.run(state.with_room, lambda: eng.restore_session(sid, spec, history))
         self.chains.keep(sid, owner)
         return sid
 
