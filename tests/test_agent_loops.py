@@ -237,6 +237,31 @@ def test_forced_calls_follow_the_schema_and_end_the_turn(family, request, model_
         assert [c.finish_reason for c in r.choices] == ["tool_calls"] * 2
 
 
+def test_a_forced_call_on_a_named_session_is_constrained_and_committed(oai, http, model):
+    """tool_choice 'required' or a function on an agentic session: the call follows the
+    schema, the turn ends with it, it is committed (the session awaits its result) and the
+    result sent back continues the session."""
+    for choice, names in (({"type": "function", "function": {"name": "get_news"}},
+                           {"get_news"}), ("required", {"get_price", "get_news"})):
+        sid = http.post("/sessions", json={"kind": "agentic", "tools": TOOLS}).json()["id"]
+        r = oai.chat.completions.create(model=model, messages=[USER], max_tokens=300,
+                                        tool_choice=choice, extra_body={"session_id": sid})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls"
+        (call,) = c.message.tool_calls
+        assert call.function.name in names
+        assert _args_valid(call.function.name, json.loads(call.function.arguments))
+        held = http.get(f"/sessions/{sid}", params={"include": "messages"}).json()
+        assert held["awaiting_tool_result"]
+        assert held["message_list"][-1]["tool_calls"][0]["function"]["name"] == \
+            call.function.name
+        msgs = [USER, c.message.model_dump(exclude_none=True), result(call.id, "41.5")]
+        after = oai.chat.completions.create(model=model, messages=msgs, max_tokens=2,
+                                            extra_body={"session_id": sid})
+        assert after.model_extra["prepos"]["session_id"] == sid
+        assert not http.get(f"/sessions/{sid}").json()["awaiting_tool_result"]
+
+
 def test_a_cut_call_says_length_and_goes_back_into_history(oai, model):
     r = oai.chat.completions.create(model=model, messages=[USER], tools=TOOLS, max_tokens=24,
                                     tool_choice={"type": "function",
@@ -437,6 +462,14 @@ def test_a_back_end_without_grammars_continues_the_call_unconstrained(model_dirs
         r = client.post("/v1/chat/completions", json={
             "model": name, "messages": [USER], "response_format": {"type": "json_object"}})
         expect(r, 400, "unsupported", "response_format")
+        # on a session the answer is committed as generated: a forced call is refused there
+        sid = client.post("/sessions", json={"kind": "agentic", "tools": TOOLS}).json()["id"]
+        before = client.get(f"/sessions/{sid}").json()["version"]
+        r = client.post("/v1/chat/completions", json={
+            "model": name, "messages": [USER], "tools": TOOLS, "tool_choice": "required",
+            "session_id": sid})
+        expect(r, 400, "unsupported", "tool_choice")
+        assert client.get(f"/sessions/{sid}").json()["version"] == before
     remote = SimpleNamespace(name="remote", streams_answers=True, full_distribution=False,
                              verifies_drafts=False)
     with pytest.raises(InvalidSampling, match="grammars"):

@@ -119,7 +119,6 @@ def response_format(state, body: ChatCompletion) -> str | None:
         fmt = canonical(body.response_format) if body.response_format is not None else None
     except InvalidResponseFormat as exc:
         raise ApiError(400, "invalid_request", str(exc), "response_format") from None
-    choice = tool_choice(body)
     if fmt is None:
         return None
     backend = state.engine.backend
@@ -127,9 +126,9 @@ def response_format(state, body: ChatCompletion) -> str | None:
         raise ApiError(400, "unsupported", f"the {backend.name} back end samples answers on "
                        "the remote engine: response_format (constrained decoding) is not "
                        "supported there", "response_format")
-    if choice not in ("auto", "none"):
+    if body.tool_choice not in (None, "auto", "none"):  # checked by name in `tool_choice`
         raise ApiError(400, "invalid_request", f"response_format constrains the answer's text: "
-                       f"tool_choice must be 'auto' or 'none', got {choice!r}",
+                       f"tool_choice must be 'auto' or 'none', got {body.tool_choice!r}",
                        "response_format")
     return fmt
 

@@ -221,14 +221,18 @@ class ChatCall:
                 lambda req=req: eng.query(s.id, question, req), len(question)))
         return await self._respond(streams, s.id, agentic=False, tools=False)
 
-    def _session_sampling(self, eng, s) -> SamplingParams:
+    def _session_sampling(self, eng, s, msgs: list[dict]) -> SamplingParams:
         """An agentic session's sampling with its tool choice: 'none' forbids the token that
-        opens a tool call (a logit bias, so the cached distribution obeys it too)."""
+        opens a tool call (a logit bias, so the cached distribution obeys it too); a forced
+        call ('required', a function) is constrained by its grammar, as statelessly, and
+        committed as generated."""
         if self.n != 1:
             raise ApiError(400, "invalid_request", f"session {s.id} commits one answer per "
                            "turn: n must be 1 (n > 1 works statelessly and on streaming "
                            "sessions)", "n")
         if self.choice == "auto" or not s.spec.tools:
+            return self.sampling
+        if self._constrained(eng, msgs, list(s.spec.tools)):
             return self.sampling
         if self.choice == "none":
             held = list(eng.snapshot(s.id).messages)
@@ -243,15 +247,16 @@ class ChatCall:
                 bias = dict(self.sampling.logit_bias)
                 bias[ids[0]] = -100.0
                 return replace(self.sampling, logit_bias=tuple(bias.items()))
-        raise ApiError(400, "invalid_request", "on an agentic session tool_choice must be "
-                       "'auto' or 'none' (the session commits the answer as generated); "
-                       "'required' and named functions work statelessly", "tool_choice")
+        raise ApiError(400, "unsupported", f"the {eng.backend.name} back end samples "
+                       "itself, so a forced call cannot be constrained on a session: "
+                       "tool_choice must be 'auto' or 'none' ('required' and named "
+                       "functions work statelessly)", "tool_choice")
 
     async def agentic(self, eng, s, msgs: list[dict], public: bool = True,
                       cleanup=None) -> Response:
         """Delta-only: commit what the session lacks, then answer. `public`: the answer
         names the session (not an implicit one); `cleanup(stream)` runs once it is out."""
-        self.sampling = sampling = self._session_sampling(eng, s)
+        self.sampling = sampling = self._session_sampling(eng, s, msgs)
         snap = eng.snapshot(s.id)
         rollback = self.body.on_divergence == "rollback"
         r = resume(s.id, snap.version, snap.messages, msgs,
