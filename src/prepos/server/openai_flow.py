@@ -75,7 +75,8 @@ class ChatCall:
         if self.choice in ("auto", "none") or backend.streams_answers or \
                 not backend.full_distribution:
             return False
-        grammar, self.forced = forced_call(eng, msgs, tools, self.choice)
+        grammar, self.forced = forced_call(eng, msgs, tools, self.choice,
+                                           parallel=self.body.parallel_tool_calls is not False)
         self.sampling = replace(self.sampling, grammar=grammar)
         return True
 
