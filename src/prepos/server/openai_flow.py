@@ -1,8 +1,9 @@
 """Which engine calls answer an OpenAI request, once its input is checked.
 
 Chat: stateless (one choice on the implicit session the conversation extends, or a new one
-kept for its next turn, `server/implicit.py`; several choices, a continued assistant message
-or a forced tool call on ephemeral sessions closed after the answer), a streaming session's
+kept for its next turn, `server/implicit.py`, a constrained forced call included; several
+choices, a continued assistant message, or a forced call a back end cannot constrain, on
+ephemeral sessions closed after the answer), a streaming session's
 query (one user message), or an agentic session's turn:
 the conversation is matched against the session's (`prepos.chat.conversation`), only the delta
 is committed, and an empty delta after a committed user or tool message is the exact fast
@@ -67,13 +68,16 @@ class ChatCall:
         self.choice = tool_choice(body)
         self.forced: dict[str, str] | None = None  # a forced call's openings, by function
 
+    @staticmethod
+    def _constrains(eng) -> bool:
+        """Whether the back end samples in process, so a grammar can constrain a call."""
+        return not eng.backend.streams_answers and eng.backend.full_distribution
+
     def _constrained(self, eng, msgs: list[dict], tools: list[dict]) -> bool:
         """tool_choice 'required' or named, where the back end samples in process: the
         call is constrained by its grammar and the turn ends when it closes (True);
         elsewhere it is an unconstrained continuation of the call's opening (False)."""
-        backend = eng.backend
-        if self.choice in ("auto", "none") or backend.streams_answers or \
-                not backend.full_distribution:
+        if self.choice in ("auto", "none") or not self._constrains(eng):
             return False
         grammar, self.forced = forced_call(eng, msgs, tools, self.choice,
                                            parallel=self.body.parallel_tool_calls is not False)
@@ -99,10 +103,12 @@ class ChatCall:
         check_order([], msgs, 0, continue_final=True)
         if self.choice == "none":
             tools = []  # the model is not told of them, and nothing is parsed as a call
-        if continued or self.choice not in ("auto", "none"):
+        kept = self.n == 1 and self.state.implicit.capacity > 0
+        forced = self.choice not in ("auto", "none")
+        if continued or forced and not (kept and self._constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
-        if self.n == 1 and self.state.implicit.capacity:
+        if kept:  # a forced call too, constrained and committed there as on any session
             return await self.implicit(eng, owner, system, msgs, tools)
         self.state.backpressure(eng)
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)

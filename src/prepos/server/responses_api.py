@@ -18,8 +18,9 @@ carried over, as OpenAI documents). It is answered by the chat route's flow
   kept, least recently used closed first: a closed one's responses stay stored and are
   continued on a new session.
 - `store: false`: the stateless chat path, on an implicit session; nothing is kept by id.
-- a forced tool call (`tool_choice` required or a function): the chat route's stateless
-  continuation of the call's opening; stored as any response, on no session.
+- a forced tool call (`tool_choice` required or a function) is constrained by its grammar
+  on either; on a back end that samples itself, it is the chat route's stateless
+  continuation of the call's opening, stored as any response, on no session.
 
 The response maps to its session and the version its answer committed (`prepos.version`
 is the version it was computed from, as on every route).
@@ -211,8 +212,9 @@ async def _create(c, request: Request, rename: Renamer):
             log.error("response %s not stored: %s", obj["id"], exc)
 
     reply.save = save
-    if not store or forced or not api.chains.capacity:
-        reply.kept = not forced and state.implicit.capacity > 0
+    on_session = not forced or call._constrains(eng)  # a forced call needs its grammar there
+    if not store or not on_session or not api.chains.capacity:
+        reply.kept = on_session and state.implicit.capacity > 0
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
 
