@@ -31,7 +31,7 @@ from prepos.chat.conversation import check_order, resume
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
-from prepos.errors import InvalidInput
+from prepos.errors import InvalidInput, PreposError
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import forced_call, tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
@@ -109,7 +109,14 @@ class ChatCall:
             return await self._continue(eng, owner, msgs, tools)
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         if kept:  # a forced call too, constrained and committed there as on any session
-            return await self.implicit(eng, owner, system, msgs, tools)
+            try:
+                return await self.implicit(eng, owner, system, msgs, tools)
+            except (ApiError, PreposError) as exc:
+                if not forced or exc.code not in ("over_budget", "context_length_exceeded"):
+                    raise
+                # a call its session's reserve leaves no room for: a raw completion, whose
+                # room is the whole context
+                return await self._continue(eng, owner, msgs, tools)
         self.state.backpressure(eng)
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)
         sids, streams = [], []
