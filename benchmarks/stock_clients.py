@@ -609,6 +609,11 @@ def main(argv: list[str] | None = None) -> int:
                                 llama_cached.get("user_turns_p50_ms")),
             "tool_turns": ratio(arms_summary.get("prepos", {}).get("tool_turns_p50_ms"),
                                 llama_cached.get("tool_turns_p50_ms"))},
+        # the turn ratio apart from the workload's difference (prepos's prompts hold the
+        # tools and calls llama-server's render drops, so its answers differ too)
+        "per_token_vs_llama_server": {
+            k: ratio(arms_summary.get("prepos", {}).get(f"{k}_ms_per_token_p50"),
+                     llama_cached.get(f"{k}_ms_per_token_p50")) for k in ("prefill", "decode")},
         "cached_fraction": {
             "prepos": arms_summary.get("prepos", {}).get("cached_fraction"), "target_ge": 0.9,
             "llama_server": llama_cached.get("cached_fraction"),
