@@ -69,7 +69,7 @@ class ChatCall:
         self.forced: dict[str, str] | None = None  # a forced call's openings, by function
 
     @staticmethod
-    def _constrains(eng) -> bool:
+    def constrains(eng) -> bool:
         """Whether the back end samples in process, so a grammar can constrain a call."""
         return not eng.backend.streams_answers and eng.backend.full_distribution
 
@@ -77,7 +77,7 @@ class ChatCall:
         """tool_choice 'required' or named, where the back end samples in process: the
         call is constrained by its grammar and the turn ends when it closes (True);
         elsewhere it is an unconstrained continuation of the call's opening (False)."""
-        if self.choice in ("auto", "none") or not self._constrains(eng):
+        if self.choice in ("auto", "none") or not self.constrains(eng):
             return False
         grammar, self.forced = forced_call(eng, msgs, tools, self.choice,
                                            parallel=self.body.parallel_tool_calls is not False)
@@ -105,7 +105,7 @@ class ChatCall:
             tools = []  # the model is not told of them, and nothing is parsed as a call
         kept = self.n == 1 and self.state.implicit.capacity > 0
         forced = self.choice not in ("auto", "none")
-        if continued or forced and not (kept and self._constrains(eng)):
+        if continued or forced and not (kept and self.constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         if kept:  # a forced call too, constrained and committed there as on any session

@@ -212,7 +212,7 @@ async def _create(c, request: Request, rename: Renamer):
             log.error("response %s not stored: %s", obj["id"], exc)
 
     reply.save = save
-    on_session = not forced or call._constrains(eng)  # a forced call needs its grammar there
+    on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
     if not store or not on_session or not api.chains.capacity:
         reply.kept = on_session and state.implicit.capacity > 0
         return await call.stateless(eng, owner, msgs, tools)
