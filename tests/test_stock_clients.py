@@ -90,6 +90,21 @@ def test_langchain_tool_loop(chat):
     assert lc_cached(answer) >= r.usage_metadata["input_tokens"]
 
 
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_structured_output(chat, method):
+    """Both of with_structured_output's ways: response_format, and a forced call (strict,
+    so the schema's closed object is enforced: a lenient one lets a model add keys)."""
+    from pydantic import BaseModel
+
+    class Trend(BaseModel):
+        up: bool
+
+    llm = chat.model_copy(update={"max_tokens": 60})
+    r = llm.with_structured_output(Trend, method=method, strict=True).invoke(
+        "Is ACME going up?")
+    assert isinstance(r, Trend)
+
+
 # -- LiteLLM --------------------------------------------------------------------------------
 def ll(server, model, **kw):
     import litellm
