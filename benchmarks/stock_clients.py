@@ -39,7 +39,9 @@ server works:
 Each prepos arm uses its own API key, so prepos's prefix index (never across keys) cannot
 hand one arm's KV to another's first turn. The time of a turn is the client-observed wall
 time of its request (non-streamed, loopback, keep-alive). Both servers run for the whole
-benchmark; only one works at a time.
+benchmark; only one works at a time. `per_token_vs_llama_server` divides prepos's server-side
+prefill and decode time per token by llama-server's: the turn ratio apart from the two
+workloads' difference (prepos's longer prompts and, from them, other answers).
 
     python benchmarks/stock_clients.py [--conversations 16] [--model smollm2|DIR|FILE.gguf]
 The last line printed is the JSON summary; results/stock_clients.json keeps every turn.
@@ -609,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
                                 llama_cached.get("user_turns_p50_ms")),
             "tool_turns": ratio(arms_summary.get("prepos", {}).get("tool_turns_p50_ms"),
                                 llama_cached.get("tool_turns_p50_ms"))},
+        # the turn ratio apart from the workload's difference (prepos's prompts hold the
+        # tools and calls llama-server's render drops, so its answers differ too)
+        "per_token_vs_llama_server": {
+            k: ratio(arms_summary.get("prepos", {}).get(f"{k}_ms_per_token_p50"),
+                     llama_cached.get(f"{k}_ms_per_token_p50")) for k in ("prefill", "decode")},
         "cached_fraction": {
             "prepos": arms_summary.get("prepos", {}).get("cached_fraction"), "target_ge": 0.9,
             "llama_server": llama_cached.get("cached_fraction"),

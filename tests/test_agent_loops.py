@@ -215,7 +215,8 @@ def test_forced_calls_follow_the_schema_and_end_the_turn(family, request, model_
             for temperature in (0.0, 1.0):
                 r = oai.chat.completions.create(model=name, messages=[USER], tools=TOOLS,
                                                 tool_choice=choice, max_tokens=300,
-                                                temperature=temperature, seed=3)
+                                                temperature=temperature, seed=3,
+                                                parallel_tool_calls=False)
                 c = r.choices[0]
                 assert c.finish_reason == "tool_calls" and c.message.content is None
                 (call,) = c.message.tool_calls  # one call, and the answer ends with it
@@ -225,7 +226,7 @@ def test_forced_calls_follow_the_schema_and_end_the_turn(family, request, model_
         # streamed: the call in the last chunk, with finish_reason tool_calls
         chunks = list(oai.chat.completions.create(
             model=name, messages=[USER], tools=TOOLS, tool_choice="required", max_tokens=300,
-            stream=True))
+            stream=True, parallel_tool_calls=False))
         deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or ()]
         assert len(deltas) == 1 and _args_valid(deltas[0].function.name,
                                                 json.loads(deltas[0].function.arguments))
@@ -233,8 +234,67 @@ def test_forced_calls_follow_the_schema_and_end_the_turn(family, request, model_
         # n choices, each its own constrained call
         r = oai.chat.completions.create(model=name, messages=[USER], tools=TOOLS, n=2,
                                         tool_choice="required", max_tokens=300,
-                                        temperature=1.0, seed=5)
+                                        temperature=1.0, seed=5, parallel_tool_calls=False)
         assert [c.finish_reason for c in r.choices] == ["tool_calls"] * 2
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3"])
+def test_required_with_parallel_calls_lets_the_model_call_again_or_end(family, model_dirs):
+    """'required' with parallel calls (OpenAI's default) is one or more calls: after a
+    complete call the grammar takes the end of the turn or the next call, as the template
+    writes calls one after another; without parallel calls, only the end of the turn."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from prepos.chat.format import ChatFormat
+    from prepos.core import SamplingParams
+    from prepos.decode.structured import Grammars
+    from prepos.server.openai_checks import forced_call
+
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(str(model_dirs[family])))
+    grammars = Grammars(fmt)
+    markup = fmt.call_markup([USER], TOOLS, "get_news")
+    call = fmt.encode(markup.opening + json.dumps({"topic": ENUM[0]}) + markup.closing)
+    sep = fmt.call_separator([USER], TOOLS)
+    assert sep is not None  # both templates write calls one after another
+    again = fmt.encode(sep + markup.opening)[0]
+    for parallel in (True, False):
+        grammar, _ = forced_call(SimpleNamespace(fmt=fmt), [USER], TOOLS, "required",
+                                 parallel=parallel)
+        c = grammars.constraint(SamplingParams(grammar=grammar))
+        for t in call:
+            assert c.allowed()[t]
+            c.accept(t)
+        allowed = c.allowed()
+        assert all(allowed[t] for t in fmt.end_of_turn)
+        assert allowed[again] == parallel
+
+
+def test_a_forced_call_on_a_named_session_is_constrained_and_committed(oai, http, model):
+    """tool_choice 'required' or a function on an agentic session: the call follows the
+    schema, the turn ends with it, it is committed (the session awaits its result) and the
+    result sent back continues the session."""
+    for choice, names in (({"type": "function", "function": {"name": "get_news"}},
+                           {"get_news"}), ("required", {"get_price", "get_news"})):
+        sid = http.post("/sessions", json={"kind": "agentic", "tools": TOOLS}).json()["id"]
+        r = oai.chat.completions.create(model=model, messages=[USER], max_tokens=300,
+                                        tool_choice=choice, parallel_tool_calls=False,
+                                        extra_body={"session_id": sid})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls"
+        (call,) = c.message.tool_calls
+        assert call.function.name in names
+        assert _args_valid(call.function.name, json.loads(call.function.arguments))
+        held = http.get(f"/sessions/{sid}", params={"include": "messages"}).json()
+        assert held["awaiting_tool_result"]
+        assert held["message_list"][-1]["tool_calls"][0]["function"]["name"] == \
+            call.function.name
+        msgs = [USER, c.message.model_dump(exclude_none=True), result(call.id, "41.5")]
+        after = oai.chat.completions.create(model=model, messages=msgs, max_tokens=2,
+                                            extra_body={"session_id": sid})
+        assert after.model_extra["prepos"]["session_id"] == sid
+        assert not http.get(f"/sessions/{sid}").json()["awaiting_tool_result"]
 
 
 def test_a_cut_call_says_length_and_goes_back_into_history(oai, model):
@@ -437,6 +497,14 @@ def test_a_back_end_without_grammars_continues_the_call_unconstrained(model_dirs
         r = client.post("/v1/chat/completions", json={
             "model": name, "messages": [USER], "response_format": {"type": "json_object"}})
         expect(r, 400, "unsupported", "response_format")
+        # on a session the answer is committed as generated: a forced call is refused there
+        sid = client.post("/sessions", json={"kind": "agentic", "tools": TOOLS}).json()["id"]
+        before = client.get(f"/sessions/{sid}").json()["version"]
+        r = client.post("/v1/chat/completions", json={
+            "model": name, "messages": [USER], "tools": TOOLS, "tool_choice": "required",
+            "session_id": sid})
+        expect(r, 400, "unsupported", "tool_choice")
+        assert client.get(f"/sessions/{sid}").json()["version"] == before
     remote = SimpleNamespace(name="remote", streams_answers=True, full_distribution=False,
                              verifies_drafts=False)
     with pytest.raises(InvalidSampling, match="grammars"):
@@ -472,7 +540,8 @@ def test_the_agents_sdk_runs_a_forced_call_and_the_turn_after_it(server, model):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     agent = Agent(name="analyst", instructions="Answer in one word.", tools=[get_price],
                   model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=40))
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=40,
+                                               parallel_tool_calls=False))
     result = Runner.run_sync(agent, "What is ACME at?", max_turns=4)
     assert len(asked) == 1 and asked[0] in ("ACME", "MSFT")
     assert isinstance(result.final_output, str)

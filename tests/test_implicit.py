@@ -146,3 +146,43 @@ def test_without_implicit_sessions_nothing_is_kept(model_dirs, tmp_path):
         msgs.append({"role": "user", "content": "Again?"})
         assert cached(c.chat.completions.create(model=model, messages=msgs,
                                                 max_tokens=4)) == 0
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "price", "description": "a ticker's price",
+    "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}},
+                   "required": ["ticker"]}}}]
+
+
+def answered(msgs: list[dict], r) -> None:
+    """The model's reply appended as a client appends it, with a result for each call."""
+    m = r.choices[0].message
+    reply = {"role": "assistant", "content": m.content or ""}
+    if m.tool_calls:
+        reply["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    msgs.append(reply)
+    msgs += [{"role": "tool", "tool_call_id": c.id, "content": "0"} for c in m.tool_calls or ()]
+
+
+def test_a_continued_turn_is_a_fall_through_counting_every_cached_token(server, model):
+    """A continued turn resumes from the kept KV, so it is a fall-through whether or not its
+    new messages are the envelope pre-positioned after the last answer (a replayed call is
+    not), and its own count of cached tokens is usage's: the whole prompt is its entry."""
+    c = client(server)
+    msgs = [{"role": "system", "content": SYSTEM + "Paths."},
+            {"role": "user", "content": "Price of ACME?"}]
+    prev = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=4)
+    answered(msgs, prev)
+    call = {"id": "call_9", "type": "function",
+            "function": {"name": "price", "arguments": '{"ticker": "ACME"}'}}
+    for new in ([{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_9", "content": "41.5"}],
+                [{"role": "user", "content": "And BOLT?"}]):
+        msgs += new
+        r = c.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=4)
+        p = r.model_extra["prepos"]
+        assert p["path"] == "fall-through"
+        assert p["timing"]["cached_tokens"] == cached(r) >= prev.usage.prompt_tokens
+        assert p["timing"]["prefill_tokens"] == r.usage.prompt_tokens - cached(r)
+        answered(msgs, r)
+        prev = r

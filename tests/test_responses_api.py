@@ -467,3 +467,53 @@ def test_stored_responses_survive_a_restart_and_chains_are_bounded(model_dirs, t
         users = [m["content"] for m in held(http, ext(r4)["session_id"])
                  if m["role"] == "user"]
         assert users == ["One?", "Two?", "Three?", "Four?"]
+
+
+def test_chain_sessions_give_way_to_every_other_request(model_dirs, tmp_path):
+    """Chain sessions are kept on their clients' behalf: at the server's session limit, at a
+    key's, and with the KV budget full of them, a named session, a stateless chat and another
+    chain are each served, the least recently used chain giving way (the key's own first);
+    a chain that gave way is continued from its stored conversation. A key's implicit
+    sessions never count toward its limit. Named sessions are never closed for them."""
+    args = ("--max-sessions", "3", "--max-sessions-per-key", "2", "--max-kv-cells", "700",
+            *(a for k in KEYS for a in ("--api-key", k)))
+    with ServerProc(model_dirs["chatml"], tmp_path, *args) as srv, \
+            sdk(srv, KEYS[0]) as a, sdk(srv, KEYS[1]) as b:
+        model = model_dirs["chatml"].name
+        hs = {k: {"Authorization": f"Bearer {k}"} for k in KEYS}
+
+        def chain(c, text, prev=None):
+            return c.responses.create(model=model, input=text + " word" * 40, instructions=INSTR,
+                                      previous_response_id=prev, max_output_tokens=3)
+
+        def named(key):
+            r = httpx.post(srv.url + "/sessions", headers=hs[key], timeout=60,
+                           json={"kind": "agentic", "system": INSTR})
+            assert r.status_code == 201, r.text
+            return r.json()["id"]
+
+        def listed(key):
+            r = httpx.get(srv.url + "/sessions", headers=hs[key], timeout=60)
+            return {s["id"] for s in r.json()["data"]}
+
+        a1, a2 = chain(a, "One?"), chain(a, "Two?")
+        for i in range(2):  # implicit sessions of key a, long enough to fill the KV budget
+            r = a.chat.completions.create(model=model, max_tokens=3, messages=[
+                {"role": "user", "content": f"Stateless {i}?" + " word" * 60}])
+            assert r.choices[0].finish_reason in ("stop", "length")
+        sa = named(KEYS[0])  # key a's limit: its least recently used chain gives way
+        assert listed(KEYS[0]) == {sa, ext(a2)["session_id"]}
+        b1 = chain(b, "Three?")
+        sb = named(KEYS[1])  # the server's limit: key b's own chain first
+        assert ext(b1)["session_id"] not in listed(KEYS[1])
+        b2 = chain(b, "Four?")  # none of b's free: the least recently used of any key's
+        assert listed(KEYS[0]) == {sa} and listed(KEYS[1]) == {sb, ext(b2)["session_id"]}
+        a3 = chain(a, "Five?", prev=a1.id)  # a1's chain gave way: continued from the store
+        assert listed(KEYS[0]) == {sa, ext(a3)["session_id"]} and listed(KEYS[1]) == {sb}
+        users = [m["content"].split()[0] for m in held(
+            httpx.Client(base_url=srv.url, headers=hs[KEYS[0]]), ext(a3)["session_id"])
+            if m["role"] == "user"]
+        assert users == ["One?", "Five?"]
+        r = b.chat.completions.create(model=model, max_tokens=3, messages=[
+            {"role": "user", "content": "Still served?" + " word" * 60}])
+        assert r.choices[0].finish_reason in ("stop", "length")

@@ -158,7 +158,9 @@ class Timing:
     ttft: float = 0.0  # arrival to first token
     total: float = 0.0
     prefill_tokens: int = 0
-    cached_tokens: int = 0  # entry tokens found resident (pre-paid)
+    # the request's own prompt tokens found resident: the entry's (pre-paid), or the whole
+    # prompt's on a session kept for a client (`SessionSpec.implicit`)
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -109,16 +109,35 @@ class ChatFormat:
         end = self.controls.find_special(rest)
         return CallMarkup(name, text[len(base):args], rest[:rest.find(end)] if end else rest)
 
-    def call_grammar(self, calls: Sequence[tuple[CallMarkup, dict, bool]]) -> str:
+    def call_separator(self, messages: Sequence[dict], tools: Sequence[dict] | None
+                       ) -> str | None:
+        """What the template writes between two calls of one answer, where it writes each
+        as one call's markup (None where it writes several calls otherwise, as one list)."""
+        one = self.call_markup(messages, tools, SENTINEL)
+        call = {"type": "function", "function": {"name": SENTINEL, "arguments": {}}}
+        base = self.render(messages, tools, generation_prompt=True)
+        two = self.render([*messages, {"role": "assistant", "content": "",
+                                       "tool_calls": [call, call]}], tools)[len(base):]
+        first = one.opening + "{}" + one.closing
+        at = two.find(one.opening, len(first)) if two.startswith(first) else -1
+        return two[len(first):at] if at >= 0 else None
+
+    def call_grammar(self, calls: Sequence[tuple[CallMarkup, dict, bool]],
+                     separator: str | None = None) -> str:
         """A grammar (llguidance's Lark) of one call of one of `calls`, each a function's
         markup, its arguments' JSON Schema and whether the schema is enforced strictly (an
         unsupported keyword an error) or leniently (ignored): the markup as the template
-        writes it, its special tokens as tokens, then the end of the answer."""
+        writes it, its special tokens as tokens, then the end of the answer. With a
+        `separator` (`call_separator`), one or more calls, the model ending the turn after
+        any of them."""
         def lark(text: str) -> str:
             return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p)
                             for p in self.controls.split_special(text))
 
         rules = [f"start: {' | '.join(f'call_{i}' for i in range(len(calls)))}"]
+        if separator is not None:
+            rules = [f"start: one ({lark(separator)} one)*" if separator else "start: one+",
+                     "one" + rules[0][5:]]
         for i, (markup, schema, strict) in enumerate(calls):
             schema = {**schema, "x-guidance": {**CALL_JSON, "lenient": not strict}}
             rules.append(f"call_{i}: {lark(markup.opening)} args_{i} {lark(markup.closing)}")

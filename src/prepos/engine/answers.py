@@ -157,14 +157,17 @@ class Answers:
                 kept = step.kept
                 tm.restore, tm.prefill = step.restore_s, step.forward_s
                 tm.prefill_tokens = step.prefilled
-            tm.cached_tokens = max(0, kept - base_len)
+            # the request's own prompt: after the committed history, or all of it on a
+            # session the server keeps for a client that resends its conversation
+            since = 0 if s.spec.implicit else base_len
+            tm.cached_tokens = max(0, kept - since)
             res.cached_prompt_tokens = min(kept, len(seq))
-            used = tm.cached_tokens > 0
-            if used:
-                res.path = AnswerPath.FALL
+            if kept > base_len:  # the pre-paid entry was used
                 self.prepositioner.consume(ready)
             elif settle_dropped:
                 self.prepositioner.invalidated(ready)
+            used = tm.cached_tokens > 0
+            res.path = AnswerPath.FALL if used else AnswerPath.COLD
             self.count("fall" if used else "cold")
             if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
                 yield from self.decode(kv, seq, out, sampling, rng, s.said())

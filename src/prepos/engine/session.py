@@ -75,8 +75,9 @@ class SessionSpec:
     # wildcard; when given, only these are served relaxed) and this session's risk budget
     relaxed_queries: tuple[str, ...] = ()
     r_max: float | None = None  # None: the engine's
-    # a stateless client's conversation kept as a cache (the server's implicit sessions): its
-    # client resends it whole, so its KV counts for no budget and may be reclaimed whole
+    # kept by the server on a client's behalf (implicit sessions, Responses chains): its KV
+    # is a cache, counted for no budget and reclaimable whole, and a request's prompt is the
+    # whole conversation (its path and cached tokens count from the start, not the commit)
     implicit: bool = False
 
     def validate(self) -> None:

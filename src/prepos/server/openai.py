@@ -109,16 +109,17 @@ async def chat_completions(request: Request):
     for i, m in enumerate(msgs):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(body)
-    call = ChatCall(state, body, sampling, request.receive)
     if body.session_id is None:
-        return await call.stateless(eng, owner, msgs, tools)
+        return await ChatCall(state, body, sampling, request.receive).stateless(
+            eng, owner, msgs, tools)
     s = state.session(eng, body.session_id, owner, "session_id")
     if s.kind == STREAMING:
-        return await call.streaming(eng, s, msgs)
+        return await ChatCall(state, body, sampling, request.receive).streaming(eng, s, msgs)
     if body.tools is not None and tools != list(s.spec.tools):
         raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
                        f"{s.id} was created with; send the same tools or none", "tools")
-    return await call.agentic(eng, s, msgs)
+    body.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
+    return await ChatCall(state, body, sampling, request.receive).agentic(eng, s, msgs)
 
 
 @routes.add("POST", "/v1/completions", 6, summary="Create a completion", body=Completion,

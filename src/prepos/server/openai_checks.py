@@ -119,7 +119,6 @@ def response_format(state, body: ChatCompletion) -> str | None:
         fmt = canonical(body.response_format) if body.response_format is not None else None
     except InvalidResponseFormat as exc:
         raise ApiError(400, "invalid_request", str(exc), "response_format") from None
-    choice = tool_choice(body)
     if fmt is None:
         return None
     backend = state.engine.backend
@@ -127,9 +126,9 @@ def response_format(state, body: ChatCompletion) -> str | None:
         raise ApiError(400, "unsupported", f"the {backend.name} back end samples answers on "
                        "the remote engine: response_format (constrained decoding) is not "
                        "supported there", "response_format")
-    if choice not in ("auto", "none"):
+    if body.tool_choice not in (None, "auto", "none"):  # checked by name in `tool_choice`
         raise ApiError(400, "invalid_request", f"response_format constrains the answer's text: "
-                       f"tool_choice must be 'auto' or 'none', got {choice!r}",
+                       f"tool_choice must be 'auto' or 'none', got {body.tool_choice!r}",
                        "response_format")
     return fmt
 
@@ -159,13 +158,15 @@ def tool_choice(body: ChatCompletion) -> str | None:
 
 
 def forced_call(engine, msgs: list[dict], tools: list[dict], choice: str,
-                grammar: bool = True) -> tuple[str | None, dict[str, str]]:
+                grammar: bool = True, parallel: bool = False
+                ) -> tuple[str | None, dict[str, str]]:
     """tool_choice 'required' or a function's name: a grammar of one call (of that function,
-    or of any tool), written in the template's markup, its arguments valid JSON of the
-    function's parameter schema (enforced strictly where the tool says `strict`, else its
-    unsupported keywords ignored); and each function's opening as the answer's text shows
-    it (its special tokens left out), by name. Without `grammar` (a back end that samples
-    itself), the openings alone."""
+    or of any tool; with `parallel` and 'required', one or more calls where the template
+    writes them one after another), written in the template's markup, its arguments valid
+    JSON of the function's parameter schema (enforced strictly where the tool says
+    `strict`, else its unsupported keywords ignored); and each function's opening as the
+    answer's text shows it (its special tokens left out), by name. Without `grammar` (a
+    back end that samples itself), the openings alone."""
     fmt = engine.fmt
     calls = []
     for i, tool in enumerate(tools):
@@ -191,7 +192,10 @@ def forced_call(engine, msgs: list[dict], tools: list[dict], choice: str,
         calls.append((markup, schema, strict))
     shown = {m.name: "".join(p for p in fmt.controls.split_special(m.opening)
                              if isinstance(p, str)) for m, _, _ in calls}
-    return (fmt.call_grammar(calls) if grammar else None), shown
+    if not grammar:
+        return None, shown
+    sep = fmt.call_separator(msgs, tools) if parallel and choice == "required" else None
+    return fmt.call_grammar(calls, sep), shown
 
 
 def tool_specs(body: ChatCompletion) -> list[dict]:

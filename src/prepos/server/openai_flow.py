@@ -1,8 +1,9 @@
 """Which engine calls answer an OpenAI request, once its input is checked.
 
 Chat: stateless (one choice on the implicit session the conversation extends, or a new one
-kept for its next turn, `server/implicit.py`; several choices, a continued assistant message
-or a forced tool call on ephemeral sessions closed after the answer), a streaming session's
+kept for its next turn, `server/implicit.py`, a constrained forced call included; several
+choices, a continued assistant message, or a forced call a back end cannot constrain, on
+ephemeral sessions closed after the answer), a streaming session's
 query (one user message), or an agentic session's turn:
 the conversation is matched against the session's (`prepos.chat.conversation`), only the delta
 is committed, and an empty delta after a committed user or tool message is the exact fast
@@ -30,7 +31,7 @@ from prepos.chat.conversation import check_order, resume
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
-from prepos.errors import InvalidInput
+from prepos.errors import InvalidInput, PreposError
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import forced_call, tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
@@ -67,15 +68,19 @@ class ChatCall:
         self.choice = tool_choice(body)
         self.forced: dict[str, str] | None = None  # a forced call's openings, by function
 
+    @staticmethod
+    def constrains(eng) -> bool:
+        """Whether the back end samples in process, so a grammar can constrain a call."""
+        return not eng.backend.streams_answers and eng.backend.full_distribution
+
     def _constrained(self, eng, msgs: list[dict], tools: list[dict]) -> bool:
         """tool_choice 'required' or named, where the back end samples in process: the
         call is constrained by its grammar and the turn ends when it closes (True);
         elsewhere it is an unconstrained continuation of the call's opening (False)."""
-        backend = eng.backend
-        if self.choice in ("auto", "none") or backend.streams_answers or \
-                not backend.full_distribution:
+        if self.choice in ("auto", "none") or not self.constrains(eng):
             return False
-        grammar, self.forced = forced_call(eng, msgs, tools, self.choice)
+        grammar, self.forced = forced_call(eng, msgs, tools, self.choice,
+                                           parallel=self.body.parallel_tool_calls is not False)
         self.sampling = replace(self.sampling, grammar=grammar)
         return True
 
@@ -98,11 +103,20 @@ class ChatCall:
         check_order([], msgs, 0, continue_final=True)
         if self.choice == "none":
             tools = []  # the model is not told of them, and nothing is parsed as a call
-        if continued or self.choice not in ("auto", "none"):
+        kept = self.n == 1 and self.state.implicit.capacity > 0
+        forced = self.choice not in ("auto", "none")
+        if continued or forced and not (kept and self.constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
-        if self.n == 1 and self.state.implicit.capacity:
-            return await self.implicit(eng, owner, system, msgs, tools)
+        if kept:  # a forced call too, constrained and committed there as on any session
+            try:
+                return await self.implicit(eng, owner, system, msgs, tools)
+            except (ApiError, PreposError) as exc:
+                if not forced or exc.code not in ("over_budget", "context_length_exceeded"):
+                    raise
+                # a call its session's reserve leaves no room for: a raw completion, whose
+                # room is the whole context
+                return await self._continue(eng, owner, msgs, tools)
         self.state.backpressure(eng)
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)
         sids, streams = [], []
@@ -221,14 +235,18 @@ class ChatCall:
                 lambda req=req: eng.query(s.id, question, req), len(question)))
         return await self._respond(streams, s.id, agentic=False, tools=False)
 
-    def _session_sampling(self, eng, s) -> SamplingParams:
+    def _session_sampling(self, eng, s, msgs: list[dict]) -> SamplingParams:
         """An agentic session's sampling with its tool choice: 'none' forbids the token that
-        opens a tool call (a logit bias, so the cached distribution obeys it too)."""
+        opens a tool call (a logit bias, so the cached distribution obeys it too); a forced
+        call ('required', a function) is constrained by its grammar, as statelessly, and
+        committed as generated."""
         if self.n != 1:
             raise ApiError(400, "invalid_request", f"session {s.id} commits one answer per "
                            "turn: n must be 1 (n > 1 works statelessly and on streaming "
                            "sessions)", "n")
         if self.choice == "auto" or not s.spec.tools:
+            return self.sampling
+        if self._constrained(eng, msgs, list(s.spec.tools)):
             return self.sampling
         if self.choice == "none":
             held = list(eng.snapshot(s.id).messages)
@@ -243,15 +261,16 @@ class ChatCall:
                 bias = dict(self.sampling.logit_bias)
                 bias[ids[0]] = -100.0
                 return replace(self.sampling, logit_bias=tuple(bias.items()))
-        raise ApiError(400, "invalid_request", "on an agentic session tool_choice must be "
-                       "'auto' or 'none' (the session commits the answer as generated); "
-                       "'required' and named functions work statelessly", "tool_choice")
+        raise ApiError(400, "unsupported", f"the {eng.backend.name} back end samples "
+                       "itself, so a forced call cannot be constrained on a session: "
+                       "tool_choice must be 'auto' or 'none' ('required' and named "
+                       "functions work statelessly)", "tool_choice")
 
     async def agentic(self, eng, s, msgs: list[dict], public: bool = True,
                       cleanup=None) -> Response:
         """Delta-only: commit what the session lacks, then answer. `public`: the answer
         names the session (not an implicit one); `cleanup(stream)` runs once it is out."""
-        self.sampling = sampling = self._session_sampling(eng, s)
+        self.sampling = sampling = self._session_sampling(eng, s, msgs)
         snap = eng.snapshot(s.id)
         rollback = self.body.on_divergence == "rollback"
         r = resume(s.id, snap.version, snap.messages, msgs,

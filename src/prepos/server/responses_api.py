@@ -18,8 +18,9 @@ carried over, as OpenAI documents). It is answered by the chat route's flow
   kept, least recently used closed first: a closed one's responses stay stored and are
   continued on a new session.
 - `store: false`: the stateless chat path, on an implicit session; nothing is kept by id.
-- a forced tool call (`tool_choice` required or a function): the chat route's stateless
-  continuation of the call's opening; stored as any response, on no session.
+- a forced tool call (`tool_choice` required or a function) is constrained by its grammar
+  on either; on a back end that samples itself, it is the chat route's stateless
+  continuation of the call's opening, stored as any response, on no session.
 
 The response maps to its session and the version its answer committed (`prepos.version`
 is the version it was computed from, as on every route).
@@ -38,7 +39,6 @@ from prepos.engine.session import AGENTIC, SessionSpec
 from prepos.errors import PreposError
 from prepos.server import responses_schema as RS
 from prepos.server.errors import ApiError
-from prepos.server.implicit import ImplicitSessions
 from prepos.server.openai_checks import chat_sampling
 from prepos.server.openai_flow import ChatCall
 from prepos.server.responses_format import Reply
@@ -70,7 +70,7 @@ class ResponsesApi:
         self.state = state
         self.engine = eng
         self.store = ResponseStore(state.config.journal if state.journal is not None else None)
-        self.chains = ImplicitSessions(state.config.response_sessions, self._close)
+        self.chains = state.chains
         eng.listeners.append(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
             if eng.has_session(sid) and eng.session(sid).spec.owner == owner:
@@ -83,12 +83,6 @@ class ResponsesApi:
         if api is None:
             api = _APIS[state] = cls(state, eng)
         return api
-
-    def _close(self, sid: str) -> None:
-        try:
-            self.engine.close_session(sid)
-        except PreposError:
-            pass
 
     def _on_event(self, event: str, s, payload) -> None:
         if event == "close":  # closed by its owner through the session API, or by us
@@ -117,23 +111,15 @@ class ResponsesApi:
                          tools: list[dict]) -> str:
         """A persistent session holding the conversation up to its last message (the
         answer's turn commits that one), leased to the caller. At a session limit the least
-        recently used chain session goes first: the key's own, else (at the server's
-        limit) any key's."""
+        recently used chain session gives way (`ServerState.check_new_session`). Its KV is a
+        cache (`SessionSpec.implicit`: no budget, reclaimable whole), rebuilt from the
+        committed conversation when needed, so no chain makes another request fail."""
         state = self.state
-        spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None, owner=owner)
+        spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None, owner=owner,
+                           implicit=True)
         history = [(0, msgs[:-1])]
-        while True:
-            try:
-                with state.new_session(eng, owner) as sid:
-                    await state.run(state.with_room,
-                                    lambda: eng.restore_session(sid, spec, history))
-                break
-            except ApiError as exc:
-                if exc.code != "too_many_sessions":
-                    raise
-                full = state.persistent_sessions(eng) >= state.session_cap
-                if not (self.chains.evict_one(owner) or full and self.chains.evict_one()):
-                    raise
+        with state.new_session(eng, owner) as sid:
+            await state.run(state.with_room, lambda: eng.restore_session(sid, spec, history))
         self.chains.keep(sid, owner)
         return sid
 
@@ -226,8 +212,9 @@ async def _create(c, request: Request, rename: Renamer):
             log.error("response %s not stored: %s", obj["id"], exc)
 
     reply.save = save
-    if not store or forced or not api.chains.capacity:
-        reply.kept = not forced and state.implicit.capacity > 0
+    on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
+    if not store or not on_session or not api.chains.capacity:
+        reply.kept = on_session and state.implicit.capacity > 0
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
 

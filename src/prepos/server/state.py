@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -98,6 +98,9 @@ class ServerState:
         self.implicit = ImplicitSessions(config.implicit_sessions, self.close_ephemeral,
                                          lambda outcome: self.metrics.implicit.labels(
                                              outcome).inc())
+        # Responses chain sessions (`responses_api.py`): persistent, but kept on a client's
+        # behalf, so they give way to any other session at a limit
+        self.chains = ImplicitSessions(config.response_sessions, self._close_chain)
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -353,20 +356,33 @@ class ServerState:
         return cap
 
     def check_new_session(self, engine: Engine, owner: str | None) -> None:
+        """A 429 at the server's or the key's session limit, once no Responses chain session
+        could give way (the least recently used free one: the key's own first, then, at the
+        server's limit, any key's; its responses stay stored)."""
         lim = self.limits
-        if self.persistent_sessions(engine) + self._pending(engine) >= self.session_cap:
+        while self.persistent_sessions(engine) + self._pending(engine) >= self.session_cap:
+            if self.chains.evict_one(owner) or self.chains.evict_one():
+                continue
             self.metrics.rejected.labels("sessions").inc()
             raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
                            f"{self.session_cap} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
-            mine = sum(1 for s in engine.all_sessions() if s.spec.owner == owner) + \
-                self._pending(engine, owner, mine=True)
-            if mine >= lim.max_sessions_per_key:
+            while self._mine(engine, owner) >= lim.max_sessions_per_key:
+                if self.chains.evict_one(owner):
+                    continue
                 self.metrics.rejected.labels("sessions_per_key").inc()
                 raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
                                f"{lim.max_sessions_per_key} sessions; close one first",
                                headers={"Retry-After": "60"})
+
+    def _mine(self, engine: Engine, owner: str) -> int:  # the key's persistent sessions
+        return self._pending(engine, owner, mine=True) + sum(
+            1 for s in engine.all_sessions() if s.spec.owner == owner and not is_ephemeral(s.id))
+
+    def _close_chain(self, sid: str) -> None:
+        with suppress(PreposError):
+            self.engine.close_session(sid)
 
     def new_ephemeral(self, engine: Engine, spec: SessionSpec,
                       history=()) -> str:
@@ -380,12 +396,13 @@ class ServerState:
         return sid
 
     def with_room(self, create: Callable[[], T]) -> T:
-        """`create()` a session, closing kept implicit sessions while the engine is full."""
+        """`create()` a session, closing kept implicit, then chain, sessions while the
+        engine is full."""
         while True:
             try:
                 return create()
             except TooManySessions:
-                if not self.implicit.evict_one():
+                if not (self.implicit.evict_one() or self.chains.evict_one()):
                     raise
 
     def after(self, stream: Stream, then: Callable[[], None], what: str) -> None:
