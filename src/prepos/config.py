@@ -112,6 +112,9 @@ class EngineConfig:
     reserve_tokens: int = 64  # head-room a streaming session keeps for a query and its answer
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
+    # then pre-decode each exact entry's greedy answer at idle, up to this many tokens (a
+    # session's answer_tokens overrides it; `prepos.engine.predecode`); 0: off
+    predecode_tokens: int = 64
     # greedy answers on back ends that verify drafts: up to this many tokens drafted per
     # forward from the session's own context (prompt lookup, `prepos.decode.lookup`); 0: off
     lookup_tokens: int = 8
