@@ -116,7 +116,7 @@ class Predecoder:
 
     def _finish(self, tokens: list[int], budget: Budget) -> str | None:
         if tokens[-1] in self.fmt.end_of_turn:
-            return "stop"
+            return "end"
         if budget.stop and any(x in self.fmt.decode(tokens) for x in budget.stop):
             return "stop"
         return "length" if len(tokens) >= budget.max_tokens else None

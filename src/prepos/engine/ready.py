@@ -14,9 +14,9 @@ class Predecoded:
     """A greedy answer decoded at idle after an exact entry's ready record (the record's argmax
     first), as far as it got: each token with its logprob and the likeliest tokens there, so
     a request is answered from it as it would have been decoded. `finish` is None while it
-    is being decoded, else why it ended: "stop" (end of turn, the last token, or a stop
-    sequence of its budget), "length" (its budget), "room" (no cells for more: a request
-    decodes the rest live)."""
+    is being decoded, else why it ended: "end" (the end of turn, its last token), "stop" (a
+    stop sequence of its budget), "length" (its budget), "room" (no cells for more). A
+    request that needs more decodes the rest live."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
