@@ -83,6 +83,10 @@ class SessionSpec:
     answer_tokens: int | None = None
     answer_stop: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if isinstance(self.answer_stop, list):  # as a journal reads it back
+            self.answer_stop = tuple(self.answer_stop)
+
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise InvalidInput(f"kind must be one of {KINDS}, got {self.kind!r}")
