@@ -1,7 +1,7 @@
 """The whole answer, waiting: a dashboard's standing query after a data update, answered from
 the answer prepos pre-decoded at idle, against llama-server, over HTTP.
 
-Three servers run side by side, each an HTTP peer of this process (which runs no model): prepos
+Three servers (a fourth for the policy) run side by side, each an HTTP peer of this process (which runs no model): prepos
 with pre-decoding on (`--predecode-tokens`), prepos with it off (the first token from the
 cached distribution, the rest decoded when asked), and llama-server; the same GGUF and
 threads. Their measurements are interleaved round by round, the order rotated, so a change in
@@ -18,7 +18,9 @@ the machine's load falls on all of them.
                tokens) sent a random 0-300 ms after an update, while the update's
                pre-position (and, on, its pre-decode) runs: P99 on against off;
   waste        at rho queries per update (Poisson), the pre-decoded tokens never served per
-               update (the server's counters), beside the pre-positions' hit rate.
+               update (the server's counters), beside the pre-positions' hit rate: prepos
+               (on) pre-decoding every update, and a fourth server that pre-decodes where
+               the policy says it pays (`--predecode-min-hit`).
 
     python benchmarks/whole_answer.py [--model smollm2|FILE.gguf] [--samples 64] [--tokens 40]
 The last line printed is the JSON summary.
@@ -228,7 +230,7 @@ def poisson(rng: random.Random, lam: float) -> int:
 def measure_waste(on: Prepos, args, data: list[str]) -> dict:
     """rho queries per update (Poisson, each after the pre-decode is done): pre-decoded
     tokens never served per update, and the pre-positions' hit rate."""
-    rng = random.Random(11)
+    rng = random.Random(11)  # the same draws on every server
     out = {}
     for rho in args.rho:
         sid = on.create([ASK], data, answer_max_tokens=args.tokens)
@@ -265,7 +267,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="smollm2 or a GGUF file")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=40, help="the standing answer's budget")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="per server (on a shared, loaded machine two threads' OpenMP "
+                    "barriers made every server 10-30x slower)")
+    ap.add_argument("--min-hit", type=float, default=0.2,
+                    help="the policy server's --predecode-min-hit (waste)")
     ap.add_argument("--state", type=int, default=8, help="data lines before the first update")
     ap.add_argument("--updates", type=int, default=16, help="updates per rho (waste)")
     ap.add_argument("--rho", type=float, nargs="+", default=[0.25, 1.0, 4.0])
@@ -283,12 +289,17 @@ def main() -> None:
     procs = []
     try:
         p_on, url_on = start_prepos(str(gguf), logs / "prepos_on.log", args.threads,
-                                    [*common, "--predecode-tokens", str(args.tokens)])
+                                    [*common, "--predecode-tokens", str(args.tokens),
+                                     "--predecode-min-hit", "0"])
         procs.append(p_on)
         p_off, url_off = start_prepos(str(gguf), logs / "prepos_off.log", args.threads,
                                       [*common, "--predecode-tokens", "0"])
         procs.append(p_off)
-        on, off = Prepos(url_on), Prepos(url_off)
+        p_pol, url_pol = start_prepos(str(gguf), logs / "prepos_policy.log", args.threads,
+                                      [*common, "--predecode-tokens", str(args.tokens),
+                                       "--predecode-min-hit", str(args.min_hit)])
+        procs.append(p_pol)
+        on, off, policy = Prepos(url_on), Prepos(url_off), Prepos(url_pol)
         out: dict = {"benchmark": "whole_answer", "model": gguf.name, "threads": args.threads,
                      "samples": args.samples, "answer_budget": args.tokens,
                      "machine": {**machine(), "cpu_model": cpu_model()},
@@ -312,10 +323,16 @@ def main() -> None:
             keys += ["p99_cold_ratio_predecode_on_off", "p50_cold_ratio_predecode_on_off"]
         if args.only in (None, "waste"):
             w = out["waste"] = measure_waste(on, args, data)
+            wp = out["waste_policy"] = measure_waste(policy, args, data)
             out["waste_tokens_per_update"] = {r: v["waste_tokens_per_update"]
                                               for r, v in w.items()}
             out["hit_rate"] = {r: v["hit_rate"] for r, v in w.items()}
-            keys += ["waste_tokens_per_update", "hit_rate"]
+            out["waste_tokens_per_update_policy"] = {r: v["waste_tokens_per_update"]
+                                                     for r, v in wp.items()}
+            out["served_tokens_per_update_policy"] = {
+                r: round(v["served_tokens"] / v["updates"], 2) for r, v in wp.items()}
+            keys += ["waste_tokens_per_update", "hit_rate", "waste_tokens_per_update_policy",
+                     "served_tokens_per_update_policy"]
         out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     finally:
         for p in procs:

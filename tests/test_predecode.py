@@ -19,7 +19,7 @@ KEY = query_key(Q)
 
 
 def settled(make_engine, answer_tokens=8, **kw):
-    eng = make_engine(**kw)
+    eng = make_engine(**{"predecode_min_hit": 0.0, **kw})  # pre-decode every version
     sid = eng.create_session("streaming", system="Market.", standing=[Q],
                              answer_tokens=answer_tokens)
     eng.append(sid, "AAPL 101.5 up 3")
@@ -135,7 +135,7 @@ def test_a_predecode_whose_session_moved_on_is_discarded(make_engine):
 
 
 def test_an_agentic_turn_is_served_whole_and_committed(make_engine):
-    eng = make_engine(predecode_tokens=7)
+    eng = make_engine(predecode_tokens=7, predecode_min_hit=0.0)
     sid = eng.create_session("agentic", system="Tools.")
     eng.add_message(sid, "user", "What now?")
     assert eng.wait_idle(300)
@@ -150,7 +150,7 @@ def test_an_agentic_turn_is_served_whole_and_committed(make_engine):
 
 
 def test_a_predecode_stays_within_the_session_budget(make_engine):
-    eng = make_engine()
+    eng = make_engine(predecode_min_hit=0.0)
     sid = eng.create_session("streaming", system="Market.", standing=[Q], budget_cells=50,
                              answer_tokens=64)  # the entry ends at 43: room for 8 tokens
     eng.append(sid, "up 3")
@@ -161,6 +161,26 @@ def test_a_predecode_stays_within_the_session_budget(make_engine):
     assert len(eng.pool.get(sid).tokens) <= 50
 
 
+def test_the_policy_pre_decodes_only_where_requests_come(make_engine):
+    """h(rho) = rho / (1 + rho) against predecode_min_hit (0.2), rho the session's exact
+    requests per update: updates nobody asks about turn it off, requests turn it back on."""
+    eng = make_engine(predecode_min_hit=0.2)
+    sid = eng.create_session("streaming", system="Market.", standing=[Q], answer_tokens=5)
+    s = eng.session(sid)
+    for i in range(7):
+        eng.append(sid, f"AAPL {100 + i}")
+        assert eng.wait_idle(300)
+    rate = eng.prepositioner.predecoder.rate
+    assert rate.rho(s, KEY) < 0.25 and eng.predecoding(sid, KEY) == (None, None)
+    assert eng.query(sid, Q, greedy(5)).result().predecoded == 0  # the record alone
+    for _ in range(3):
+        eng.query(sid, Q, greedy(1)).result()
+    eng.append(sid, "AAPL 120")
+    assert eng.wait_idle(300)
+    assert rate.rho(s, KEY) > 0.25 and eng.predecoding(sid, KEY)[1] is not None
+    assert eng.query(sid, Q, greedy(5)).result().predecoded > 0
+
+
 def test_off_and_budgets(make_engine):
     eng = make_engine(predecode_tokens=0)
     sid = eng.create_session("streaming", system="Market.", standing=[Q])
@@ -168,7 +188,7 @@ def test_off_and_budgets(make_engine):
     assert eng.wait_idle(300)
     assert eng.predecoding(sid, KEY) == (None, None)
     assert eng.query(sid, Q, greedy(4)).result().predecoded == 0
-    eng2 = make_engine()
+    eng2 = make_engine(predecode_min_hit=0.0)
     a = eng2.create_session("agentic", answer_tokens=1)  # the record holds one token
     assert eng2.predecoding(a, TURN)[0] is None
 
@@ -177,7 +197,7 @@ def test_off_and_budgets(make_engine):
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
     with ServerProc(model_dirs["chatml"], tmp_path_factory.mktemp("srv-predecode"),
-                    "--predecode-tokens", "6") as srv:
+                    "--predecode-tokens", "6", "--predecode-min-hit", "0") as srv:
         yield srv
 
 

@@ -34,6 +34,7 @@ def engine(model_dirs, request):
     as much as max_context)."""
     eng = Engine.from_pretrained(model_dirs["chatml"], EngineConfig(
         threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48, predecode_tokens=6,
+        predecode_min_hit=0.0,
         budget=BudgetConfig(session_cells=4096, engine_cells=1 << 20),
         **backend_config(request.param)))
     vocab = eng.fmt.tokenizer.batch_decode([[i] for i in range(len(eng.fmt.tokenizer))])

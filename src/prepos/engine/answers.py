@@ -97,6 +97,7 @@ class Answers:
         first token comes from the cached logits with the request's own sampling. Further
         tokens decode on from the resident entry KV."""
         self.prepositioner.consume(ready)
+        self.prepositioner.asked(s, key)
         self.count("fast_exact")
         res = Result(AnswerPath.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)

@@ -65,7 +65,8 @@ class Engine:
                          self.sessions)
         self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,
                                            config.budget.session_cells, self._emit,
-                                           config.predecode_tokens, self.max_context)
+                                           config.predecode_tokens, self.max_context,
+                                           config.predecode_min_hit)
         self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram,  # greedy drafts
                              config.lookup_min_ngram, config.lookup_max_batch,
                              self.scheduler.foreground)

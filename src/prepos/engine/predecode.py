@@ -8,6 +8,11 @@ version's `ReadySet` beside the record (`Predecoded`), so it is invalidated with
 Its cells are speculative, as a pre-positioned entry's: when the next token does not fit the
 session's or the engine's budget the pre-decode ends there ("room"), never moving anyone.
 
+Whether an entry's pre-decode pays is decided per entry from its session's observed requests
+per update (`QueryRate`: the paper's rho, and h(rho) = rho / (1 + rho), Eq. 8, the chance a
+request comes before the next update): below `min_hit` the N decode steps would mostly be
+thrown away, and the entry keeps its record alone.
+
 A greedy request on that entry is answered from it (`replay`): its tokens go through the
 request's own `Generation` (its stop sequences, max_tokens, logprobs) at once; where the
 answer needs more than was pre-decoded, the rest is decoded live from there, and the
@@ -17,8 +22,10 @@ pre-decode: their decode is the remote engine's own, one streamed request per an
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
+from weakref import WeakKeyDictionary
 
 from prepos.backends.base import Dist, Preempted
 from prepos.chat.format import ChatFormat
@@ -42,26 +49,67 @@ class Budget:
     stop: tuple[str, ...] = ()
 
 
+class QueryRate:
+    """Each session's exact requests per update, per entry (rho), as counts decayed by
+    `DECAY` at every update (its recent behaviour weighs most), from a prior of one request
+    per update, so a new session pre-decodes."""
+
+    DECAY = 0.9
+    UPDATES = ("updates",)
+
+    def __init__(self, min_hit: float):
+        self.min_hit = min_hit
+        self._seen: WeakKeyDictionary[Session, dict[tuple, float]] = WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def update(self, s: Session) -> None:
+        with self._lock:
+            counts = self._seen.setdefault(s, {})
+            for k in counts:
+                counts[k] *= self.DECAY
+            counts[self.UPDATES] = counts.get(self.UPDATES, 0.0) + 1.0
+
+    def asked(self, s: Session, key: tuple) -> None:
+        with self._lock:
+            counts = self._seen.setdefault(s, {})
+            counts[key] = counts.get(key, 0.0) + 1.0
+
+    def rho(self, s: Session, key: tuple) -> float:
+        with self._lock:
+            counts = self._seen.get(s, {})
+            return (counts.get(key, 0.0) + 1.0) / (counts.get(self.UPDATES, 0.0) + 1.0)
+
+    def pays(self, s: Session, key: tuple) -> bool:
+        """h(rho) = rho / (1 + rho) reaches `min_hit`."""
+        rho = self.rho(s, key)
+        return rho / (1.0 + rho) >= self.min_hit
+
+
 class Predecoder:
     """Pre-decodes the answers of recorded exact entries (a part of the pre-positioner's idle
-    job); `bump(name, n)` counts into the pre-positioner's counters."""
+    job) where `rate` says it pays; `bump(name, n)` counts into the pre-positioner's
+    counters."""
 
     def __init__(self, fmt: ChatFormat, pool: KVPool, tokens: int, session_cells: int,
                  max_context: int, bump: Callable[[str, int], None],
-                 on_answer: Callable[[Session, tuple, Predecoded], None] | None = None):
+                 on_answer: Callable[[Session, tuple, Predecoded], None] | None = None,
+                 min_hit: float = 0.0):
         self.fmt, self.pool, self.tokens = fmt, pool, tokens
         self.session_cells, self.max_context = session_cells, max_context
         self.bump, self.on_answer = bump, on_answer
         self.enabled = tokens > 0 and not pool.backend.streams_answers
+        self.rate = QueryRate(min_hit)
 
     def budget(self, s: Session, key: tuple | None) -> Budget | None:
         """What the entry at `key` pre-decodes: standing queries and turns (the session's
-        `answer_tokens`, else the engine's), None where nothing is (or one token only: the
-        record has it)."""
+        `answer_tokens`, else the engine's), None where nothing is (one token only: the
+        record has it) or where its requests are too rare for it to pay."""
         if not self.enabled or key is None or not (key == TURN or key[0] == "query"):
             return None
         n = s.spec.answer_tokens if s.spec.answer_tokens is not None else self.tokens
-        return Budget(n, tuple(s.spec.answer_stop)) if n > 1 else None
+        if n <= 1 or not self.rate.pays(s, key):
+            return None
+        return Budget(n, tuple(s.spec.answer_stop))
 
     def run(self, s: Session, ready: ReadySet, kv: KVSequence,
             recorded: Sequence[tuple[tuple, tuple[int, ...]]], max_yields: int) -> Generator:

@@ -79,7 +79,8 @@ class Prepositioner:
 
     def __init__(self, fmt: ChatFormat, pool: KVPool, chunk_tokens: int, session_cells: int,
                  emit: Callable[[str, Session, object], None] | None = None,
-                 predecode_tokens: int = 0, max_context: int = 1 << 30):
+                 predecode_tokens: int = 0, max_context: int = 1 << 30,
+                 predecode_min_hit: float = 0.0):
         self.fmt = fmt
         self.emit = emit or (lambda event, s, payload: None)
         self.pool = pool
@@ -90,7 +91,7 @@ class Prepositioner:
         self._lock = threading.Lock()  # counters and in_flight: bumped from the worker and callers
         self.predecoder = Predecoder(fmt, pool, predecode_tokens, session_cells, max_context,
                                      self._bump, lambda s, key, answer: self.emit(
-                                         "predecoded", s, (key, answer)))
+                                         "predecoded", s, (key, answer)), predecode_min_hit)
 
     # -- what to pre-position ------------------------------------------------------------
     def targets(self, session: Session, snap: Snapshot) -> list[Target]:
@@ -113,6 +114,7 @@ class Prepositioner:
     # -- Algorithm 1 ---------------------------------------------------------------------
     def job(self, session: Session, snap: Snapshot, ready: ReadySet) -> Generator:
         """Runs on the model worker at idle priority, one chunk (one Forward) per quantum."""
+        self.predecoder.rate.update(session)  # one committed version: an update
         kv = self.pool.get(session.id)
         budget = session.budget(self.session_cells)
         started = False
@@ -179,6 +181,10 @@ class Prepositioner:
         """A request used this ready set (a record, or its pre-paid KV): a hit."""
         if ready is not None and ready.consume():
             self._bump("consumed")
+
+    def asked(self, s: Session, key: tuple) -> None:
+        """An exact request for the entry at `key` came (the pre-decode policy's rate)."""
+        self.predecoder.rate.asked(s, key)
 
     def served(self, ready: ReadySet, key: tuple, n: int, live: bool) -> None:
         """A request used `n` tokens of the answer pre-decoded at `key`; with `live` it
