@@ -4,8 +4,8 @@ the answer prepos pre-decoded at idle, against llama-server, over HTTP.
 Three servers (a fourth for the policy) run side by side, each an HTTP peer of this process
 (which runs no model): prepos with pre-decoding on (`--predecode-tokens`), prepos with it off
 (the first token from the cached distribution, the rest decoded when asked), and llama-server;
-the same GGUF and threads. Their measurements are interleaved round by round, the order rotated, so a change in
-the machine's load falls on all of them.
+the same GGUF and threads. Their measurements are interleaved round by round, the order
+rotated, so a change in the machine's load falls on all of them.
 
   standing     each round appends an update to a streaming session whose standing query has
                an answer budget of `--tokens`; prepos (on) is asked once the pre-decode is done
