@@ -16,7 +16,8 @@ rotated, so a change in the machine's load falls on all of them.
                `idle_window_needed_ms`: from the update's request to the push's arrival;
   cold         an unrelated session's cold request (an ad-hoc question, fast path off, 8
                tokens) sent a random 0-300 ms after an update, while the update's
-               pre-position (and, on, its pre-decode) runs: P99 on against off;
+               pre-position (and, on, its pre-decode of `--cold-tokens`) runs: P99 on
+               against off;
   waste        at rho queries per update (Poisson), the pre-decoded tokens never served per
                update (the server's counters), beside the pre-positions' hit rate: prepos
                (on) pre-decoding every update, and a fourth server that pre-decodes where
@@ -34,6 +35,7 @@ import math
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -202,8 +204,8 @@ def measure_standing(on: Prepos, off: Prepos, peer: Peer, args, data: list[str])
 def measure_cold(on: Prepos, off: Prepos, args, data: list[str]) -> dict:
     """An unrelated cold request while the update's pre-position (and pre-decode) runs."""
     rng = random.Random(7)
-    sids = {s: (s.create([ASK], data, answer_max_tokens=args.tokens), s.create([], data[:4]))
-            for s in (on, off)}
+    sids = {s: (s.create([ASK], data, answer_max_tokens=args.cold_tokens),
+                s.create([], data[:4])) for s in (on, off)}
     t: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(args.samples):
         delay = rng.uniform(0.0, 0.3)
@@ -273,11 +275,14 @@ def main() -> None:
     ap.add_argument("--min-hit", type=float, default=0.2,
                     help="the policy server's --predecode-min-hit (waste)")
     ap.add_argument("--state", type=int, default=8, help="data lines before the first update")
+    ap.add_argument("--cold-tokens", type=int, default=16,
+                    help="the answer budget pre-decoded while the cold requests come")
     ap.add_argument("--updates", type=int, default=16, help="updates per rho (waste)")
     ap.add_argument("--rho", type=float, nargs="+", default=[0.25, 1.0, 4.0])
     ap.add_argument("--only", choices=["standing", "cold", "waste"])
     ap.add_argument("--out", type=Path, default=RESULTS / "whole_answer.json")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers stop too
     binary = find_binary()
     if binary is None:
         sys.exit("no llama-server: scripts/build_llama_server.sh")
