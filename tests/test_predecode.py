@@ -194,6 +194,15 @@ def test_off_and_budgets(make_engine):
 
 
 # -- over HTTP --------------------------------------------------------------------------
+def settle(c, sid):
+    """Until the current version's pre-position and pre-decode are done."""
+    for _ in range(20):
+        info = c.get(f"/sessions/{sid}", params={"wait_ready": 30}).json()
+        if info["ready"]["done"] and info["ready"]["version"] == info["version"]:
+            return
+    raise TimeoutError(f"session {sid} did not settle")
+
+
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
     with ServerProc(model_dirs["chatml"], tmp_path_factory.mktemp("srv-predecode"),
@@ -208,7 +217,7 @@ def test_http_json_sse_and_openai_routes_serve_it(server, model):
         assert r.status_code == 201 and r.json()["answer_max_tokens"] == 5
         sid = r.json()["id"]
         c.post(f"/sessions/{sid}/append", json={"data": "AAPL 101"}).raise_for_status()
-        c.get(f"/sessions/{sid}", params={"wait_ready": 30}).raise_for_status()
+        settle(c, sid)
         r = c.post(f"/sessions/{sid}/query", json={"question": Q, "max_tokens": 5})
         body = r.json()
         assert r.headers["x-prepos-path"] == "fast" and body["predecoded"] == len(body["tokens"])
@@ -221,7 +230,7 @@ def test_http_json_sse_and_openai_routes_serve_it(server, model):
         # the OpenAI route on an agentic session: the next turn, pre-decoded (6 tokens)
         a = c.post("/sessions", json={"kind": "agentic"}).json()["id"]
         c.post(f"/sessions/{a}/messages", json={"role": "user", "content": "Hi"})
-        c.get(f"/sessions/{a}", params={"wait_ready": 30}).raise_for_status()
+        settle(c, a)
         r = c.post("/v1/chat/completions", json={
             "model": model, "session_id": a, "max_tokens": 6, "temperature": 0,
             "messages": [{"role": "user", "content": "Hi"}]})
