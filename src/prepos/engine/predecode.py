@@ -93,8 +93,8 @@ class Predecoder:
     def __init__(self, fmt: ChatFormat, pool: KVPool, tokens: int, session_cells: int,
                  max_context: int, bump: Callable[[str, int], None],
                  on_answer: Callable[[Session, tuple, Predecoded], None] | None = None,
-                 min_hit: float = 0.0):
-        self.fmt, self.pool, self.tokens = fmt, pool, tokens
+                 min_hit: float = 0.0, chunk: int = 8):
+        self.fmt, self.pool, self.tokens, self.chunk = fmt, pool, tokens, chunk
         self.session_cells, self.max_context = session_cells, max_context
         self.bump, self.on_answer = bump, on_answer
         self.enabled = tokens > 0 and not pool.backend.streams_answers
@@ -144,7 +144,8 @@ class Predecoder:
                 finish = "room"  # speculative cells only: skip, never evict
                 continue
             try:
-                step = yield Forward(kv, target, preemptible=yielded < max_yields)
+                # one decode step; a KV another entry took meanwhile is rebuilt a chunk a time
+                step = yield Forward(kv, target, self.chunk, preemptible=yielded < max_yields)
                 yielded = 0
             except Preempted:  # the KV holds what it did before the chunk: redo it
                 self.bump("preempted", 1)

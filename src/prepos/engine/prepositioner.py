@@ -91,7 +91,8 @@ class Prepositioner:
         self._lock = threading.Lock()  # counters and in_flight: bumped from the worker and callers
         self.predecoder = Predecoder(fmt, pool, predecode_tokens, session_cells, max_context,
                                      self._bump, lambda s, key, answer: self.emit(
-                                         "predecoded", s, (key, answer)), predecode_min_hit)
+                                         "predecoded", s, (key, answer)), predecode_min_hit,
+                                     chunk_tokens)
 
     # -- what to pre-position ------------------------------------------------------------
     def targets(self, session: Session, snap: Snapshot) -> list[Target]:
