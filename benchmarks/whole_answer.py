@@ -101,8 +101,9 @@ class Prepos:
 
     def counters(self) -> dict[str, float]:
         m = metrics(self.url)
-        return {k.split(":", 1)[1].removesuffix("_total"): v for k, v in m.items()
-                if k.startswith("prepos:prepositions_")}
+        head = "prepos:prepositions_"
+        return {k[len(head):].removesuffix("_total"): v for k, v in m.items()
+                if k.startswith(head)}
 
 
 class Pushes:
