@@ -423,6 +423,52 @@ def real_models_gate(folder: Path = RESULTS / "calibration-smollm2") -> str | No
             + "\n".join(lines) + figure)
 
 
+def whole_answer_table() -> str | None:
+    """`benchmarks/whole_answer.py`: the standing answer pre-decoded, against llama-server."""
+    r = load("whole_answer.json")
+    if not r or "standing" not in r:
+        return None
+    st, m = r["standing"], r["machine"]
+
+    def pp(x: dict) -> str:
+        return f"{x['p50_ms']:.1f} / {x['p99_ms']:.1f} (n={x['n']})"
+
+    lines = ["| | ms P50 / P99 | ratio (P50) |", "|---|---|---|",
+             f"| prepos, pre-decoded, asked after the push | {pp(st['on'])} | "
+             f"**{r['standing_answer_ratio_vs_llama_server']}x** vs llama-server (target "
+             f"<= 0.02) |",
+             f"| prepos, first token only (pre-decoding off) | {pp(st['off'])} | "
+             f"{r['first_token_only_ratio_vs_llama_server']}x vs llama-server; pre-decoded / "
+             f"this **{r['standing_answer_ratio_vs_first_token_only']}x** |",
+             f"| llama-server, the state before the update in its prompt cache | "
+             f"{pp(st['peer'])} | 1 |",
+             f"| idle window needed: update to the whole answer pushed | "
+             f"{pp(st['idle_needed'])} | |"]
+    cold = r.get("cold")
+    if cold:
+        lines.append(f"| an unrelated cold request (8 tokens) during the update's pre-decode "
+                     f"/ with pre-decoding off | {pp(cold['on'])} / {pp(cold['off'])} | "
+                     f"P99 **{r['p99_cold_ratio_predecode_on_off']}x** (target <= 1.1), P50 "
+                     f"{r['p50_cold_ratio_predecode_on_off']}x |")
+    out = (f"A {r['answer_budget']}-token standing answer after each data update, time to the "
+           f"whole answer over HTTP (one JSON response), model {r['model']}, "
+           f"{r['threads']} thread per server, three servers interleaved round by round "
+           f"(`python benchmarks/whole_answer.py --model smollm2`; {m['date']}, "
+           f"{m.get('cpu_model')}, load {m['loadavg_1m_at_start']} at the start).\n\n"
+           + "\n".join(lines))
+    waste = r.get("waste")
+    if waste:
+        rows = ["| rho (queries per update) | waste tokens per update | hit rate | with the "
+                "policy (min h 0.2): waste / served tokens per update |", "|---|---|---|---|"]
+        for rho, w in waste.items():
+            pol = r.get("waste_policy", {}).get(rho, {})
+            served = pol.get("served_tokens", 0) / max(1, pol.get("updates", 1))
+            rows.append(f"| {rho} | {w['waste_tokens_per_update']} | {w['hit_rate']} | "
+                        f"{pol.get('waste_tokens_per_update')} / {served:.1f} |")
+        out += "\n\n" + "\n".join(rows)
+    return out
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--gpu-summary"]:  # benchmarks/gpu.sh: its own table only
         root = Path(sys.argv[2])
@@ -620,6 +666,9 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 
 ## In front of real engines (`benchmarks/remote_decode.py`)
 {remote_table() or "Not run yet."}
+
+## The whole answer, pre-decoded (`benchmarks/whole_answer.py`)
+{whole_answer_table() or "Not run yet."}
 
 ## Structured output (`benchmarks/structured.py`)
 {structured_table() or "Not run yet."}

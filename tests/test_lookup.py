@@ -144,7 +144,9 @@ def test_batched_step_mixes_all_logits_and_last_logits(make_engine):
 
 # -- answers: drafts change nothing but the number of forwards ------------------------------
 def _engines(make_engine, k=4):
-    return make_engine(lookup_tokens=0), make_engine(lookup_tokens=k)
+    """Without and with drafts; no pre-decoding, so an exact turn's answer decodes live."""
+    return (make_engine(lookup_tokens=0, predecode_tokens=0),
+            make_engine(lookup_tokens=k, predecode_tokens=0))
 
 
 def _same_answer(eng, prefix, plain, spec):

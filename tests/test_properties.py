@@ -1,9 +1,13 @@
 """Invariants under random interleavings of updates, rollbacks, shifts, tool calls,
-pre-positions (racing with mutations: chunks of 2 tokens, idle work not awaited) and queries.
+pre-positions and pre-decodes (racing with mutations: chunks of 2 tokens, idle work not
+awaited) and queries.
 
-(a) an exact-match fast-path answer under greedy decoding equals a cold forward;
-(b) no answer is served from a ready record whose version differs from the session's;
-(c) budget skips never evict committed state;
+(a) an exact-match fast-path answer under greedy decoding equals a cold forward, token for
+    token, whether served from a pre-decoded answer, decoded live, or both; so does every
+    pre-decoded answer as stored;
+(b) no answer is served from a ready record (or a pre-decoded answer) whose version differs
+    from the session's; a mutation leaves nothing of the old version's to serve;
+(c) budget skips never evict committed state, and a pre-decode stays within the budget;
 across KVs moved down to the RAM tier and brought back at any point between the others.
 """
 
@@ -29,7 +33,8 @@ def engine(model_dirs, request):
     """Each in-process back end, llama.cpp in both cache layouts (a stream holds 1024 cells:
     as much as max_context)."""
     eng = Engine.from_pretrained(model_dirs["chatml"], EngineConfig(
-        threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48,
+        threads=2, chunk_tokens=2, max_context=1024, reserve_tokens=48, predecode_tokens=6,
+        predecode_min_hit=0.0,
         budget=BudgetConfig(session_cells=4096, engine_cells=1 << 20),
         **backend_config(request.param)))
     vocab = eng.fmt.tokenizer.batch_decode([[i] for i in range(len(eng.fmt.tokenizer))])
@@ -57,7 +62,9 @@ def run_machine(engine):
         # -- mutations ---------------------------------------------------------------
         @rule(text=WORDS, wait=st.booleans())
         def append(self, text, wait):
+            ready = self.eng.session(self.stream).current()[1]
             self.eng.append(self.stream, text, wait=wait)
+            assert ready.answer(("query", Q)) is None  # (b): gone with its version
 
         @rule(text=WORDS)
         def append_tight(self, text):
@@ -104,19 +111,22 @@ def run_machine(engine):
 
         @precondition(lambda self: self.eng.session(self.agent).snap.messages[-1]["role"]
                       == "tool")
-        @rule()
-        def next_turn(self):
+        @rule(n=st.integers(1, 8))
+        def next_turn(self, n):
             s = self.eng.session(self.agent)
-            seq = s.snap.tokens + s.entries().header
+            seq = list(s.snap.tokens + s.entries().header)
             version = s.version
-            res = self.eng.turn(self.agent, None, Request(SamplingParams(max_tokens=1))).result()
+            res = self.eng.turn(self.agent, None, Request(SamplingParams(max_tokens=n))).result()
             if res.path is AnswerPath.FAST:
                 assert res.match is Match.EXACT and res.version == version  # (b)
-            if res.tokens:
-                assert greedy_agrees(self.eng, seq, res.tokens[0])  # (a)
+            else:
+                assert res.predecoded == 0
+            for tok in res.tokens:  # (a), pre-decoded and live tokens alike
+                assert greedy_agrees(self.eng, seq, tok)
+                seq.append(tok)
 
         # -- queries -------------------------------------------------------------------
-        @rule(n=st.integers(1, 3))
+        @rule(n=st.integers(1, 9))
         def standing_query(self, n):
             s = self.eng.session(self.stream)
             version, committed = s.version, s.snap.tokens
@@ -125,7 +135,24 @@ def run_machine(engine):
                                  Request(SamplingParams(max_tokens=n), fast_path="exact")).result()
             assert res.version == version  # (b)
             seq = list(committed + entry)
+            assert res.predecoded <= len(res.tokens)
             for tok in res.tokens:  # (a), the first token and every one decoded after it
+                assert greedy_agrees(self.eng, seq, tok)
+                seq.append(tok)
+
+        @rule(which=st.sampled_from(["stream", "tight"]))
+        def predecoded_answer(self, which):
+            """A pre-decoded answer as stored, read while it may still be decoding, is the
+            greedy answer of its version's committed tokens and entry."""
+            s = self.eng.session(getattr(self, which))
+            snap, ready = s.current()
+            rec, answer = ready.records.get(("query", Q)), ready.answer(("query", Q))
+            if answer is None:
+                return
+            assert ready.version == snap.version and rec.version == snap.version  # (b)
+            seq = list(snap.tokens + rec.entry)
+            assert answer.tokens[0] == rec.argmax
+            for tok in answer.tokens:  # (a)
                 assert greedy_agrees(self.eng, seq, tok)
                 seq.append(tok)
 
@@ -180,6 +207,8 @@ def run_machine(engine):
             t = self.eng.session(self.tight)
             for rec in t.ready.records.values():
                 assert rec.p <= 40
+            for key, answer in t.ready.answers.items():  # (c): its cells within the budget
+                assert t.ready.records[key].p + len(answer.tokens) - 1 <= 40
 
     Interleavings.TestCase.settings = settings(
         max_examples=20, stateful_step_count=15, deadline=None, derandomize=True,
@@ -196,5 +225,8 @@ def test_interleavings_keep_the_invariants(engine):
     # mutations raced pre-positions: caught in flight (discarded) or before they started
     assert counters.discarded + counters.superseded > 0
     assert counters.skipped > 0 and counters.invalidated > 0
+    # answers were pre-decoded, served from, and dropped by mutations
+    assert counters.predecoded_tokens > 0 and counters.predecode_served > 0
+    assert counters.predecode_wasted > 0
     # KVs moved down and came back between the other steps
     assert engine.pool.counts["spills"] > 0 and engine.pool.counts["restores"] > 0

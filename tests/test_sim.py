@@ -61,6 +61,24 @@ def test_eq8_hit_rate_and_waste():
         m.hit_rate(-1.0)
 
 
+def test_the_whole_answer_known_values():
+    """Eq. 7 with N - 1 decode steps: T_pd = 0.843 * 18 + 39 * 39.12 = 1540.854 ms."""
+    assert m.T_pd(R, 40) == pytest.approx(0.843 * 18 + 39 * 39.12)
+    assert m.T_pd(R, 1) == pytest.approx(m.T_pp(R))
+    assert m.amortized_whole(R, 1541.0, 40) and not m.amortized_whole(R, 1540.0, 40)
+    assert m.L_whole(R, 40, 2000.0) == R.T_scan  # the window covered it: the scan alone
+    assert m.L_whole(R, 40, 0.0) == pytest.approx(R.T_scan + m.T_pd(R, 40))
+    assert m.L_whole(R, 40, 1000.0) == pytest.approx(R.T_scan + m.T_pd(R, 40) - 1000.0)
+    assert m.L_whole_first_token(R, 40) == pytest.approx(R.T_scan + 39 * 39.12)
+    assert m.L_whole_cold(R, 40) == pytest.approx(m.L_cold(R) + 39 * 39.12)
+    assert m.waste_tokens(1.0, 40) == pytest.approx(20.0)
+    assert m.waste_tokens(0.25, 40) == pytest.approx(32.0)
+    assert m.waste_tokens(0.25, 40, min_hit=0.3) == 0.0  # the policy does not pre-decode
+    assert list(m.waste_tokens(np.array([0.25, 4.0]), 40)) == pytest.approx([32.0, 8.0])
+    with pytest.raises(ValueError):
+        m.T_pd(R, 0)
+
+
 def test_eq9_and_eq10_known_values():
     served = 0.9453 * 0.664 + (1 - 0.9453) * (14.47 + 39.12)
     assert m.served_latency(R) == pytest.approx(served) == pytest.approx(3.5591, abs=1e-4)

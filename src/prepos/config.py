@@ -112,6 +112,12 @@ class EngineConfig:
     reserve_tokens: int = 64  # head-room a streaming session keeps for a query and its answer
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
+    # then pre-decode each exact entry's greedy answer at idle, up to this many tokens (a
+    # session's answer_tokens overrides it; `prepos.engine.predecode`); 0: off
+    predecode_tokens: int = 64
+    # ... where it pays: an entry whose requests come before the next update with a chance
+    # h(rho) = rho / (1 + rho) below this (rho: its session's requests per update) is not
+    predecode_min_hit: float = 0.2
     # greedy answers on back ends that verify drafts: up to this many tokens drafted per
     # forward from the session's own context (prompt lookup, `prepos.decode.lookup`); 0: off
     lookup_tokens: int = 8

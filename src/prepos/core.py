@@ -179,6 +179,7 @@ class Result:
     logprobs: list[float] = field(default_factory=list)  # of each emitted token
     # per emitted token, the most likely (token, logprob) pairs, when sampling asked for them
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    predecoded: int = 0  # of `tokens`, those served from the answer pre-decoded at idle
     # a relaxed answer's id: a `correction` event names it if verification disagrees
     answer_id: str | None = None
     # with Request.prompt_logprobs: each prompt token, its logprob (None for the first) and

@@ -33,6 +33,7 @@ from prepos.decode.sampling import generator_for, sample, top_logprobs
 from prepos.decode.stream import Stream
 from prepos.decode.structured import Grammars
 from prepos.engine.admission import Room
+from prepos.engine.predecode import replay
 from prepos.engine.prepositioner import Prepositioner
 from prepos.engine.ready import ReadySet
 from prepos.engine.session import Session, Snapshot
@@ -89,12 +90,14 @@ class Answers:
         self.observe(res)
         return stream
 
-    def exact(self, s: Session, snap: Snapshot, ready: ReadySet, rec: ReadyRecord,
+    def exact(self, s: Session, snap: Snapshot, ready: ReadySet, key: tuple, rec: ReadyRecord,
               sampling: SamplingParams, logprobs: bool, t0: float,
               on_finish: Callable[[Result], None] | None = None) -> Stream:
-        """First token from the cached logits with the request's own sampling; further
+        """A greedy request takes the answer pre-decoded at idle, as far as it got; else the
+        first token comes from the cached logits with the request's own sampling. Further
         tokens decode on from the resident entry KV."""
         self.prepositioner.consume(ready)
+        self.prepositioner.asked(s, key)
         self.count("fast_exact")
         res = Result(AnswerPath.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)
@@ -104,13 +107,28 @@ class Answers:
         stream = Stream()
         grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
         rng = generator_for(sampling, grammar)
-        out = Generation(self.fmt, sampling, stream, res, t0, logprobs,
-                         self._finisher(s, on_finish), rng)
-        dist = cached(rec)
-        # greedy: the argmax found when the record was made; otherwise sample the cached logits
-        first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
-        if out.add(first, dist, rec.top_logprobs[0] if sampling.greedy else None):
-            return stream
+        answer = ready.answer(key) if sampling.greedy else None
+        used, live = [0], [False]  # answer tokens taken (counted before a turn commits)
+
+        def finish(r: Result) -> None:
+            if answer is not None and not live[0]:  # finished within the replay
+                self.prepositioner.served(ready, key, used[0], live=False)
+            self._finisher(s, on_finish)(r)
+
+        out = Generation(self.fmt, sampling, stream, res, t0, logprobs, finish, rng)
+        if answer is not None:  # the whole answer at once, or as much as is decoded
+            done = replay(out, answer, used)
+            res.predecoded = len(out.tokens)
+            if done:
+                return stream
+            live[0] = True  # decode on from it; its pre-decode stops
+            self.prepositioner.served(ready, key, used[0], live=True)
+        else:
+            dist = cached(rec)
+            # greedy: the argmax found when the record was made; else sample the cached logits
+            first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
+            if out.add(first, dist, rec.top_logprobs[0] if sampling.greedy else None):
+                return stream
         self.room.check(s, len(seq), sampling)
         kv = self.pool.get(s.id)
 

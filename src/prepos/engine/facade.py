@@ -18,8 +18,9 @@ from prepos.decode.stream import Stream
 from prepos.engine.admission import Room, check_request, prompt_ids
 from prepos.engine.answers import Answers
 from prepos.engine.loading import load_parts
+from prepos.engine.predecode import Budget
 from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
-from prepos.engine.ready import ReadySet
+from prepos.engine.ready import Predecoded, ReadySet
 from prepos.engine.session import (
     AGENTIC,
     HEADER,
@@ -63,15 +64,16 @@ class Engine:
         self.room = Room(self.max_context, config.budget.session_cells, self.pool,
                          self.sessions)
         self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,
-                                           config.budget.session_cells,
-                                           on_record=lambda s, key, rec: self._emit(
-                                               "record", s, (key, rec)))
+                                           config.budget.session_cells, self._emit,
+                                           config.predecode_tokens, self.max_context,
+                                           config.predecode_min_hit)
         self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram,  # greedy drafts
                              config.lookup_min_ngram, config.lookup_max_batch,
                              self.scheduler.foreground)
         self.observers: list[Callable[[Result], None]] = []  # called with every finished result
         # called as fn(event, session, payload) for "create", "commit" (payload: the new
-        # Snapshot), "record" (payload: (key, ReadyRecord)) and "close"; keep them quick
+        # Snapshot), "record" ((key, ReadyRecord)), "predecoded" ((key, Predecoded): a
+        # pre-decoded answer ended) and "close"; keep them quick
         self.listeners: list[Callable[[str, Session, object], None]] = []
         self.answers = Answers(fmt, backend, self.pool, self.scheduler, self.prepositioner,
                                self.lookup, self.room, self._observe)
@@ -93,12 +95,15 @@ class Engine:
                        standing: Sequence[str] = (), fast_path: str = "exact",
                        preposition: bool = True, budget_cells: int | None = None,
                        owner: str | None = None, relaxed_queries: Sequence[str] = (),
-                       r_max: float | None = None) -> str:
+                       r_max: float | None = None, answer_tokens: int | None = None,
+                       answer_stop: Sequence[str] = ()) -> str:
         """A new session; `owner` tags it with the API key that made it (kept and journalled;
-        the server checks it, the engine does not)."""
+        the server checks it, the engine does not); `answer_tokens` and `answer_stop`: the
+        answer budget of its exact entries, pre-decoded at idle (`prepos.engine.predecode`)."""
         spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
                            budget_cells, owner=owner, relaxed_queries=tuple(relaxed_queries),
-                           r_max=r_max)
+                           r_max=r_max, answer_tokens=answer_tokens,
+                           answer_stop=tuple(answer_stop))
         return self.restore_session(self.sessions.new_id(), spec)
 
     def restore_session(self, sid: str, spec: SessionSpec,
@@ -221,8 +226,7 @@ class Engine:
     def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None,
                    wait: bool) -> None:
         """After every commit: settle the dropped pre-position, ingest, pre-position."""
-        self.prepositioner.invalidated(dropped)
-        self._abandon(s, dropped)
+        self.prepositioner.invalidated(dropped, s.id)
         if dropped is not None:
             self._emit("commit", s, snap)
         if wait and snap.tokens:  # the commit stands: its KV is a cache, rebuilt when needed
@@ -257,9 +261,10 @@ class Engine:
         header = ready.records.get(HEADER)
         evidence = None  # a withheld relaxed answer's full answer, as verified evidence
         if mode != "off":
-            exact = ready.records.get(query_key(question))
-            if exact is not None:  # realized entry == pre-positioned entry: zero added risk
-                return self.answers.exact(s, snap, ready, exact, sampling, req.logprobs, t0)
+            key = query_key(question)
+            if key in ready.records:  # realized entry == pre-positioned entry: zero added risk
+                return self.answers.exact(s, snap, ready, key, ready.records[key], sampling,
+                                          req.logprobs, t0)
             if mode == "relaxed" and header is not None and not sampling.shaped:
                 if self.gate.fires(header):  # Eq. 12, then the class's verified risk
                     d = self.relaxed.decide(s, question, header)
@@ -306,8 +311,8 @@ class Engine:
                 raise InvalidInput(f"session {s.id} awaits a tool result, not a new turn")
             turn = ready.records.get(TURN)
             if mode != "off" and turn is not None:
-                return self.answers.exact(s, base, ready, turn, sampling, req.logprobs, t0,
-                                          on_finish=self._commit_answer(s, base.version))
+                return self.answers.exact(s, base, ready, TURN, turn, sampling, req.logprobs,
+                                          t0, on_finish=self._commit_answer(s, base.version))
             snap, dropped = base, None
         else:
             self.fmt.check_text(message["content"], "user" if message["role"] == "user"
@@ -351,17 +356,6 @@ class Engine:
                                     req.logprobs, t0, prompt_logprobs=req.prompt_logprobs)
 
     # == helpers ===========================================================================
-    def _abandon(self, s: Session, dropped: ReadySet | None) -> None:
-        """A remote pre-position still in flight for a version just superseded is aborted
-        where the engine allows; its answer is discarded (it was never going to be recorded:
-        the ready set is invalid)."""
-        cancel = getattr(self.backend, "cancel", None)
-        if cancel is None or dropped is None or not dropped.started or dropped.done:
-            return
-        kv = self.pool.find(s.id)
-        if kv is not None:
-            cancel(kv.handle)
-
     def _emit(self, event: str, s: Session, payload: object) -> None:
         for fn in self.listeners:
             fn(event, s, payload)
@@ -419,6 +413,12 @@ class Engine:
         if (fast_path or s.spec.fast_path) == "off":
             return False
         return key in s.ready_records()
+
+    def predecoding(self, sid: str, key: tuple) -> tuple[Budget | None, Predecoded | None]:
+        """The answer budget the entry at `key` pre-decodes (None: it does not), and its
+        answer so far (None before its record, and once its version is gone)."""
+        s = self.sessions.get(sid)
+        return self.prepositioner.predecoder.budget(s, key), s.current()[1].answer(key)
 
     def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:
         """A session's committed snapshot and its valid ready records, read together (no

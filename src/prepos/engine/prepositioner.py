@@ -19,6 +19,7 @@ from typing import Callable, Generator
 from prepos.backends.base import Dist, Preempted
 from prepos.chat.format import ChatFormat
 from prepos.core import ReadyRecord
+from prepos.engine.predecode import Predecoder
 from prepos.engine.ready import ReadySet
 from prepos.engine.session import (
     ENVELOPE,
@@ -52,6 +53,11 @@ class Counters:
     superseded: int = 0  # scheduled, but the next mutation came before they started
     skipped: int = 0  # entries skipped for the cell budget (never evicting)
     preempted: int = 0  # idle chunks stopped part way for a waiting request, redone later
+    # pre-decoded answers (`prepos.engine.predecode`), in tokens: decoded at idle, used by
+    # requests (each request's share), never used by any before their version went
+    predecoded_tokens: int = 0
+    predecode_served: int = 0
+    predecode_wasted: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -68,16 +74,25 @@ class Counters:
 
 
 class Prepositioner:
+    """`emit(event, session, payload)`: "record" ((key, ReadyRecord)) as each ready record is
+    stored, "predecoded" ((key, Predecoded)) as each pre-decoded answer ends."""
+
     def __init__(self, fmt: ChatFormat, pool: KVPool, chunk_tokens: int, session_cells: int,
-                 on_record: Callable[[Session, tuple, ReadyRecord], None] | None = None):
+                 emit: Callable[[str, Session, object], None] | None = None,
+                 predecode_tokens: int = 0, max_context: int = 1 << 30,
+                 predecode_min_hit: float = 0.0):
         self.fmt = fmt
-        self.on_record = on_record
+        self.emit = emit or (lambda event, s, payload: None)
         self.pool = pool
         self.chunk = chunk_tokens
         self.session_cells = session_cells
         self.counters = Counters()
         self.in_flight = 0  # jobs queued or running (idle work ranked below them waits)
         self._lock = threading.Lock()  # counters and in_flight: bumped from the worker and callers
+        self.predecoder = Predecoder(fmt, pool, predecode_tokens, session_cells, max_context,
+                                     self._bump, lambda s, key, answer: self.emit(
+                                         "predecoded", s, (key, answer)), predecode_min_hit,
+                                     chunk_tokens)
 
     # -- what to pre-position ------------------------------------------------------------
     def targets(self, session: Session, snap: Snapshot) -> list[Target]:
@@ -100,10 +115,12 @@ class Prepositioner:
     # -- Algorithm 1 ---------------------------------------------------------------------
     def job(self, session: Session, snap: Snapshot, ready: ReadySet) -> Generator:
         """Runs on the model worker at idle priority, one chunk (one Forward) per quantum."""
+        self.predecoder.rate.update(session)  # one committed version: an update
         kv = self.pool.get(session.id)
         budget = session.budget(self.session_cells)
         started = False
         yielded = 0  # consecutive chunks stopped for a waiting request
+        recorded: list[tuple[tuple, tuple[int, ...]]] = []  # exact entries, to pre-decode
         try:
             for target in self.targets(session, snap):
                 seq = snap.tokens + target.entry
@@ -133,8 +150,10 @@ class Prepositioner:
                         break
                 if target.key is not None:
                     self._record(ready, session, target, seq, step.logits)
+                    recorded.append((target.key, seq))
             if started and ready.valid:
                 self._bump("recorded")
+                yield from self.predecoder.run(session, ready, kv, recorded, MAX_YIELDS)
         finally:
             ready.mark(done=True)
             if ready.scheduled:  # counted in flight when queued
@@ -149,10 +168,8 @@ class Prepositioner:
             top_logprobs=dist.top_logprobs, gap=dist.gap, version=ready.version,
             top_text=self.fmt.decode([dist.top_ids[0]]),
         )
-        if not ready.record(target.key, rec):  # its version is no longer current
-            return
-        if self.on_record is not None:
-            self.on_record(session, target.key, rec)
+        if ready.record(target.key, rec):  # else its version is no longer current
+            self.emit("record", session, (target.key, rec))
 
     # -- accounting ----------------------------------------------------------------------
     def scheduled(self, ready: ReadySet) -> None:
@@ -166,12 +183,31 @@ class Prepositioner:
         if ready is not None and ready.consume():
             self._bump("consumed")
 
-    def invalidated(self, dropped: ReadySet | None) -> None:
-        """A mutation cleared this ready set; it is waste if work started and nothing used it."""
-        waste = dropped.waste() if dropped is not None else None
+    def asked(self, s: Session, key: tuple) -> None:
+        """An exact request for the entry at `key` came (the pre-decode policy's rate)."""
+        self.predecoder.rate.asked(s, key)
+
+    def served(self, ready: ReadySet, key: tuple, n: int, live: bool) -> None:
+        """A request used `n` tokens of the answer pre-decoded at `key`; with `live` it
+        decodes on from there (its pre-decode stops)."""
+        ready.serve(key, n, live)
+        self._bump("predecode_served", n)
+
+    def invalidated(self, dropped: ReadySet | None, sid: str | None = None) -> None:
+        """A mutation cleared this ready set; it is waste if work started and nothing used it.
+        With `sid`: a remote pre-position of it still in flight is aborted where the engine
+        allows (its answer was never going to be recorded: the set is invalid)."""
+        if dropped is None:
+            return
+        waste = dropped.waste()
         if waste is not None:
             self._bump(waste)
+        self._bump("predecode_wasted", dropped.unserved())
+        cancel = getattr(self.pool.backend, "cancel", None)
+        kv = self.pool.find(sid) if sid is not None and cancel is not None else None
+        if kv is not None and dropped.started and not dropped.done:
+            cancel(kv.handle)
 
-    def _bump(self, name: str) -> None:
+    def _bump(self, name: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self.counters, name, getattr(self.counters, name) + 1)
+            setattr(self.counters, name, getattr(self.counters, name) + n)

@@ -1,11 +1,31 @@
 """A version's ready set: the ready records one pre-position (Algorithm 1) recorded for a
-committed version, and where that pre-position stands."""
+committed version, the answers pre-decoded after them, and where that pre-position stands."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from prepos.core import ReadyRecord
+
+
+@dataclass(frozen=True)
+class Predecoded:
+    """A greedy answer decoded at idle after an exact entry's ready record (the record's argmax
+    first), as far as it got: each token with its logprob and the likeliest tokens there, so
+    a request is answered from it as it would have been decoded. `finish` is None while it
+    is being decoded, else why it ended: "end" (the end of turn, its last token), "stop" (a
+    stop sequence of its budget), "length" (its budget), "room" (no cells for more). A
+    request that needs more decodes the rest live."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tops: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]  # (ids, logprobs) per token
+    finish: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
 
 
 class ReadySet:
@@ -17,6 +37,10 @@ class ReadySet:
     def __init__(self, version: int):
         self.version = version
         self.records: dict[tuple, ReadyRecord] = {}  # written by `record` alone
+        self.answers: dict[tuple, Predecoded] = {}  # written by `predecoded` alone
+        self.served: dict[tuple, int] = {}  # per answer, the most of its tokens one request used
+        self.taken: set[tuple] = set()  # answers a request decodes on from: pre-decode stops
+        self._settled = False  # its unserved pre-decoded tokens were counted
         self.valid = True
         self.consumed = False  # a request used it (a record, or its pre-paid KV)
         self.wasted = False  # invalidated before any request used it
@@ -31,6 +55,38 @@ class ReadySet:
             if self.valid:
                 self.records[key] = rec
             return self.valid
+
+    def predecoded(self, key: tuple, answer: Predecoded) -> bool:
+        """Store (or extend) the pre-decoded answer of a recorded entry, only while the set
+        is valid and no request has taken over decoding it; False: stop pre-decoding it."""
+        with self._lock:
+            ok = self.valid and key in self.records and key not in self.taken
+            if ok:
+                self.answers[key] = answer
+            return ok
+
+    def answer(self, key: tuple) -> Predecoded | None:
+        """The pre-decoded answer at `key` so far, while the set is valid."""
+        with self._lock:
+            return self.answers.get(key) if self.valid else None
+
+    def serve(self, key: tuple, n: int, live: bool) -> None:
+        """A request used `n` tokens of the answer at `key`; with `live` it decodes on from
+        there, so the pre-decode of that answer stops."""
+        with self._lock:
+            self.served[key] = max(self.served.get(key, 0), n)
+            if live:
+                self.taken.add(key)
+
+    def unserved(self) -> int:
+        """Pre-decoded tokens no request used: the set's waste, counted once, when a mutation
+        invalidated it."""
+        with self._lock:
+            if self._settled:
+                return 0
+            self._settled = True
+            return sum(max(0, len(a.tokens) - self.served.get(k, 0))
+                       for k, a in self.answers.items())
 
     def invalidate(self) -> None:
         with self._lock:

@@ -79,6 +79,14 @@ class SessionSpec:
     # is a cache, counted for no budget and reclaimable whole, and a request's prompt is the
     # whole conversation (its path and cached tokens count from the start, not the commit)
     implicit: bool = False
+    # the answer budget of its exact entries (standing queries, turns), pre-decoded at idle
+    # (`prepos.engine.predecode`): at most this many tokens (None: the engine's), up to stop
+    answer_tokens: int | None = None
+    answer_stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.answer_stop, list):  # as a journal reads it back
+            self.answer_stop = tuple(self.answer_stop)
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -94,6 +102,12 @@ class SessionSpec:
         if self.relaxed_queries and self.kind != STREAMING:
             raise WrongSessionKind("relaxed_queries belong to streaming sessions")
         check_options(self.relaxed_queries, self.r_max)
+        if self.answer_tokens is not None and (not isinstance(self.answer_tokens, int)
+                                               or self.answer_tokens < 0):
+            raise InvalidInput(f"answer_tokens must be an integer >= 0, got "
+                               f"{self.answer_tokens!r}")
+        if any(not isinstance(x, str) or not x for x in self.answer_stop):
+            raise InvalidInput("answer_stop must be non-empty strings")
 
 
 class Session:

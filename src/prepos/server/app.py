@@ -187,6 +187,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "run on, as llama.cpp's own default)")
     p.add_argument("--no-preposition", action="store_true",
                    help="never pre-position (every request pays its entry: the baseline)")
+    p.add_argument("--predecode-tokens", type=int, default=EngineConfig.predecode_tokens,
+                   help="after an exact entry is pre-positioned (a standing query, the turn "
+                        "after a user message or tool result), decode its greedy answer at "
+                        "idle up to this many tokens (a session's answer_max_tokens "
+                        "overrides it; 0: off)")
+    p.add_argument("--predecode-min-hit", type=float, default=EngineConfig.predecode_min_hit,
+                   help="pre-decode an entry only while the chance h = rho / (1 + rho) that a "
+                        "request for it comes before the next update (rho: its session's "
+                        "requests per update, as observed) is at least this (0: always)")
     p.add_argument("--lookup-tokens", type=int, default=EngineConfig.lookup_tokens,
                    help="prompt-lookup draft tokens verified per forward of a greedy answer "
                         "(0: off)")
@@ -271,6 +280,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                                            disk_bytes=args.kv_disk, disk_dir=args.kv_dir),
                           max_context=args.max_session_tokens,
                           preposition=not args.no_preposition,
+                          predecode_tokens=max(0, args.predecode_tokens),
+                          predecode_min_hit=args.predecode_min_hit,
                           budget=BudgetConfig(args.max_session_cells, args.max_kv_cells),
                           lookup_tokens=args.lookup_tokens,
                           lookup_said_tokens=args.lookup_said_tokens,

@@ -137,6 +137,9 @@ class _EngineCollector:
             "superseded": "Pre-positions whose session moved on before they started",
             "skipped": "Pre-position entries skipped for the KV cell budget",
             "preempted": "Idle chunks stopped between layers for a waiting request (redone)",
+            "predecoded_tokens": "Answer tokens pre-decoded at idle after exact entries",
+            "predecode_served": "Pre-decoded answer tokens served to requests",
+            "predecode_wasted": "Pre-decoded answer tokens no request used before a mutation",
         }
         for name, value in pre.items():  # every integer counter the engine keeps
             if isinstance(value, int) and not isinstance(value, bool):

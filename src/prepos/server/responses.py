@@ -84,6 +84,9 @@ class SessionInfo(Body):
     ready: ReadyView
     versions_kept: list[int] = Field(description="the oldest and newest version kept")
     push_max_tokens: int
+    answer_max_tokens: int = Field(description="the answer budget its exact entries pre-decode "
+                                   "at idle (0: none)")
+    answer_stop: list[str]
     preposition: bool
     system: str | None
     tools: list[dict[str, Any]]
@@ -149,6 +152,8 @@ class Answer(Body):
     answer_id: str | None = Field(description="a relaxed answer's id, which a correction "
                                   "event names if its verification disagrees")
     timing: TimingView
+    predecoded: int = Field(description="of the answer's tokens, those served from its answer "
+                            "pre-decoded at idle")
     usage: SessionUsage
     logprobs: list[float] | None = Field(None, description="with logprobs: true")
     top_logprobs: list[list[tuple[int, float]]] | None = Field(
@@ -204,6 +209,7 @@ class StandingAnswerEvent(Body):
     match: MatchName
     gap: float | None
     ttft_ms: float
+    predecoded: int = Field(description="of its tokens, those pre-decoded at idle")
 
 
 class CorrectionEvent(Body):
@@ -259,6 +265,7 @@ class Extension(Body):
     version: int
     session_id: str | None
     timing: TimingView
+    predecoded: int = Field(description="of the answer's tokens, those served pre-decoded")
     answer_id: str | None = Field(None, description="a relaxed answer's id")
     choices: list[Extension] | None = Field(None, description="each choice's, with n > 1")
 

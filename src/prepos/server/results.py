@@ -25,9 +25,11 @@ def timing(res: Result) -> dict:
 
 
 def extension(res: Result, session_id: str | None = None) -> dict:
-    """The `prepos` field of a response body: path, match, gate gap, version, timing."""
+    """The `prepos` field of a response body: path, match, gate gap, version, timing, and
+    the answer's tokens served pre-decoded."""
     return {"path": res.path.value, "match": res.match.value, "gap": res.gap,
             "version": res.version, "session_id": session_id, "timing": timing(res),
+            "predecoded": res.predecoded,
             **({"answer_id": res.answer_id} if res.answer_id else {})}
 
 
@@ -64,7 +66,7 @@ def session_result(res: Result, session_id: str, logprobs: bool = False,
     out = {"session_id": session_id, "text": res.text, "tokens": res.tokens,
            "finish_reason": res.finish_reason, "path": res.path.value,
            "match": res.match.value, "gap": res.gap, "version": res.version,
-           "answer_id": res.answer_id, "timing": timing(res),
+           "answer_id": res.answer_id, "timing": timing(res), "predecoded": res.predecoded,
            "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.tokens),
                      "cached_prompt_tokens": cached_prompt_tokens(res)}}
     if logprobs:

@@ -42,6 +42,11 @@ class CreateSession(Strict):
     preposition: StrictBool = True
     budget_cells: StrictInt | None = None
     push_max_tokens: StrictInt = 1  # tokens per standing-query answer pushed over SSE
+    # the answer budget of its exact entries (standing queries, turns), pre-decoded at idle:
+    # at most this many tokens (default: the server's --predecode-tokens, or push_max_tokens
+    # where more), up to the first of answer_stop
+    answer_max_tokens: StrictInt | None = None
+    answer_stop: StrictStr | list[StrictStr] | None = None
     relaxed_queries: list[StrictStr] = Field(default_factory=list)  # classes served relaxed
     r_max: float | None = None  # this session's relaxed risk budget (default: the engine's)
     session_id: StrictStr | None = None  # the new session's id (default: the server's)

@@ -77,6 +77,7 @@ async def create_session(request: Request):
     if not 1 <= body.push_max_tokens <= lim.max_tokens:
         raise ApiError(400, "invalid_request", f"push_max_tokens must be in [1, "
                        f"{lim.max_tokens}], got {body.push_max_tokens}", "push_max_tokens")
+    answer_tokens, answer_stop = _answer_budget(body, lim.max_tokens)
     cells = body.budget_cells
     if cells is not None and not 1 <= cells <= eng.pool.engine_cells:
         raise ApiError(400, "invalid_input", f"budget_cells must be in [1, "
@@ -95,7 +96,8 @@ async def create_session(request: Request):
     spec = SessionSpec(body.kind, body.system, tuple(body.tools),
                        tuple(body.standing_queries), body.fast_path, body.preposition,
                        body.budget_cells, owner=owner,
-                       relaxed_queries=tuple(body.relaxed_queries), r_max=body.r_max)
+                       relaxed_queries=tuple(body.relaxed_queries), r_max=body.r_max,
+                       answer_tokens=answer_tokens, answer_stop=answer_stop)
     spec.validate()
     requested = request.headers.get("x-session-id") or body.session_id  # the client's id
     if body.session_id is not None and body.session_id != requested:
@@ -117,12 +119,33 @@ async def create_session(request: Request):
     return json_response(_info(state, eng, sid), 201, {"Location": f"/sessions/{sid}"})
 
 
+def _answer_budget(body: CreateSession, max_tokens: int) -> tuple[int | None, tuple[str, ...]]:
+    """The answer budget its exact entries pre-decode: `answer_max_tokens`, at least a pushed
+    answer's `push_max_tokens` (the answer a subscriber is shown is pre-decoded whole); None:
+    the server's --predecode-tokens."""
+    n, push = body.answer_max_tokens, body.push_max_tokens
+    if n is not None and not 0 <= n <= max_tokens:
+        raise ApiError(400, "invalid_request", f"answer_max_tokens must be in [0, "
+                       f"{max_tokens}], got {n}", "answer_max_tokens")
+    stop = body.answer_stop
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stop) > 4 or not all(stop):
+        raise ApiError(400, "invalid_request", "answer_stop: at most 4 non-empty strings",
+                       "answer_stop")
+    if push > 1:
+        n = max(n or 0, push)
+    return n, stop
+
+
 def _info(state: ServerState, eng, sid: str) -> dict:
     info = eng.info(sid)
     s = eng.session(sid)
     kept = list(eng.versions(sid))
     info["versions_kept"] = [kept[0], kept[-1]] if kept else []
     info["push_max_tokens"] = state.hub.push_tokens.get(sid, 1)
+    budget = eng.predecoding(sid, TURN)[0]
+    info["answer_max_tokens"] = budget.max_tokens if budget is not None else 0
+    info["answer_stop"] = list(s.spec.answer_stop)
     info["preposition"] = s.spec.preposition and eng.config.preposition
     info["system"] = s.spec.system
     info["tools"] = list(s.spec.tools)

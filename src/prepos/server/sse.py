@@ -4,7 +4,9 @@ Standing queries: after every committed update the engine pre-positions each of 
 streaming session's registered queries as an exact-match entry; when one is recorded (the
 engine's "record" event, on the model worker) the hub answers it from that record on the
 event loop, a fast-path answer that costs no model work, and pushes it to the session's
-subscribers before anyone asks. Answers are computed only while someone is subscribed."""
+subscribers before anyone asks. An answer of more than one token (`push_max_tokens`) waits
+for the engine's pre-decode of it ("predecoded"), decoded at idle priority, and is pushed
+whole the moment that ends. Answers are computed only while someone is subscribed."""
 
 from __future__ import annotations
 
@@ -146,8 +148,12 @@ class Hub:
             key, rec = payload
             self.publish(s.id, "ready", {"session_id": s.id, "key": ":".join(map(str, key)),
                                          "version": rec.version, "p": rec.p, "gap": rec.gap})
-            if key[0] == "query":
+            if key[0] == "query" and not self._awaits_predecode(s, key):
                 self._answer(s, key, rec)
+        elif name == "predecoded":  # the whole answer is there: push it
+            key, _ = payload
+            if key[0] == "query":
+                self._answer(s, key)
         elif name == "correction":  # a relaxed answer its verification disagreed with
             self.publish(s.id, "correction", payload)
         elif name == "close":
@@ -157,15 +163,29 @@ class Hub:
             self._latest.pop(s.id, None)
             self.push_tokens.pop(s.id, None)
 
-    def _answer(self, s, key: tuple, rec) -> None:
-        """Answer a standing query from its exact-match record, if it is still current."""
+    def _awaits_predecode(self, s, key: tuple) -> bool:
+        """Whether the pushed answer at `key` waits for its pre-decode to end."""
+        if self.push_tokens.get(s.id, 1) <= 1:
+            return False
         try:
-            current = self.engine.ready_now(s.id)[1].get(key) is rec
+            budget, answer = self.engine.predecoding(s.id, key)
+        except SessionNotFound:
+            return False
+        return budget is not None and (answer is None or not answer.done)
+
+    def _answer(self, s, key: tuple, rec=None) -> None:
+        """Answer a standing query from its exact-match record (`rec`, else the current
+        one), if it is still current and its answer at that version was not pushed yet."""
+        try:
+            records = self.engine.ready_now(s.id)[1]
         except SessionNotFound:  # closed meanwhile
             return
-        if not current or not self._subs.get(s.id):
-            return
+        current = records.get(key)
         question = key[1]
+        pushed = self._latest.get(s.id, {}).get(question, {}).get("version")
+        if (current is None or rec is not None and current is not rec
+                or pushed == current.version or not self._subs.get(s.id)):
+            return
         try:
             stream = self.engine.query(s.id, question, EngineRequest(
                 SamplingParams(max_tokens=self.push_tokens.get(s.id, 1)), fast_path="exact"))
@@ -194,7 +214,7 @@ class Hub:
         ev = {"session_id": sid, "query": question, "version": res.version, "text": res.text,
               "tokens": res.tokens, "finish_reason": res.finish_reason,
               "path": res.path.value, "match": res.match.value, "gap": res.gap,
-              "ttft_ms": res.timing.ttft * 1e3}
+              "ttft_ms": res.timing.ttft * 1e3, "predecoded": res.predecoded}
         self._latest.setdefault(sid, {})[question] = ev
         if self.metrics is not None:
             self.metrics.pushes.inc()
@@ -223,7 +243,7 @@ class Hub:
             ev = latest.get(q)
             if ev is not None and ev["version"] == snap.version:
                 sub.put(event(ev, "answer"))
-            elif ("query", q) in records:
+            elif ("query", q) in records and not self._awaits_predecode(s, ("query", q)):
                 self._answer(s, ("query", q), records[("query", q)])
         return sub
 

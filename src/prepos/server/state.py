@@ -298,8 +298,15 @@ class ServerState:
     @staticmethod
     def will_be_fast(engine: Engine, sid: str, key: tuple, req: EngineRequest) -> bool:
         """Whether the request will be answered from a ready record with no model work (a
-        one-token exact match): such requests are never refused for backpressure."""
-        return req.sampling.max_tokens == 1 and engine.serves_exact(sid, key, req.fast_path)
+        one-token exact match, or a greedy one whose whole answer is pre-decoded): such
+        requests are never refused for backpressure."""
+        if not engine.serves_exact(sid, key, req.fast_path):
+            return False
+        n = req.sampling.max_tokens
+        if n == 1:
+            return True
+        answer = engine.predecoding(sid, key)[1] if req.sampling.greedy else None
+        return answer is not None and (answer.finish == "end" or len(answer.tokens) >= n)
 
     async def start_exact(self, engine: Engine, sid: str, key: tuple, req: EngineRequest,
                           start: Callable[[], Stream], size: int = 0) -> Stream:

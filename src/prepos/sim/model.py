@@ -206,6 +206,57 @@ def delta_break_even(c: Constants) -> float:
 
 
 # ---------------------------------------------------------------------------------------
+# The whole answer: an exact match's N-token greedy answer pre-decoded in the idle window
+# (Eq. 7's amortization with N - 1 decode steps after the pre-position)
+
+
+def T_pd(c: Constants, N):
+    """The pre-position and the N - 1 decode steps after its first token: the whole answer."""
+    n = np.asarray(N, dtype=float)
+    if np.any(n < 1):
+        raise ValueError("N must be >= 1")
+    out = T_pp(c) + (n - 1) * c.T_decode
+    return float(out) if out.ndim == 0 else out
+
+
+def amortized_whole(c: Constants, I_idle, N) -> bool | np.ndarray:
+    """Eq. 7 for the whole answer: wall-clock-free when it fits the idle window (ms)."""
+    out = T_pd(c, N) <= np.asarray(I_idle, dtype=float)
+    return bool(out) if np.ndim(out) == 0 else out
+
+
+def L_whole(c: Constants, N, I_idle):
+    """Time to the whole N-token answer of an exact match asked I_idle ms after its update,
+    pre-decoding on: the fast path once the idle window covered the pre-decode, else the
+    scan plus what is left of it (the request takes what was decoded and decodes on)."""
+    rest = np.maximum(0.0, T_pd(c, N) - np.asarray(I_idle, dtype=float))
+    out = c.T_scan + rest
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def L_whole_first_token(c: Constants, N):
+    """The same with the first token alone cached (an idle window covering the pre-position):
+    the scan, then N - 1 decode steps on the critical path."""
+    out = c.T_scan + (np.asarray(N, dtype=float) - 1) * c.T_decode
+    return float(out) if out.ndim == 0 else out
+
+
+def L_whole_cold(c: Constants, N):
+    """Nothing pre-positioned: the entry's prefill and N decode steps (Eq. 2's, N times)."""
+    out = float(L_cold(c)) + (np.asarray(N, dtype=float) - 1) * c.T_decode
+    return float(out) if out.ndim == 0 else out
+
+
+def waste_tokens(rho, N, min_hit: float = 0.0):
+    """Pre-decoded tokens never served, per update, under Eq. 8's Poisson race: the whole
+    answer is thrown away when the next event is an update, N (1 - h(rho)); none where the
+    policy does not pre-decode (h(rho) below `min_hit`)."""
+    h = np.asarray(hit_rate(rho), dtype=float)
+    out = np.where(h >= min_hit, np.asarray(N, dtype=float) * (1.0 - h), 0.0)
+    return float(out) if out.ndim == 0 else out
+
+
+# ---------------------------------------------------------------------------------------
 # Section 2.4: the gate's risk-coverage trade (Eqs. 13-14) from (gap, correct) pairs
 
 

@@ -1,0 +1,189 @@
+"""Pre-decoding: the whole answer of an exact-match entry, decoded at idle.
+
+After Algorithm 1 records an exact entry's ready distribution (a standing query, the agentic
+turn after a committed user message or tool result), everything about the greedy answer is
+known: the pre-positioner goes on decoding it, one token per idle chunk (preemptible, as a
+pre-position), up to the entry's answer budget or the end of the turn, and stores it in the
+version's `ReadySet` beside the record (`Predecoded`), so it is invalidated with the record.
+Its cells are speculative, as a pre-positioned entry's: when the next token does not fit the
+session's or the engine's budget the pre-decode ends there ("room"), never moving anyone.
+
+Whether an entry's pre-decode pays is decided per entry from its session's observed requests
+per update (`QueryRate`: the paper's rho, and h(rho) = rho / (1 + rho), Eq. 8, the chance a
+request comes before the next update): below `min_hit` the N decode steps would mostly be
+thrown away, and the entry keeps its record alone.
+
+A greedy request on that entry is answered from it (`replay`): its tokens go through the
+request's own `Generation` (its stop sequences, max_tokens, logprobs) at once; where the
+answer needs more than was pre-decoded, the rest is decoded live from there, and the
+pre-decode of that entry stops. Back ends that stream answers (remote engines) do not
+pre-decode: their decode is the remote engine's own, one streamed request per answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Generator, Sequence
+from weakref import WeakKeyDictionary
+
+from prepos.backends.base import Dist, Preempted
+from prepos.chat.format import ChatFormat
+from prepos.core import ReadyRecord, SamplingParams
+from prepos.decode.generation import Generation
+from prepos.decode.sampling import sample
+from prepos.engine.ready import Predecoded, ReadySet
+from prepos.engine.session import TURN, Session
+from prepos.worker.kv import Forward, KVPool, KVSequence
+
+TOP = 20  # the likeliest tokens kept per pre-decoded token: OpenAI's top_logprobs at most
+GREEDY = SamplingParams(max_tokens=1)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """An exact entry's answer budget: pre-decode at most `max_tokens` tokens, and stop at
+    the first of `stop` (the end of turn always ends it)."""
+
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+
+
+class QueryRate:
+    """Each session's exact requests per update, per entry (rho), as counts decayed by
+    `DECAY` at every update (its recent behaviour weighs most), from a prior of one request
+    per update, so a new session pre-decodes."""
+
+    DECAY = 0.9
+    UPDATES = ("updates",)
+
+    def __init__(self, min_hit: float):
+        self.min_hit = min_hit
+        self._seen: WeakKeyDictionary[Session, dict[tuple, float]] = WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def update(self, s: Session) -> None:
+        with self._lock:
+            counts = self._seen.setdefault(s, {})
+            for k in counts:
+                counts[k] *= self.DECAY
+            counts[self.UPDATES] = counts.get(self.UPDATES, 0.0) + 1.0
+
+    def asked(self, s: Session, key: tuple) -> None:
+        with self._lock:
+            counts = self._seen.setdefault(s, {})
+            counts[key] = counts.get(key, 0.0) + 1.0
+
+    def rho(self, s: Session, key: tuple) -> float:
+        with self._lock:
+            counts = self._seen.get(s, {})
+            return (counts.get(key, 0.0) + 1.0) / (counts.get(self.UPDATES, 0.0) + 1.0)
+
+    def pays(self, s: Session, key: tuple) -> bool:
+        """h(rho) = rho / (1 + rho) reaches `min_hit`."""
+        rho = self.rho(s, key)
+        return rho / (1.0 + rho) >= self.min_hit
+
+
+class Predecoder:
+    """Pre-decodes the answers of recorded exact entries (a part of the pre-positioner's idle
+    job) where `rate` says it pays; `bump(name, n)` counts into the pre-positioner's
+    counters."""
+
+    def __init__(self, fmt: ChatFormat, pool: KVPool, tokens: int, session_cells: int,
+                 max_context: int, bump: Callable[[str, int], None],
+                 on_answer: Callable[[Session, tuple, Predecoded], None] | None = None,
+                 min_hit: float = 0.0, chunk: int = 8):
+        self.fmt, self.pool, self.tokens, self.chunk = fmt, pool, tokens, chunk
+        self.session_cells, self.max_context = session_cells, max_context
+        self.bump, self.on_answer = bump, on_answer
+        self.enabled = tokens > 0 and not pool.backend.streams_answers
+        self.rate = QueryRate(min_hit)
+
+    def budget(self, s: Session, key: tuple | None) -> Budget | None:
+        """What the entry at `key` pre-decodes: standing queries and turns (the session's
+        `answer_tokens`, else the engine's), None where nothing is (one token only: the
+        record has it) or where its requests are too rare for it to pay."""
+        if not self.enabled or key is None or not (key == TURN or key[0] == "query"):
+            return None
+        n = s.spec.answer_tokens if s.spec.answer_tokens is not None else self.tokens
+        if n <= 1 or not self.rate.pays(s, key):
+            return None
+        return Budget(n, tuple(s.spec.answer_stop))
+
+    def run(self, s: Session, ready: ReadySet, kv: KVSequence,
+            recorded: Sequence[tuple[tuple, tuple[int, ...]]], max_yields: int) -> Generator:
+        """Pre-decode each recorded (key, sequence) with a budget, the last recorded first
+        (the KV holds its entry). Runs on the model worker inside the pre-position job."""
+        for key, seq in reversed(recorded):
+            budget = self.budget(s, key)
+            rec = ready.records.get(key)
+            if budget is not None and rec is not None:
+                yield from self._decode(s, ready, kv, key, seq, rec, budget, max_yields)
+
+    def _decode(self, s: Session, ready: ReadySet, kv: KVSequence, key: tuple,
+                seq: tuple[int, ...], rec: ReadyRecord, budget: Budget,
+                max_yields: int) -> Generator:
+        first = Dist(rec.logits, rec.top_ids, rec.top_logprobs)
+        tokens, lps, tops = [rec.argmax], [rec.top_logprobs[0]], [_top(first)]
+        finish = self._finish(tokens, budget)
+        cap = min(s.budget(self.session_cells), self.max_context)
+        yielded = stored = 0
+        while True:
+            answer = Predecoded(tuple(tokens), tuple(lps), tuple(tops), finish)
+            if not ready.predecoded(key, answer):  # moved on, or a request took over: drop
+                self.bump("predecoded_tokens", len(tokens) - stored)
+                self.bump("predecode_wasted", len(tokens) - stored)
+                return
+            self.bump("predecoded_tokens", len(tokens) - stored)
+            stored = len(tokens)
+            if finish is not None:
+                break
+            target = seq + tuple(tokens)
+            if len(target) > cap or not self.pool.fits(s.id, target):
+                finish = "room"  # speculative cells only: skip, never evict
+                continue
+            try:
+                # one decode step; a KV another entry took meanwhile is rebuilt a chunk a time
+                step = yield Forward(kv, target, self.chunk, preemptible=yielded < max_yields)
+                yielded = 0
+            except Preempted:  # the KV holds what it did before the chunk: redo it
+                self.bump("preempted", 1)
+                yielded += 1
+                continue
+            if not step.done:
+                continue
+            dist = step.logits if isinstance(step.logits, Dist) else Dist.from_logits(
+                step.logits, TOP)
+            tok = sample(step.logits, GREEDY, None)
+            tokens.append(tok)
+            lps.append(dict(zip(dist.top_ids, dist.top_logprobs)).get(tok, float("-inf")))
+            tops.append(_top(dist))
+            finish = self._finish(tokens, budget)
+        if self.on_answer is not None:
+            self.on_answer(s, key, answer)
+
+    def _finish(self, tokens: list[int], budget: Budget) -> str | None:
+        if tokens[-1] in self.fmt.end_of_turn:
+            return "end"
+        if budget.stop and any(x in self.fmt.decode(tokens) for x in budget.stop):
+            return "stop"
+        return "length" if len(tokens) >= budget.max_tokens else None
+
+
+def _top(dist: Dist) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    if dist.logits is not None and len(dist.top_ids) < TOP:
+        dist = Dist.from_logits(dist.logits, TOP)
+    return tuple(dist.top_ids[:TOP]), tuple(dist.top_logprobs[:TOP])
+
+
+def replay(out: Generation, answer: Predecoded, used: list[int]) -> bool:
+    """Feed a pre-decoded answer to a greedy request's generation, token by token, until it
+    finishes (True) or the answer runs out (False); `used[0]` counts the answer's tokens it
+    took, each before the generation sees it (a finished turn commits within `add`)."""
+    for i, tok in enumerate(answer.tokens):
+        ids, lps = answer.tops[i]
+        used[0] = i + 1
+        if out.add(tok, Dist(None, ids, lps), answer.logprobs[i]):
+            return True
+    return False
