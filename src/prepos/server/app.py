@@ -89,8 +89,9 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
             return json_response({"status": "lapsed", "model": state.model_name,
                                   "cluster": cluster}, 503, {"Retry-After": "1"})
         tiers = eng.metrics()["kv_tiers"]
+        places = state.places
         body = {"status": "ok", "model": state.model_name,
-                "sessions": state.persistent_sessions(eng), "max_sessions": state.session_cap,
+                "sessions": places.persistent_sessions(eng), "max_sessions": places.session_cap,
                 "restored": state.restored, "journal": config.journal is not None,
                 "kv": {t: tiers[t] for t in ("resident", "ram", "disk") if t in tiers}}
         if cluster is not None:

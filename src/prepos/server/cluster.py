@@ -333,7 +333,7 @@ def check_new_id(state, engine, sid: str) -> None:
     if not SESSION_ID.fullmatch(sid) or is_ephemeral(sid):
         raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, digits "
                        f"and ._:- (starting with a letter or digit), got {sid[:140]!r}")
-    taken = engine.has_session(sid) or sid in state.creating
+    taken = engine.has_session(sid) or sid in state.places.creating
     if not taken and state.cluster is not None:
         taken = not state.cluster.leases.claim(sid).ours or state.journal.exists(sid)
     if taken:

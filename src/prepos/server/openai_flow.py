@@ -103,7 +103,7 @@ class ChatCall:
         check_order([], msgs, 0, continue_final=True)
         if self.choice == "none":
             tools = []  # the model is not told of them, and nothing is parsed as a call
-        kept = self.n == 1 and self.state.implicit.capacity > 0
+        kept = self.n == 1 and self.state.places.implicit.capacity > 0
         forced = self.choice not in ("auto", "none")
         if continued or forced and not (kept and self.constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)
@@ -124,7 +124,7 @@ class ChatCall:
             for i in range(self.n):
                 sampling = choice_sampling(self.sampling, i)
                 sid, stream = await self.state.run(
-                    self.state.start_ephemeral, eng, spec,
+                    self.state.places.start_ephemeral, eng, spec,
                     lambda sid, sp=sampling: eng.turn(sid, None, self._req(sp, "off")),
                     [(0, msgs)])
                 sids.append(sid)
@@ -142,21 +142,22 @@ class ChatCall:
         """A stateless conversation on the implicit session it extends, or on a new one kept
         for its next turn (`server/implicit.py`): the delta only, as on a named session."""
         state = self.state
-        sid = state.implicit.find(eng, owner, tools, msgs)
+        sid = state.places.implicit.find(eng, owner, tools, msgs)
         if sid is None:
             spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None,
                                owner=owner, implicit=True)
-            sid = await state.run(state.new_ephemeral, eng, spec)
+            sid = await state.run(state.places.new_ephemeral, eng, spec)
+        release = state.places.release_after
         try:
             return await self.agentic(eng, eng.session(sid), msgs, public=False,
-                                      cleanup=lambda stream: state.release_after(stream, sid))
+                                      cleanup=lambda stream: release(stream, sid))
         except BaseException:
-            state.implicit.release(sid)
+            state.places.implicit.release(sid)
             raise
 
     def _close_all(self, streams, sids) -> None:
         for stream, sid in zip(streams, sids):
-            self.state.close_after(stream, sid)
+            self.state.places.close_after(stream, sid)
 
     async def _continue(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
         """The continuation of the final assistant message, or a forced tool call (its
@@ -207,9 +208,9 @@ class ChatCall:
                                             self._req(choice_sampling(self.sampling, i))))
             return streams[-1]
 
-        sid, _ = await self.state.run(self.state.start_ephemeral, eng, spec, start)
+        sid, _ = await self.state.run(self.state.places.start_ephemeral, eng, spec, start)
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
-                                   cleanup=lambda: self.state.close_after(streams[-1], sid),
+                                   cleanup=lambda: self.state.places.close_after(streams[-1], sid),
                                    prefix=prefix, forced=forced)
 
     async def streaming(self, eng, s, msgs: list[dict]) -> Response:
@@ -391,11 +392,11 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
 
     def cleanup():
         for k, sid in enumerate(sids):
-            state.close_after(streams[(k + 1) * n - 1], sid)
+            state.places.close_after(streams[(k + 1) * n - 1], sid)
 
     try:
         for prompt in prompts:
-            sid, _ = await state.run(state.start_ephemeral, eng, spec, start_all(prompt))
+            sid, _ = await state.run(state.places.start_ephemeral, eng, spec, start_all(prompt))
             sids.append(sid)
     except BaseException:
         for s in streams:

@@ -70,7 +70,7 @@ class ResponsesApi:
         self.state = state
         self.engine = eng
         self.store = ResponseStore(state.config.journal if state.journal is not None else None)
-        self.chains = state.chains
+        self.chains = state.places.chains
         eng.listeners.append(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
             if eng.has_session(sid) and eng.session(sid).spec.owner == owner:
@@ -111,20 +111,20 @@ class ResponsesApi:
                          tools: list[dict]) -> str:
         """A persistent session holding the conversation up to its last message (the
         answer's turn commits that one), leased to the caller. At a session limit the least
-        recently used chain session gives way (`ServerState.check_new_session`). Its KV is a
+        recently used chain session gives way (`Places.check_new_session`). Its KV is a
         cache (`SessionSpec.implicit`: no budget, reclaimable whole), rebuilt from the
         committed conversation when needed, so no chain makes another request fail."""
         state = self.state
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None, owner=owner,
                            implicit=True)
         history = [(0, msgs[:-1])]
-        with state.new_session(eng, owner) as sid:
-            await state.run(state.with_room, lambda: eng.restore_session(sid, spec, history))
+        with state.places.new_session(eng, owner) as sid:
+            await state.run(state.places.with_room, lambda: eng.restore_session(sid, spec, history))
         self.chains.keep(sid, owner)
         return sid
 
     def _release_after(self, stream, sid: str) -> None:
-        self.state.after(stream, lambda: self.chains.release(sid), f"chain session {sid}")
+        self.state.places.after(stream, lambda: self.chains.release(sid), f"chain session {sid}")
 
 
 class ResponsesCall(ChatCall):
@@ -214,7 +214,7 @@ async def _create(c, request: Request, rename: Renamer):
     reply.save = save
     on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
     if not store or not on_session or not api.chains.capacity:
-        reply.kept = on_session and state.implicit.capacity > 0
+        reply.kept = on_session and state.places.implicit.capacity > 0
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
 

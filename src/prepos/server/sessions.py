@@ -105,12 +105,12 @@ async def create_session(request: Request):
                        "session_id")
     if requested is not None:
         check_new_id(state, eng, requested)
-    with state.new_session(eng, owner, requested) as sid:
+    with state.places.new_session(eng, owner, requested) as sid:
         state.hub.push_tokens[sid] = body.push_max_tokens
         if state.journal is not None:
             state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
         try:
-            await state.run(state.with_room, lambda: eng.restore_session(sid, spec))
+            await state.run(state.places.with_room, lambda: eng.restore_session(sid, spec))
         except BaseException:
             state.hub.push_tokens.pop(sid, None)
             if state.journal is not None:

@@ -1,6 +1,6 @@
 """The server's state: its configuration, the engine once loaded, the journal, the SSE hub,
 metrics, keys and limits, and the helpers every route uses: a request's context (`Call`),
-session lookup, backpressure, ephemeral sessions."""
+session lookup, backpressure; its session places (`places.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,15 +23,15 @@ from prepos.core import Request as EngineRequest
 from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.engine import Engine
-from prepos.engine.session import Session, SessionSpec
-from prepos.errors import PreposError, SessionNotFound, TooManySessions
+from prepos.engine.session import Session
+from prepos.errors import PreposError, SessionNotFound
 from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
-from prepos.server.implicit import ImplicitSessions
-from prepos.server.journal import EPHEMERAL, Journal, is_ephemeral
+from prepos.server.journal import Journal, is_ephemeral
 from prepos.server.lease import LeaseConfig
 from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
+from prepos.server.places import Places
 from prepos.server.sse import Hub, disconnected
 
 log = logging.getLogger("prepos.server")
@@ -94,15 +93,9 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.restored = 0
-        self.ephemeral = 0  # live sessions made for stateless requests, implicit ones too
-        self.implicit = ImplicitSessions(config.implicit_sessions, self.close_ephemeral,
-                                         lambda outcome: self.metrics.implicit.labels(
-                                             outcome).inc())
-        # Responses chain sessions (`responses_api.py`): persistent, but kept on a client's
-        # behalf, so they give way to any other session at a limit
-        self.chains = ImplicitSessions(config.response_sessions, self._close_chain)
+        self.places = Places(self.limits, self.metrics, lambda: self.loaded, self.run,
+                             config.implicit_sessions, config.response_sessions)
         self.created = int(time.time())  # the model's "created" time in /v1/models
-        self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
                                            thread_name_prefix="prepos-wait")
@@ -111,7 +104,6 @@ class ServerState:
         self.cpu = ThreadPoolExecutor(max_workers=config.cpu_threads,
                                       thread_name_prefix="prepos-cpu")
         self._factory = engine_factory or _load_engine
-        self.session_cap = config.limits.max_sessions  # persistent sessions, once loaded
         self._loader: threading.Thread | None = None
         self.on_failure: Callable[[], None] | None = None
         self.cluster = None  # server/cluster.py's Cluster, with a shared store
@@ -132,7 +124,7 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             engine = self._factory(self.config)
-            self.session_cap = self._session_cap(engine)
+            self.places.cap(engine)
             engine.observers.append(self.metrics.observe)
             if self.config.journal is not None:
                 self.journal = Journal(self.config.journal, engine.config.max_versions,
@@ -326,136 +318,6 @@ class ServerState:
         except ApiError:
             self.metrics.rejected.labels("queue_full").inc()
             raise
-
-    def persistent_sessions(self, engine: Engine) -> int:
-        return engine.session_count() - self.ephemeral
-
-    @contextmanager
-    def new_session(self, engine: Engine, owner: str | None, requested: str | None = None):
-        """Check the session limits and hold a place for the session being created (its id
-        is yielded) until the block ends: concurrent creations at the limit never overshoot
-        it (the check and the reservation happen on the event loop, with no await between
-        them)."""
-        self.check_new_session(engine, owner)
-        sid = requested or engine.new_session_id()
-        self.creating[sid] = owner
-        try:
-            yield sid
-        finally:
-            del self.creating[sid]
-
-    def _pending(self, engine: Engine, owner: str | None = None, mine: bool = False) -> int:
-        """Sessions being created and not yet in the engine's store."""
-        return sum(1 for sid, o in list(self.creating.items())
-                   if (not mine or o == owner) and not engine.has_session(sid))
-
-    def _session_cap(self, engine: Engine) -> int:
-        """The persistent sessions this server admits: --max-sessions, or fewer where the
-        back end holds fewer sessions' KV, an eighth of those kept for stateless requests."""
-        lim = self.limits
-        held = engine.session_limit  # the back end's bound, where it has one
-        engine.limit_sessions(lim.max_sessions + lim.max_queue)
-        if held >= lim.max_sessions + lim.max_queue:
-            return lim.max_sessions
-        cap = min(lim.max_sessions, held - max(1, held // 8))
-        log.warning("the %s back end holds the KV of %d sessions: at most %d persistent "
-                    "sessions, the rest for stateless requests", engine.backend.name, held, cap)
-        return cap
-
-    def check_new_session(self, engine: Engine, owner: str | None) -> None:
-        """A 429 at the server's or the key's session limit, once no Responses chain session
-        could give way (the least recently used free one: the key's own first, then, at the
-        server's limit, any key's; its responses stay stored)."""
-        lim = self.limits
-        while self.persistent_sessions(engine) + self._pending(engine) >= self.session_cap:
-            if self.chains.evict_one(owner) or self.chains.evict_one():
-                continue
-            self.metrics.rejected.labels("sessions").inc()
-            raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
-                           f"{self.session_cap} sessions; close one first",
-                           headers={"Retry-After": "60"})
-        if lim.max_sessions_per_key is not None and owner is not None:
-            while self._mine(engine, owner) >= lim.max_sessions_per_key:
-                if self.chains.evict_one(owner):
-                    continue
-                self.metrics.rejected.labels("sessions_per_key").inc()
-                raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
-                               f"{lim.max_sessions_per_key} sessions; close one first",
-                               headers={"Retry-After": "60"})
-
-    def _mine(self, engine: Engine, owner: str) -> int:  # the key's persistent sessions
-        return self._pending(engine, owner, mine=True) + sum(
-            1 for s in engine.all_sessions() if s.spec.owner == owner and not is_ephemeral(s.id))
-
-    def _close_chain(self, sid: str) -> None:
-        with suppress(PreposError):
-            self.engine.close_session(sid)
-
-    def new_ephemeral(self, engine: Engine, spec: SessionSpec,
-                      history=()) -> str:
-        """A session for one stateless request (or kept as an implicit one, `spec.implicit`):
-        never journalled, never listed."""
-        sid = f"{EPHEMERAL}{engine.new_session_id()}"
-        self.with_room(lambda: engine.restore_session(sid, spec, history))
-        self.ephemeral += 1
-        if spec.implicit:
-            self.implicit.keep(sid, spec.owner)
-        return sid
-
-    def with_room(self, create: Callable[[], T]) -> T:
-        """`create()` a session, closing kept implicit, then chain, sessions while the
-        engine is full."""
-        while True:
-            try:
-                return create()
-            except TooManySessions:
-                if not (self.implicit.evict_one() or self.chains.evict_one()):
-                    raise
-
-    def after(self, stream: Stream, then: Callable[[], None], what: str) -> None:
-        """`then()` once `stream` has finished (or was cancelled by a client that went
-        away), off the request: its own error was already reported to it."""
-        if stream.done:
-            then()
-            return
-
-        async def wait_then():
-            try:
-                await self.run(stream.result)
-            except Exception as exc:
-                log.debug("%s ended with %s", what, exc)
-            then()
-
-        asyncio.ensure_future(wait_then())
-
-    def release_after(self, stream: Stream, sid: str) -> None:
-        """Free an implicit session for the next request once its answer has finished."""
-        self.after(stream, lambda: self.implicit.release(sid), f"implicit session {sid}")
-
-    def start_ephemeral(self, engine: Engine, spec: SessionSpec,
-                        start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
-        """`start(sid)` on a new ephemeral session, closed again if that fails."""
-        sid = self.new_ephemeral(engine, spec, history)
-        try:
-            return sid, start(sid)
-        except BaseException:
-            self.close_ephemeral(sid)
-            raise
-
-    def close_after(self, stream, sid: str) -> None:
-        """Close an ephemeral session once its stream has finished."""
-        self.after(stream, lambda: self.close_ephemeral(sid), f"ephemeral session {sid}")
-
-    def close_ephemeral(self, sid: str) -> None:
-        eng = self.loaded
-        if eng is None:
-            return
-        self.implicit.forget(sid)
-        try:
-            eng.close_session(sid)
-        except PreposError:
-            return
-        self.ephemeral -= 1
 
 
 def _load_engine(config: ServerConfig) -> Engine:
