@@ -52,7 +52,8 @@ def test_backpressure_refuses_model_work_but_serves_ready_answers(server):
         before = state_of(a, sid)
         for path, body in ((f"/sessions/{sid}/append", {"data": "AAPL 104"}),
                            (f"/sessions/{sid}/query", {"question": "Up?", "max_tokens": 1}),
-                           (f"/sessions/{sid}/query", {"question": Q, "max_tokens": 4}),
+                           (f"/sessions/{sid}/query",  # sampled: its later tokens need work
+                            {"question": Q, "max_tokens": 4, "temperature": 1.0, "seed": 1}),
                            ("/v1/completions", {"model": "chatml-llama", "prompt": "x"})):
             r = a.post(path, json=body)
             assert r.status_code == 429, (path, r.text)
@@ -61,6 +62,10 @@ def test_backpressure_refuses_model_work_but_serves_ready_answers(server):
         assert state_of(a, sid) == before
         r = a.post(f"/sessions/{sid}/query", json={"question": Q, "max_tokens": 1})
         assert r.status_code == 200 and r.json()["path"] == "fast"
+        # a greedy answer pre-decoded whole at idle needs no model work either
+        r = a.post(f"/sessions/{sid}/query", json={"question": Q, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["path"] == "fast"
+        assert r.json()["predecoded"] == len(r.json()["tokens"]) > 1
         metrics = a.get("/metrics").text
         assert 'prepos:rejected_requests_total{reason="queue_full"} 4.0' in metrics
         assert 'prepos:rejected_requests_total{reason="sessions_per_key"}' in metrics
