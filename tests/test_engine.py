@@ -476,6 +476,7 @@ def test_a_waiting_request_stops_an_idle_chunk_between_layers(make_engine, famil
     record still equals a cold forward."""
     eng = make_engine(family, chunk_tokens=64)
     sid = eng.create_session("streaming", system=SYSTEM, standing=[Q])
+    eng.wait_idle()  # the new session's own pre-position done: the append's is the one stopped
     order = []
 
     def request():
