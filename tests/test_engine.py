@@ -135,7 +135,7 @@ def test_rollback_restores_an_earlier_version(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng, standing=[Q])
     s = eng.session(sid)
-    v1_tokens = s.history[1].tokens
+    v1_tokens = s.at(1).tokens
     new = eng.rollback(sid, 1)
     assert new == 3 and s.snap.tokens == v1_tokens
     eng.wait_idle()
