@@ -859,8 +859,9 @@ def part3(ctx, args) -> dict:
     if binary is None:
         return {"skipped": "no llama-server binary"}
     ram, disk = args.p3_kv_ram, args.p3_kv_disk
+    cells = ["--kv-cells", str(args.kv_cells)] if args.kv_cells else []
     srv = ctx.add(Prepos("p3-prepos", ctx.work, ["--model", "smollm2", "--kv-ram", ram,
-                                                   "--kv-disk", disk]).start())
+                                                   "--kv-disk", disk, *cells]).start())
     spec = {"system": P3_SYSTEM, "standing_queries": [P3_STANDING]}
     fill = Fill(srv, spec, args.session_tokens, args.p3_client_threads, 900_000)
     log(f"part3: filling {args.p3_sessions} SmolLM2 sessions")
@@ -1161,7 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-disk", default=None,
                     help="parts 1, 2, 5: prepos serve --kv-disk (default: the server's)")
     ap.add_argument("--kv-cells", type=int, default=None,
-                    help="parts 1, 2, 5: prepos serve --kv-cells, the resident cells "
+                    help="parts 1, 2, 3, 5: prepos serve --kv-cells, the resident cells "
                          "(default: the server's)")
     ap.add_argument("--client-threads", type=int, default=8)
     ap.add_argument("--fill-seconds", type=float, default=None,
