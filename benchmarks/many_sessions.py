@@ -56,7 +56,7 @@ process, prepos and llama-server alike: on a loaded machine OpenMP's spinning th
 most of a server's CPU (it is recorded in the summary's machine block).
 
     python benchmarks/many_sessions.py [--only part1,part2,part3,part4,part5]
-        [--sessions 10000] [--session-tokens 500] [--kv-ram 256M] [--kv-disk 16G]
+        [--sessions 10000] [--session-tokens 500] [--kv-ram 256M] [--kv-disk 16G] [--kv-cells N]
         [--client-threads 8] [--fill-seconds S] [--p3-sessions 500] ...
 The last line printed is the JSON summary (the file in results/ has every sample too).
 """
@@ -517,6 +517,8 @@ def bundled_args(args) -> list[str]:
     out = ["--kv-ram", args.kv_ram]
     if args.kv_disk:
         out += ["--kv-disk", args.kv_disk]
+    if args.kv_cells:
+        out += ["--kv-cells", str(args.kv_cells)]
     return out
 
 
@@ -857,8 +859,9 @@ def part3(ctx, args) -> dict:
     if binary is None:
         return {"skipped": "no llama-server binary"}
     ram, disk = args.p3_kv_ram, args.p3_kv_disk
+    cells = ["--kv-cells", str(args.kv_cells)] if args.kv_cells else []
     srv = ctx.add(Prepos("p3-prepos", ctx.work, ["--model", "smollm2", "--kv-ram", ram,
-                                                   "--kv-disk", disk]).start())
+                                                   "--kv-disk", disk, *cells]).start())
     spec = {"system": P3_SYSTEM, "standing_queries": [P3_STANDING]}
     fill = Fill(srv, spec, args.session_tokens, args.p3_client_threads, 900_000)
     log(f"part3: filling {args.p3_sessions} SmolLM2 sessions")
@@ -1158,6 +1161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-ram", default="256M", help="parts 1, 2, 5: prepos serve --kv-ram")
     ap.add_argument("--kv-disk", default=None,
                     help="parts 1, 2, 5: prepos serve --kv-disk (default: the server's)")
+    ap.add_argument("--kv-cells", type=int, default=None,
+                    help="parts 1, 2, 3, 5: prepos serve --kv-cells, the resident cells "
+                         "(default: the server's)")
     ap.add_argument("--client-threads", type=int, default=8)
     ap.add_argument("--fill-seconds", type=float, default=None,
                     help="stop creating sessions after this long (the largest N that fits)")

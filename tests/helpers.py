@@ -6,7 +6,7 @@ import torch
 
 from prepos.backends.base import in_idle_work
 from prepos.core import Request
-from prepos.worker.kv import Forward, KVSequence
+from prepos.worker.sequence import Forward, KVSequence
 
 
 def cold_logits(eng, tokens):

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from prepos.backends.base import Dist
 from prepos.backends.hf_cache import CacheAdapter
 from prepos.backends.torch_hf import TorchBackend
-from prepos.worker.kv import KVSequence
+from prepos.worker.sequence import KVSequence
 
 
 @pytest.fixture(params=["chatml", "llama3"])

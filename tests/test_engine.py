@@ -135,7 +135,7 @@ def test_rollback_restores_an_earlier_version(make_engine):
     eng = make_engine("chatml")
     sid = streaming(eng, standing=[Q])
     s = eng.session(sid)
-    v1_tokens = s.history[1].tokens
+    v1_tokens = s.at(1).tokens
     new = eng.rollback(sid, 1)
     assert new == 3 and s.snap.tokens == v1_tokens
     eng.wait_idle()
@@ -476,6 +476,7 @@ def test_a_waiting_request_stops_an_idle_chunk_between_layers(make_engine, famil
     record still equals a cold forward."""
     eng = make_engine(family, chunk_tokens=64)
     sid = eng.create_session("streaming", system=SYSTEM, standing=[Q])
+    eng.wait_idle()  # the new session's own pre-position done: the append's is the one stopped
     order = []
 
     def request():

@@ -10,7 +10,7 @@ from prepos.config import EngineConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.decode.lookup import Lookup, NgramIndex, accepted
 from prepos.server.metrics import Metrics
-from prepos.worker.kv import Forward, KVSequence, run_forwards
+from prepos.worker.sequence import Forward, KVSequence, run_forwards
 
 REPEAT = "the cat sat on the mat " * 3  # a context the tiny models continue by repeating
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]

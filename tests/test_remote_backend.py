@@ -21,7 +21,7 @@ from prepos.backends.remote import (
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
-from prepos.worker.kv import KVSequence
+from prepos.worker.sequence import KVSequence
 
 KINDS = ["llama.cpp", "vllm", "sglang"]
 

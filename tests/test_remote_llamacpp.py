@@ -133,7 +133,7 @@ def test_paths_and_greedy_equality(model, live):
         cold = eng.query(cold_sid, "What is the trend?", Request(sp)).result()
         assert cold.path == AnswerPath.COLD
         for res, question in ((fast, "Is it rising?"), (fall, "What is the trend?")):
-            snap = s.history[res.version]
+            snap = s.at(res.version)
             ent = s.entries(snap)
             prompt = snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(ent.user, question)))
             assert_greedy_equal(lm, prompt, res.tokens)
@@ -190,7 +190,7 @@ def test_failover_when_a_replica_is_killed_then_rejoin(model, live):
         for sid in on_victim:  # no request lost: each moves and rebuilds from the full prompt
             res = eng.query(sid, "What is the trend?", Request(sp)).result()
             s = eng.session(sid)
-            snap = s.history[res.version]
+            snap = s.at(res.version)
             prompt = snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(s.entries(snap).user,
                                                                       "What is the trend?")))
             assert_greedy_equal(lm, prompt, res.tokens)
@@ -231,7 +231,7 @@ def test_never_stale_under_concurrent_updates(model, live):
         assert results[-1].path == AnswerPath.FAST
         s = eng.session(sid)
         for res in results:
-            snap = s.history[res.version]
+            snap = s.at(res.version)
             prompt = snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(s.entries(snap).user, q)))
             assert_greedy_equal(lm, prompt, res.tokens)
         assert len(results) >= 3

@@ -20,7 +20,7 @@ from prepos.backends.remote import (
 )
 from prepos.backends.remote_adapters import LlamaCppAdapter
 from prepos.core import SamplingParams
-from prepos.worker.kv import KVSequence
+from prepos.worker.sequence import KVSequence
 
 KINDS = ["llama.cpp", "vllm", "sglang"]
 PROMPT = [1, 2, 3, 4, 5]

@@ -112,7 +112,7 @@ def greedy_check(lm, prompt, answer_tokens) -> bool:
 
 def prompt_of(eng: Engine, sid: str, res, question: str) -> tuple[int, ...]:
     s = eng.session(sid)
-    snap = s.history[res.version]
+    snap = s.at(res.version)
     return snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(s.entries(snap).user, question)))
 
 

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepos.chat.tool_formats import safe_prefix
-from prepos.engine.session import Snapshot
 from prepos.server.errors import ApiError
 from prepos.server.journal import Journal, apply, diff
 from prepos.server.limits import Limits
@@ -38,9 +37,7 @@ def test_appends_and_shifts_are_stored_as_slices():
 
 
 def _kept(session):
-    with session.lock:
-        return [(v, list(h.messages if isinstance(h, Snapshot) else h))
-                for v, h in session.history.items()]
+    return [(v, list(m)) for v, m in session.versions().items()]
 
 
 def test_journal_restores_every_kept_version(make_engine, tmp_path):

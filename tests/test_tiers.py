@@ -6,13 +6,15 @@ one a task is using; idle work moves nobody's."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from helpers import greedy_agrees
 from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.errors import OverBudget
-from prepos.worker.kv import Forward
+from prepos.worker.sequence import Forward
 
 GREEDY = Request(SamplingParams(max_tokens=4), fast_path="off")
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
@@ -114,3 +116,64 @@ def test_a_session_larger_than_the_resident_budget_is_refused_unchanged(make_eng
     with pytest.raises(OverBudget):
         eng.append(sid, "ACME " + " ".join(str(i) for i in range(60)))
     assert eng.snapshot(sid) == before
+
+
+def _hold_worker(eng):
+    """Keep the model worker busy until the returned event is set, so that requests
+    submitted meanwhile are taken together."""
+    gate = threading.Event()
+
+    def blocker():
+        gate.wait(300)
+        yield
+
+    eng.scheduler.submit(blocker())
+    return gate
+
+
+def _peak_cells(eng) -> list[int]:
+    """The most resident cells the pool ever counted, from now on (one-element list)."""
+    peak, resize = [eng.pool.used], eng.pool._resize
+
+    def counting(delta: int) -> None:
+        resize(delta)
+        peak[0] = max(peak[0], eng.pool.used)
+
+    eng.pool._resize = counting
+    for kv in eng.pool._kv.values():
+        kv._on_size = counting
+    return peak
+
+
+@pytest.mark.parametrize("asked", [3, 6])
+def test_concurrent_requests_over_a_full_budget_are_served_within_it(make_engine, backend,
+                                                                    asked):
+    """Requests that arrive together, whose cells together exceed the resident budget (3 of
+    6 sessions asked: the others' KV must move down for their sum; all 6: not all of them
+    fit at once): a batch makes room for the sum of its forwards (idle sessions' KV moved
+    down), what still does not fit waits for the next quantum, and none is refused
+    (invariant 3). Each answer is the cold one; the resident cells never exceed the
+    budget."""
+    cells = 256
+    fixed = {} if backend.endswith("/streams") else {"kv_cells": cells}  # llama.cpp's cache
+    eng = make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=cells),
+                      max_sequences=8, **fixed)
+    sids = [eng.create_session("streaming", system=SYSTEM, preposition=False)
+            for _ in range(6)]
+    for i, sid in enumerate(sids):  # ~60 tokens each: more than the budget holds
+        eng.append(sid, f"ACME {40 + i} {41 + i} {43 + i} BOLT {9 - i % 3}")
+    peak = _peak_cells(eng)
+    question = "Which way is ACME moving? Say it in one word, then why."
+    seqs = {sid: entry(eng, sid, question) for sid in sids}
+    gate = _hold_worker(eng)
+    streams = {sid: eng.query(sid, question, Request(SamplingParams(max_tokens=12),
+                                                     fast_path="off"))
+               for sid in sids[-asked:]}
+    gate.set()
+    results = {sid: stream.result(timeout=600) for sid, stream in streams.items()}
+    assert peak[0] <= cells and eng.metrics()["kv_tiers"]["resident"]["cells"] <= cells
+    for sid in sids:  # the cold references need cells of their own
+        eng.close_session(sid)
+    for sid, res in results.items():
+        assert res.finish_reason in ("stop", "length") and res.tokens
+        assert answers_as_cold(eng, seqs[sid], res)

@@ -129,7 +129,9 @@ class EngineConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     backend: str = "auto"  # auto | torch | llama.cpp (see prepos.engine.loading)
     threads: int | None = None  # compute threads (None: the back end's default)
-    kv_cells: int = 16384  # llama.cpp: cells of the KV cache all sessions share
+    # llama.cpp: the resident cells all sessions share (the rest of their KV in the tiers);
+    # every step of the unified layout scans the occupied ones (docs/ARCHITECTURE.md)
+    kv_cells: int = 8192
     max_sequences: int = 256  # llama.cpp: sessions holding a KV at once (at most 256)
     # llama.cpp: "unified" (one pool: a session may use all of it, every step scans every
     # session's cells) or "streams" (kv_cells / max_sequences per session, scanned alone)

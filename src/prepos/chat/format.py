@@ -55,6 +55,9 @@ class ChatFormat:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput("the tokenizer has no chat_template; prepos needs one")
         self.tokenizer = tokenizer
+        # one int object per token id, shared by every session's tokens (a tokenizer returns
+        # new ones: ~36 bytes a token, for each of thousands of sessions)
+        self._id_objects = list(range(len(tokenizer)))
         self.controls = ControlTokens(tokenizer)
         # user text is text: with a tokenizer that tokenizes a rendering piece by piece as
         # it does whole, control-token strings in content are plain characters; otherwise
@@ -173,8 +176,11 @@ class ChatFormat:
         """Rendered text's tokens: its control tokens are markup, its defused content plain
         characters."""
         if ESC in text:
-            return self.controls.encode_pieces(text)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids = self.controls.encode_pieces(text)
+        else:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        objs = self._id_objects
+        return [objs[t] if t < len(objs) else t for t in ids]
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt as the tokenizer takes it on its own: its special tokens (a BOS)

@@ -31,7 +31,7 @@ import torch
 from prepos.core import SamplingParams
 from prepos.decode.generation import Generation
 from prepos.decode.sampling import sample
-from prepos.worker.kv import Advance, Forward, KVSequence
+from prepos.worker.sequence import Advance, Forward, KVSequence
 
 
 class NgramIndex:

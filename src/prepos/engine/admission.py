@@ -78,6 +78,7 @@ class Room:
                  sessions: SessionStore):
         self.max_context, self.session_cells = max_context, session_cells
         self.pool, self.sessions = pool, sessions
+        pool.keeps = (self._committed_len, self._kept_len)  # what room-making keeps
 
     def check(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
         self.fit(s, prompt_len, sampling)
@@ -118,7 +119,7 @@ class Room:
 
     def make(self, s: Session, target: Sequence[int]) -> None:
         """On the worker: free cells for `s`'s KV to hold `target`."""
-        self.pool.make_room(s.id, target, (self._committed_len, self._kept_len))
+        self.pool.make_room(s.id, target)
 
     def _committed_len(self, sid: str) -> int:
         s = self.sessions.find(sid)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prepos.chat.conversation import awaits_tool, pending_calls
 from prepos.chat.format import ChatFormat, Split
 from prepos.core import FAST_MODES
+from prepos.engine.history import History
 from prepos.engine.ready import ReadySet
 from prepos.errors import (
     Conflict,
@@ -130,19 +130,18 @@ class Session:
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
-        # committed versions for rollback; restored ones are rendered when rolled back to
-        self.history: OrderedDict[int, Snapshot | tuple[dict, ...]] = OrderedDict()
+        # committed versions for rollback, as messages (rendered when rolled back to or read)
+        self.history = History(max_versions)
         self._entries: tuple[int, Entries] | None = None
         self.said_tokens = said_tokens
         self._said: tuple[int, ...] = ()
         if not history:
             history = [(0, [{"role": "system", "content": spec.system}] if spec.system else [])]
-        for version, messages in history[:-1]:
-            self.history[version] = tuple(messages)
+        for version, messages in history:
+            self.history.add(version, messages)
         version, messages = history[-1]
         self.snap = self._snapshot(version, tuple(messages))
         self._check_fits(len(self.snap.tokens))
-        self.history[version] = self.snap
         self.ready = ReadySet(version)  # a restored session pre-positions its current version
 
     # -- reads and ready-set writes, each under the lock ----------------------------------
@@ -176,15 +175,17 @@ class Session:
             self._said = (self._said + tuple(tokens))[-self.said_tokens:]
 
     def at(self, version: int | None) -> Snapshot:
-        """A committed version still rendered (the current one otherwise)."""
+        """A committed version still kept, rendered (the current one otherwise)."""
         with self.lock:
-            snap = self.history.get(version) if version is not None else None
-            return snap if isinstance(snap, Snapshot) else self.snap
+            snap = self.snap
+            if version is None or version == snap.version or version not in self.history:
+                return snap
+            messages = self.history.messages(version)
+        return self._snapshot(version, messages)
 
     def versions(self) -> dict[int, tuple[dict, ...]]:
         with self.lock:
-            kept = list(self.history.items())
-        return {v: h.messages if isinstance(h, Snapshot) else tuple(h) for v, h in kept}
+            return self.history.all()
 
     def info(self) -> dict:
         """What the session is and what is ready in it, read together."""
@@ -285,9 +286,9 @@ class Session:
                                       f"(versions kept: {kept})")
             if version == self.snap.version:  # already there: nothing to commit
                 return self.snap, None
-            old = self.history[version]
-            if not isinstance(old, Snapshot):  # restored from a journal: render it now
-                old = self.history[version] = self._snapshot(version, old)
+            with self.lock:
+                messages = self.history.messages(version)
+            old = self._snapshot(version, messages)
             return self._commit(list(old.messages), old.text, old.tokens)
 
     def add_message(self, message: dict, expected_version: int | None = None,
@@ -370,9 +371,7 @@ class Session:
                 dropped.invalidate()
             self.ready = ReadySet(snap.version)
             self.snap = snap
-            self.history[snap.version] = snap
-            while len(self.history) > self.max_versions:
-                self.history.popitem(last=False)
+            self.history.add(snap.version, snap.messages)
         return snap, dropped
 
 

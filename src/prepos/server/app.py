@@ -143,7 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="auto: llama.cpp where it is installed (GGUF files always), else torch")
     p.add_argument("--kv-cells", type=int, default=EngineConfig.kv_cells,
-                   help="llama.cpp: cells of the KV cache all sessions share")
+                   help="llama.cpp: the resident KV cells all sessions share (default "
+                   "%(default)s; the rest of their KV waits in the tiers below)")
     p.add_argument("--kv-sequences", type=int, default=EngineConfig.max_sequences,
                    help="llama.cpp: sessions holding a KV at once (at most 256)")
     p.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=KV_LAYOUTS,

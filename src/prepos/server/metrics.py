@@ -221,6 +221,8 @@ def _tiers(t: dict):
     yield CounterMetricFamily("prepos:kv_recomputed_tokens", "Tokens of KVs no tier held, "
                               "prefilled again from the session's committed tokens",
                               t["recomputed_tokens"])
+    yield CounterMetricFamily("prepos:kv_deferred_forwards", "Forwards of a batch that waited "
+                              "a step for resident cells", t.get("deferred", 0))
 
 
 def _relaxed(rx: dict):

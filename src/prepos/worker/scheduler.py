@@ -20,7 +20,7 @@ from typing import Callable, Generator
 
 from prepos.backends.base import idle_work
 from prepos.errors import EngineClosed
-from prepos.worker.kv import Advance, Forward, run_forwards
+from prepos.worker.sequence import Advance, Forward, run_forwards
 
 
 class Task:
@@ -176,25 +176,31 @@ class Scheduler:
                 if idle:
                     self.idle_steps += 1
                     self._idle_running -= 1
+                waiting = []  # forwards left out of the batch: they run first next quantum
                 for task in batch:
                     self._busy.discard(task.key)
                     if task in finished:
                         self._pending -= 1
                         self._fg_pending -= not task.idle
                         task.done.set()
+                    elif task.want is not None and not task.idle:
+                        waiting.append(task)
                     else:
                         (self._idle if task.idle else self._fg).append(task)
+                self._fg.extendleft(reversed(waiting))
                 self._cv.notify_all()
 
     def _quantum(self, batch: list[Task], idle: bool) -> set[Task]:
         """Step each task to its next forward, then run those forwards as one batch (within
-        the token cap; a forward left out runs first in the task's next quantum). Returns
-        the tasks that finished."""
+        the token cap and, `run_forwards`, the cells room can be made for; a forward left
+        out runs first in the next quantum). Returns the tasks that finished."""
         finished: set[Task] = set()
         with idle_work(idle, self._fg_waiting):
             for task in batch:
                 if task.want is None and not self._step(task):
                     finished.add(task)
+                    if task.key is not None:  # its KV may move for the batch's room now
+                        self.release(task.key)
             chosen, plans, tokens = [], [], 0
             for task in batch:
                 if task.want is None:
@@ -223,7 +229,8 @@ class Scheduler:
             self.batches += 1
             self.batched_forwards += len(chosen)
         for task, adv in zip(chosen, advances):
-            task.want, task.reply = None, adv
+            if adv is not None:  # None: not run, for want of room; its forward waits
+                task.want, task.reply = None, adv
         return finished
 
     @staticmethod
