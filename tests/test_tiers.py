@@ -20,11 +20,11 @@ GREEDY = Request(SamplingParams(max_tokens=4), fast_path="off")
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
 
 
-def small(make_engine, tiers: TierConfig | None = None, cells: int = 160):
+def small(make_engine, tiers: TierConfig | None = None, cells: int = 160, **config):
     """An engine whose resident budget holds about two sessions (and, on llama.cpp, four
     sequences)."""
     return make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=cells),
-                       max_sequences=4, **({"tiers": tiers} if tiers else {}))
+                       max_sequences=4, **({"tiers": tiers} if tiers else {}), **config)
 
 
 def entry(eng, sid, question):
@@ -61,8 +61,10 @@ def test_more_sessions_than_the_back_end_holds_each_answer_as_cold(make_engine):
     assert m["resident"]["cells"] <= 160
 
 
-def test_a_restored_kv_answers_as_before_and_from_its_prepositioned_entry(make_engine):
-    eng = small(make_engine)
+@pytest.mark.parametrize("predecode", [0, 64])
+def test_a_restored_kv_answers_as_before_and_from_its_prepositioned_entry(make_engine,
+                                                                          predecode):
+    eng = small(make_engine, predecode_tokens=predecode)
     a = eng.create_session("streaming", system=SYSTEM, standing=["Up?"])
     eng.append(a, "ACME 41 43 44 47")
     eng.wait_idle()
@@ -71,7 +73,10 @@ def test_a_restored_kv_answers_as_before_and_from_its_prepositioned_entry(make_e
     assert eng.info(a)["kv"] != "resident"
     after = eng.query(a, "Up?", Request(SamplingParams(max_tokens=4))).result()
     assert after.path == before.path and after.tokens == before.tokens  # the record survived
-    assert eng.info(a)["kv"] == "resident"
+    if predecode:  # the whole answer was pre-decoded: served without its KV
+        assert after.predecoded == len(after.tokens) and eng.info(a)["kv"] != "resident"
+    else:  # tokens after the first decode on from the KV, brought back
+        assert after.predecoded == 0 and eng.info(a)["kv"] == "resident"
 
 
 @pytest.mark.parametrize("tiers, lands", [
