@@ -55,6 +55,7 @@ class ChatFormat:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput("the tokenizer has no chat_template; prepos needs one")
         self.tokenizer = tokenizer
+        self._one: dict[int, str] = {}  # one token's text, decoded once (a fast answer's)
         # one int object per token id, shared by every session's tokens (a tokenizer returns
         # new ones: ~36 bytes a token, for each of thousands of sessions)
         self._id_objects = list(range(len(tokenizer)))
@@ -191,6 +192,12 @@ class ChatFormat:
         return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
+        if len(ids) == 1:  # the first token of every answer: at most a vocabulary's strings
+            text = self._one.get(ids[0])
+            if text is None:
+                text = self._one[ids[0]] = self.tokenizer.decode([ids[0]],
+                                                                  skip_special_tokens=True)
+            return text
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def _pieces_agree(self) -> bool:
