@@ -277,6 +277,86 @@ def test_simulator_is_deterministic_and_the_budget_knob_skips():
         SimConfig(rho=1.0, early="late")
 
 
+def test_the_whole_answers_closed_form_meets_the_model_at_its_limits():
+    """The simulated process's whole-answer closed form against model.py: idle windows far
+    longer than the pre-decode give L_whole's fast path (and L_whole_first_token with the
+    first token alone), far shorter ones L_whole at no idle time; instantaneous steps give
+    waste_tokens' N (1 - h); a skipped update, the cold whole answer."""
+    N = 40
+    slow = closed_form(R, SimConfig(rho=1.0, update_rate=1e-8, predecode=N))
+    assert slow["whole_ms"] == pytest.approx(m.L_whole(R, N, 1e12), abs=1e-3)
+    assert slow["whole_first_token_only_ms"] == pytest.approx(m.L_whole_first_token(R, N),
+                                                              abs=1e-3)
+    assert slow["waste_tokens_per_update"] == pytest.approx(m.waste_tokens(1.0, N), rel=1e-4)
+    fast = closed_form(R, SimConfig(rho=1.0, update_rate=1e6, predecode=N))
+    assert fast["whole_ms"] == pytest.approx(m.L_whole(R, N, 0.0), rel=1e-4)
+    assert fast["waste_tokens_per_update"] == pytest.approx(0.0, abs=1e-9)
+    for rho in (0.25, 1.0, 4.0):
+        inst = closed_form(R.with_(T_decode=0.0), SimConfig(rho=rho, T_pp_ms=0.0, predecode=N))
+        assert inst["waste_tokens_per_update"] == pytest.approx(m.waste_tokens(rho, N))
+        assert inst["waste_tokens_per_update_iid"] == pytest.approx(m.waste_tokens(rho, N))
+        assert inst["whole_ms"] == pytest.approx(R.T_scan)
+        h = m.hit_rate(rho)  # N tokens wasted with probability 1 - h, else none
+        assert inst["waste_tokens_per_update_sd"] == pytest.approx(N * math.sqrt(h * (1 - h)))
+    half = closed_form(R, SimConfig(rho=1.0, update_rate=1e-8, skip=0.5, predecode=N))
+    assert half["whole_ms"] == pytest.approx((R.T_scan + m.L_whole_cold(R, N)) / 2, abs=1e-3)
+    # the reference at one update a second: T_pd = 1540.854 ms, E[max(0, T_pd - A)] for
+    # A ~ Exp(1/s) is T_pd - (1 - exp(-1.540854)) s
+    ref = closed_form(R, SimConfig(rho=1.0, predecode=N))
+    assert ref["whole_T_pd_ms"] == pytest.approx(m.T_pd(R, N))
+    assert ref["whole_ms"] == pytest.approx(755.716, abs=1e-3)
+    assert ref["whole_served_complete_fraction"] == pytest.approx(math.exp(-1.540854))
+    assert "whole_ms" not in closed_form(R, SimConfig(rho=1.0))  # off by default
+
+
+@pytest.mark.parametrize("t_pp,skip", [(None, 0.0), (400.0, 0.3)])
+@pytest.mark.parametrize("rho", [0.25, 1.0, 4.0])
+def test_simulated_whole_answer_matches_its_closed_form(rho, t_pp, skip):
+    """Time to the whole 40-token answer (pre-decoded, and the first token alone) and the
+    pre-decoded tokens wasted per update: the simulation within ~4 standard errors of the
+    closed form, at Eq. 6's T_pp and at 400 ms with 30% of updates skipped."""
+    cfg = SimConfig(rho=rho, n_prepositions=4000, T_pp_ms=t_pp, skip=skip, predecode=40,
+                    seed=11)
+    res = simulate(R, cfg)
+    w, cf = res.whole, res.closed_form
+    assert w["N"] == 40 and w["T_pd_ms"] == pytest.approx(cfg.t_pp(R) + 39 * R.T_decode)
+    for k in ("whole_ms", "whole_first_token_only_ms", "waste_tokens_per_update"):
+        lo, hi = w[k + "_ci"]
+        assert 0 < hi - lo and abs(w[k] - cf[k]) < (hi - lo), (k, w[k], cf[k])
+        assert res.agrees[{"whole_ms": "whole_in_ci", "waste_tokens_per_update": "waste_in_ci",
+                           "whole_first_token_only_ms": "first_token_only_in_ci"}[k]]
+    p = cf["whole_served_complete_fraction"]
+    assert abs(w["served_complete"] / res.queries - p) < 4 * math.sqrt(p * (1 - p) / res.queries)
+    # pre-decoding beats the first token alone; a wasted token is one nobody asked for
+    assert w["whole_ms"] < w["whole_first_token_only_ms"]
+    assert w["waste_tokens"] <= 40 * (res.prepositions - res.hits)
+    assert w["waste_tokens_per_update"] < cf["waste_tokens_per_update_iid"]
+
+
+def test_whole_answer_intervals_cover_the_closed_form_about_95_percent_of_the_time():
+    misses = {"whole_in_ci": 0, "waste_in_ci": 0}
+    n = 200
+    for seed in range(n):
+        res = simulate(R, SimConfig(rho=2.0, n_prepositions=128, predecode=40, seed=seed))
+        for k in misses:
+            misses[k] += not res.agrees[k]
+    assert 0.01 <= misses["whole_in_ci"] / n <= 0.12
+    assert misses["waste_in_ci"] / n <= 0.12
+
+
+def test_predecoding_leaves_the_first_token_simulation_as_it_was():
+    off = simulate(R, SimConfig(rho=1.0, n_prepositions=300, T_pp_ms=300.0, seed=4))
+    on = simulate(R, SimConfig(rho=1.0, n_prepositions=300, T_pp_ms=300.0, seed=4,
+                               predecode=8))
+    assert off.whole == {} and on.whole["N"] == 8
+    assert (on.hits, on.paths, on.mean_latency_ms) == (off.hits, off.paths, off.mean_latency_ms)
+    one = simulate(R, SimConfig(rho=1.0, n_prepositions=300, T_pp_ms=300.0, seed=4,
+                                predecode=1)).whole
+    assert one["whole_ms"] == pytest.approx(one["whole_first_token_only_ms"])  # N = 1: the same
+    with pytest.raises(ValueError):
+        SimConfig(rho=1.0, predecode=-1)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.floats(0.05, 20), st.floats(0, 2000), st.floats(0, 0.9), st.integers(0, 2**31))
 def test_simulator_accounting_is_consistent(rho, t_pp, skip, seed):
@@ -344,10 +424,16 @@ def test_simulate_cli_end_to_end(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"ours", "reference"}
     assert len(data["runs"]["ours"]["points"]) == len(RHOS)
+    w = summary["whole"]  # the whole 40-token answer, on by default
+    assert w["N"] == 40 and len(w["whole_ms"]) == len(RHOS)
+    for k in ("whole_in_ci_all", "first_token_only_in_ci_all", "waste_in_ci_all"):
+        assert summary["checks"][k]
+    assert all(a < b for a, b in zip(w["whole_ms"], w["whole_first_token_only_ms"]))
     names = sorted(p.name for p in figs.iterdir())
-    assert names == sorted(f"fig{i}_{what}_{tag}.png" for tag in ("ours", "reference")
-                           for i, what in ((4, "latency_speedup"), (5, "cost_anatomy"),
-                                           (6, "hit_rate_latency")))
+    assert names == sorted([f"fig{i}_{what}_{tag}.png" for tag in ("ours", "reference")
+                            for i, what in ((4, "latency_speedup"), (5, "cost_anatomy"),
+                                            (6, "hit_rate_latency"))]
+                           + [f"fig_whole_answer_{tag}.png" for tag in ("ours", "reference")])
     assert all((figs / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     # the written file's constants can be read back as constants
     c, _, _ = sim_cli.constants_from_json(out)
@@ -356,9 +442,10 @@ def test_simulate_cli_end_to_end(tmp_path, capsys):
 
 def test_simulate_cli_reference_only(tmp_path, capsys):
     rc = sim_cli.main(["--reference", "--instant", "--no-figures", "--n", "128",
-                       "--out", str(tmp_path / "s.json")])
+                       "--predecode", "0", "--out", str(tmp_path / "s.json")])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0
+    assert summary["whole"] is None and "waste_in_ci_all" not in summary["checks"]
     assert summary["primary"] == "reference" and summary["figures"] == []
     assert summary["h_closed_form"] == pytest.approx([r / (1 + r) for r in RHOS], abs=1e-4)
     assert summary["L_cold_ms"] == pytest.approx(54.294)

@@ -11,7 +11,7 @@ COMMANDS = {
     "train": ("prepos.lab.train", "train the bundled model (and its weak contrast)"),
     "calibrate": ("prepos.lab.calibration", "calibrate the confidence gate (risk-coverage)"),
     "bench": ("prepos.lab.bench", "every measurement in one command, then docs/RESULTS.md"),
-    "simulate": ("prepos.sim.cli", "closed-form model and session simulator; Figures 4-6"),
+    "simulate": ("prepos.sim.cli", "closed form and simulator, Figures 4-6, the whole answer"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The closed-form model of Section 2, the session simulator, and Figures 4-6 of Section 5.
+"""The closed-form model of Section 2, the session simulator (the whole answer pre-decoded too),
+and Figures 4-6 of Section 5.
 
     from prepos.sim import REFERENCE, model, simulate, SimConfig
 """

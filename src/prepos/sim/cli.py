@@ -5,8 +5,11 @@ benchmarks/engine_paths.py; or a file of Constants fields), or uses the referenc
 Simulates a session at each rho (Poisson updates and queries, >= 128 pre-positions per
 point, seeded), checks that the closed-form hit rate lies inside each simulated point's
 Wilson interval and the closed-form mean latency inside its interval, checks the
-net-benefit condition (Eq. 10) on the constants, writes results/simulate.json and Figures 4-6
-into docs/figures/ (ours and the reference's), and prints a JSON summary as its last line.
+net-benefit condition (Eq. 10) on the constants and, with --predecode N (default 40), the
+whole answer's: the closed-form time to the whole answer (N tokens pre-decoded, and the first
+token alone) within 1% of each point's interval and its wasted tokens per update inside it;
+writes results/simulate.json, Figures 4-6 and the whole answer's into docs/figures/ (ours and
+the reference's), and prints a JSON summary as its last line.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prepos.sim.model import REFERENCE, REFERENCE_MEASURED, Constants
 from prepos.sim.simulator import SimConfig, closed_form, sweep
 
 RHOS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+WHOLE_CHECKS = ("whole_in_ci", "first_token_only_in_ci", "waste_in_ci")
 DEFAULT_PATHS = Path("results/engine_paths.json")
 DEFAULT_CALIBRATION = Path("results/calibration/calibration.json")
 # keys under which a prefill slope (ms/token, HW-1) may be recorded
@@ -196,16 +200,22 @@ def run_one(c: Constants, args: argparse.Namespace) -> dict:
     z = NormalDist().inv_cdf(1 - 0.05 / (2 * len(args.rhos)))
     cfg = dict(update_rate=args.update_rate, n_prepositions=args.n,
                T_pp_ms=0.0 if args.instant else None, skip=args.skip, delta=args.delta,
-               early=args.early, seed=args.seed, z=z)
+               early=args.early, seed=args.seed, z=z, predecode=args.predecode)
     results = sweep(c, args.rhos, **cfg)
     pts = [r.as_dict() for r in results]
     grid = np.geomspace(0.1, 20.0, 60)
-    finite = [closed_form(c, SimConfig(rho=float(r), **cfg))["hit_rate"] for r in grid]
+    finite = [closed_form(c, SimConfig(rho=float(r), **cfg)) for r in grid]
+    whole = {}
+    if args.predecode:
+        whole = {f"{k}_all": all(r.agrees[k] for r in results) for k in WHOLE_CHECKS}
+        whole["amortized_whole_eq7_at_mean_update_interval"] = bool(
+            m.amortized_whole(c, 1e3 / args.update_rate, args.predecode))
     return {
         "constants": c.as_dict(),
         "closed_form": m.summary(c, args.delta),
         "points": pts,
-        "finite_curve": {"rho": grid.tolist(), "hit_rate": finite},
+        "finite_curve": {"rho": grid.tolist(), "hit_rate": [f["hit_rate"] for f in finite],
+                         "waste": [f.get("waste_tokens_per_update") for f in finite]},
         "checks": {
             "hit_rate_in_wilson_all": all(r.agrees["hit_rate_in_wilson"] for r in results),
             "hit_rate_iid_in_wilson_all": all(r.agrees["hit_rate_iid_in_wilson"]
@@ -216,6 +226,7 @@ def run_one(c: Constants, args: argparse.Namespace) -> dict:
             "net_benefit_eq10_delta_entry": m.net_benefit(c, c.L_entry),
             "amortized_eq7_at_mean_update_interval": bool(
                 m.amortized(c, 1e3 / args.update_rate)),
+            **whole,
         },
     }
 
@@ -228,12 +239,18 @@ def draw(tag: str, c: Constants, res: dict, measured: dict, cold_points: list,
     if T > 0 and args.early == "cold":
         finite = {**res["finite_curve"],
                   "label": f"closed form with {what}, lambda_u = {args.update_rate:g}/s"}
-    return [str(p) for p in (
+    out = [
         figures.figure4(c, out_dir / f"fig4_latency_speedup_{tag}.png", measured, cold_points),
         figures.figure5(c, out_dir / f"fig5_cost_anatomy_{tag}.png", measured),
         figures.figure6(c, out_dir / f"fig6_hit_rate_latency_{tag}.png", res["points"], trace,
                         res["points"], finite),
-    )]
+    ]
+    if N := args.predecode:
+        curve = {**res["finite_curve"], "label": f"closed form with T_pd = "
+                 f"{figures._ms(T + (N - 1) * c.T_decode)}, lambda_u = {args.update_rate:g}/s"}
+        out.append(figures.figure_whole(c, out_dir / f"fig_whole_answer_{tag}.png", N,
+                                        res["points"], curve))
+    return [str(p) for p in out]
 
 
 def table(tag: str, res: dict) -> str:
@@ -249,7 +266,36 @@ def table(tag: str, res: dict) -> str:
             f"   {cf['hit_rate']:.3f} ({cf['hit_rate_iid']:.3f})"
             f"   {'yes' if p['agrees']['hit_rate_in_wilson'] else 'NO '}"
             f"   {p['mean_latency_ms']:.4g} [{llo:.4g}, {lhi:.4g}]   {cf['mean_latency_ms']:.4g}")
+    if res["points"] and res["points"][0]["whole"]:
+        N = res["points"][0]["whole"]["N"]
+        lines.append(f"[{tag}] rho   whole {N}-token answer ms: pre-decoded [95%] closed form"
+                     f"   first token alone [95%] closed form   wasted tokens/update [95%] "
+                     f"closed form   in")
+        for p in res["points"]:
+            w, cf = p["whole"], p["closed_form"]
+            ok = all(p["agrees"][k] for k in WHOLE_CHECKS)
+            lines.append(
+                f"[{tag}] {p['rho']:<5g}" + "".join(
+                    f"   {w[k]:.4g} [{w[k + '_ci'][0]:.4g}, {w[k + '_ci'][1]:.4g}] {cf[k]:.4g}"
+                    for k in ("whole_ms", "whole_first_token_only_ms",
+                              "waste_tokens_per_update"))
+                + f"   {'yes' if ok else 'NO '}")
     return "\n".join(lines)
+
+
+def _whole_summary(run: dict, N: int) -> dict | None:
+    """The whole answer's simulated and closed-form values at each rho, for the summary."""
+    if not N:
+        return None
+    pts = run["points"]
+    out: dict[str, Any] = {"N": N, "T_pd_ms": pts[0]["whole"]["T_pd_ms"]}
+    for k in ("whole_ms", "whole_first_token_only_ms", "waste_tokens_per_update"):
+        out[k] = [round(p["whole"][k], 4) for p in pts]
+        out[k + "_ci"] = [[round(x, 4) for x in p["whole"][k + "_ci"]] for p in pts]
+        out[k + "_closed_form"] = [round(p["closed_form"][k], 4) for p in pts]
+    out["waste_tokens_per_update_iid"] = [p["closed_form"]["waste_tokens_per_update_iid"]
+                                          for p in pts]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="budget knob: probability a pre-position is skipped")
     ap.add_argument("--delta", type=float, default=0.0,
                     help="fall-through delta on a gate miss, tokens (Eq. 5)")
+    ap.add_argument("--predecode", type=int, default=40,
+                    help="the whole answer: tokens pre-decoded after each update (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", default=None,
                     help="measured live-trace hit rates (HW-4) to overlay on Figure 6")
@@ -297,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.n < 128:
         print(f"prepos simulate: warning: --n {args.n} < 128 pre-positions per point",
               file=sys.stderr)
-    if args.n < 1:
-        ap.error("--n must be >= 1")
+    if args.n < 1 or args.predecode < 0:
+        ap.error("--n must be >= 1 and --predecode >= 0")
 
     # -- constants -----------------------------------------------------------------------
     sets: dict[str, tuple[Constants, dict, list]] = {}
@@ -346,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"rhos": args.rhos, "n_prepositions": args.n,
                      "update_rate_per_s": args.update_rate, "instant": args.instant,
                      "early": args.early, "skip": args.skip, "delta": args.delta,
-                     "seed": args.seed, "restore": args.restore},
+                     "seed": args.seed, "restore": args.restore,
+                     "predecode": args.predecode},
         "primary": primary,
         "runs": runs,
         "measured_markers": {tag: meas for tag, (_, meas, _) in sets.items()},
@@ -378,13 +427,15 @@ def main(argv: list[str] | None = None) -> int:
                                    for p in pr["points"]],
         "L_cold_ms": cf["L_cold_ms"], "L_fast_ms": cf["L_fast_ms"], "S": cf["S"],
         "served_ms": cf["served_ms"],
+        "whole": _whole_summary(pr, args.predecode),
         "checks": pr["checks"],
         "reference_checks": runs["reference"]["checks"] if primary != "reference" else None,
         "json": str(out),
         "figures": figs,
     }
     print(json.dumps(_clean(summary)))
-    gating = ("hit_rate_in_wilson_all", "latency_in_ci_all", "net_benefit_eq10")
+    gating = ("hit_rate_in_wilson_all", "latency_in_ci_all", "net_benefit_eq10",
+              *(f"{k}_all" for k in WHOLE_CHECKS if args.predecode))
     if args.check and not all(pr["checks"][k] for k in gating):
         return 1
     return 0

@@ -1,4 +1,5 @@
-"""Figures 4, 5 and 6 of Section 5, from the closed form (and measured or simulated points).
+"""Figures 4, 5 and 6 of Section 5 and the whole answer's, from the closed form (and measured or
+simulated points).
 
 Each function draws one PNG for one set of constants (ours, measured on this machine, or the
 reference's Table 1), says which in its title, and returns the path it wrote. Figure 7 is the
@@ -241,5 +242,61 @@ def figure6(c: Constants, path: str | Path, points: Sequence[dict] = (),
     _below(b)
 
     fig.suptitle(f"Figure 6 - constants: {c.label}\n{_constants_line(c)}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def figure_whole(c: Constants, path: str | Path, N: int, points: Sequence[dict] = (),
+                 finite: dict | None = None, rho_range: tuple[float, float] = (0.1, 20.0)) -> Path:
+    """The whole answer of N tokens: (a) time to it against the idle window, pre-decoding
+    against the first token alone, and the cold path; (b) pre-decoded tokens wasted per update
+    vs rho (Eq. 8's race, the model's waste_tokens).
+
+    points: simulated points, dicts with rho and whole["waste_tokens_per_update"(_ci)];
+    finite: {"rho": [..], "waste": [..], "label": str}, the simulated process's closed form."""
+    plt = _plt()
+    t_pd = float(m.T_pd(c, N))
+    idle = np.linspace(0.0, 1.4 * t_pd, 400)
+    rest = (N - 1) * c.T_decode
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 6.4))
+    a.plot(idle, m.L_whole(c, N, idle), color=COLOURS["scan"], lw=2,
+           label=f"{N} tokens pre-decoded: T_scan + max(0, T_pd - I)")
+    a.plot(idle, m.L_whole(c, 1, idle) + rest, color=COLOURS["decode"], lw=2,
+           label=f"first token alone: T_scan + max(0, T_pp - I) + {N - 1} T_decode")
+    a.axhline(float(m.L_whole_cold(c, N)), color="k", lw=1.5,
+              label=f"cold: L_cold + {N - 1} T_decode = {_ms(float(m.L_whole_cold(c, N)))}")
+    a.axvline(t_pd, color="grey", ls="--", lw=1,
+              label=f"T_pd = T_pp + {N - 1} T_decode = {_ms(t_pd)} (Eq. 7, whole answer)")
+    a.set_yscale("log")
+    a.set_xlabel("idle window I: update to request (ms)")
+    a.set_ylabel("time to the whole answer (ms, log scale)")
+    a.set_title(f"(a) time to the whole {N}-token answer vs idle window")
+    a.grid(alpha=0.3, which="both")
+    _below(a)
+
+    rho = np.geomspace(*rho_range, 200)
+    b.plot(rho, m.waste_tokens(rho, N), color=COLOURS["prefill"], lw=2,
+           label=f"N (1 - h), h = rho/(1+rho): instantaneous (Eq. 8), N = {N}")
+    if finite and finite.get("rho"):
+        b.plot(finite["rho"], finite["waste"], "--", color=COLOURS["prefill"], lw=1.3,
+               label=finite.get("label", "closed form of the simulated process"))
+    if points:
+        x = [p["rho"] for p in points]
+        y = [p["whole"]["waste_tokens_per_update"] for p in points]
+        lo = [max(0.0, v - p["whole"]["waste_tokens_per_update_ci"][0])
+              for v, p in zip(y, points)]
+        hi = [p["whole"]["waste_tokens_per_update_ci"][1] - v for v, p in zip(y, points)]
+        b.errorbar(x, y, yerr=[lo, hi], fmt="o", color="k", ms=5, capsize=3,
+                   label="simulated, 95% family-wise")
+    b.set_xscale("log")
+    b.set_ylim(bottom=0)
+    b.set_xlabel("query-to-update ratio rho = lambda_q / lambda_u (log scale)")
+    b.set_ylabel("pre-decoded tokens never served, per update")
+    b.set_title("(b) wasted tokens per update vs rho")
+    b.grid(alpha=0.3, which="both")
+    _below(b)
+
+    fig.suptitle(f"The whole answer pre-decoded - constants: {c.label}\n{_constants_line(c)}",
+                 fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
