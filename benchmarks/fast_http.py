@@ -20,11 +20,14 @@ same request body to each, the garbage collector paused while timing. Each serie
 `--requests` requests of each endpoint (after `--warmup` untimed ones), one request of each
 in turn, the order rotating (`--interleave request`, so the machine's noise falls on all
 alike), or each endpoint's in a row, the order rotating from series to series (`block`).
-The server also times its event loop thread's CPU in each request (`server_cpu_us_p50`, the
-same for every endpoint): a gap between two endpoints' wall times that their CPU times show
-too is the server's own work, not waiting. Printed last: one JSON line with P50/P99 per
-endpoint over all series, per series, and the ratios (`fast_over_raw_asgi_p50`, target
-<= 1.5).
+The server also times its event loop thread's CPU in each request's ASGI call
+(`server_cpu_us_p50`, the same wrapper for every endpoint): a gap between two endpoints' wall
+times that their CPU times show too is the server's own work, not waiting. The call's CPU
+includes whatever the loop runs while the call waits: http.client sends the head and the
+body separately, so a call that reads the body late (after its own checks) also pays the
+parsing of the body's segment, which a call that reads at once finds done. Printed last:
+one JSON line with P50/P99 per endpoint over all series, per series, and the ratios
+(`fast_over_raw_asgi_p50`, target <= 1.5).
 
     python benchmarks/fast_http.py [--series 3] [--requests 500] [--interleave request]
 """
