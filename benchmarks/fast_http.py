@@ -20,8 +20,14 @@ same request body to each, the garbage collector paused while timing. Each serie
 `--requests` requests of each endpoint (after `--warmup` untimed ones), one request of each
 in turn, the order rotating (`--interleave request`, so the machine's noise falls on all
 alike), or each endpoint's in a row, the order rotating from series to series (`block`).
-Printed last: one JSON line with P50/P99 per endpoint over all series, per series, and the
-ratios (`fast_over_raw_asgi_p50`, target <= 1.5).
+The server also times its event loop thread's CPU in each request's ASGI call
+(`server_cpu_us_p50`, the same wrapper for every endpoint): a gap between two endpoints' wall
+times that their CPU times show too is the server's own work, not waiting. The call's CPU
+includes whatever the loop runs while the call waits: http.client sends the head and the
+body separately, so a call that reads the body late (after its own checks) also pays the
+parsing of the body's segment, which a call that reads at once finds done. Printed last:
+one JSON line with P50/P99 per endpoint over all series, per series, and the ratios
+(`fast_over_raw_asgi_p50`, target <= 1.5).
 
     python benchmarks/fast_http.py [--series 3] [--requests 500] [--interleave request]
 """
@@ -50,6 +56,7 @@ from common import RESULTS, machine, summarize, write  # noqa: E402
 QUESTION = "Which way is ACME moving?"
 DATA = "ACME 101.2 101.9 102.4 103.1 103.0 103.8 104.5"
 EMPTY, RAW, RAW_SAME = "/bench/empty", "/bench/raw", "/bench/raw-same"
+CPU = "/bench/cpu"  # the server's CPU time per request, by path (taken: cleared)
 ENDPOINTS = ("fast", "empty", "raw", "raw_same")
 CONSTANT = b'{"ok": true}'
 JSON_HEADERS = [(b"content-type", b"application/json"),
@@ -83,8 +90,24 @@ def around(app):
     app.router.routes.insert(0, Route(EMPTY, empty, methods=["POST"]))
 
     copy: dict = {}
+    cpu: dict[str, list[int]] = {}  # path: the event loop thread's CPU ns of each request
 
     async def served(scope, receive, send):
+        path = scope.get("path")
+        if path == CPU:  # the samples so far, then none
+            body = json.dumps(cpu).encode()
+            cpu.clear()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        if scope["type"] != "http":
+            return await dispatch(scope, receive, send)
+        t0 = time.thread_time_ns()
+        await dispatch(scope, receive, send)
+        cpu.setdefault(path, []).append(time.thread_time_ns() - t0)
+
+    async def dispatch(scope, receive, send):
         path = scope.get("path")
         if path == RAW:
             return await raw_asgi(scope, receive, send)
@@ -163,6 +186,7 @@ class Endpoint:
         self.samples: list[float] = []
         self.series: list[dict] = []
         self.engine_ms: list[float] = []  # prepos's answers: the engine's total (Server-Timing)
+        self.cpu_ns: list[int] = []  # the server's CPU time in each timed request
         self.wrong = 0
         self.wrong_examples: list[str] = []
 
@@ -194,6 +218,15 @@ class Endpoint:
                                            f"{dict(r.getheaders())} {raw[:200]!r}")
 
 
+def taken(port: int) -> dict[str, list[int]]:
+    """The server's CPU time samples since the last call, by path."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("GET", CPU)
+    took = json.loads(c.getresponse().read())
+    c.close()
+    return took
+
+
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3)
 
@@ -209,6 +242,7 @@ def measure(port: int, series: int, requests: int, warmup: int,
     c.request("POST", RAW_SAME, json.dumps({"headers": r.getheaders(), "body": answer.decode()}))
     c.getresponse().read()
     c.close()
+    taken(port)  # the set-up's requests: not samples
     eps = [Endpoint("fast", port, f"/sessions/{sid}/query", body),
            Endpoint("empty", port, EMPTY, body, CONSTANT),
            Endpoint("raw", port, RAW, body, CONSTANT),
@@ -229,9 +263,11 @@ def measure(port: int, series: int, requests: int, warmup: int,
                         ep.once(xs[ep.name] if k >= warmup else None)
         finally:
             gc.enable()
+        took = taken(port)  # each path's requests in order: its warm-up ones first
         for ep in eps:
             ep.samples += xs[ep.name]
             ep.series.append(summarize(xs[ep.name]))
+            ep.cpu_ns += took[ep.path][warmup:]
     by = {ep.name: ep for ep in eps}
     total = {name: summarize(by[name].samples) for name in ENDPOINTS}
     p50 = {name: total[name]["p50_ms"] for name in ENDPOINTS}
@@ -251,6 +287,11 @@ def measure(port: int, series: int, requests: int, warmup: int,
         # the engine's own time for each answer (the request's arrival at the engine to its
         # result), as the answers' Server-Timing says: the rest of `fast` is HTTP's
         "fast_engine_total_ms_p50": round(statistics.median(by["fast"].engine_ms), 4),
+        # the server's event loop thread's CPU time in each timed request (its ASGI call,
+        # start to end, `time.thread_time`): where the wall time differs, the server waited
+        # (for the CPU, or another thread)
+        "server_cpu_us_p50": {name: round(statistics.median(by[name].cpu_ns) / 1e3, 1)
+                              for name in ENDPOINTS},
         "wrong": sum(ep.wrong for ep in eps),
         "wrong_examples": [w for ep in eps for w in ep.wrong_examples],
         "samples_ms": {ep.name: [round(x * 1e3, 4) for x in ep.samples] for ep in eps},
