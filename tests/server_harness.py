@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,6 +115,30 @@ def sse_events(text: str) -> list[tuple[str, object]]:
         except ValueError:
             out.append((name, raw))
     return out
+
+
+def listen_events(url: str, sid: str, skip: tuple[str, ...] = (),
+                  until: tuple[str, ...] = ("close",)) -> tuple[queue.Queue, threading.Thread]:
+    """A session's live SSE events, (name, data) each, put on the returned queue by the
+    returned daemon thread, but for the names in `skip`; it ends after an event in `until`."""
+    events: queue.Queue = queue.Queue()
+
+    def listen():
+        with httpx.Client(base_url=url, timeout=120) as c, \
+                c.stream("GET", f"/sessions/{sid}/events") as r:
+            assert r.status_code == 200
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:") and name not in skip:
+                    events.put((name, json.loads(line[5:])))
+                    if name in until:
+                        return
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    return events, thread
 
 
 def state_of(client: httpx.Client, sid: str) -> tuple:

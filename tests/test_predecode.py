@@ -2,13 +2,10 @@
 record, served whole (or as far as decoded, the rest live) to a greedy request, gone with
 their version, within the cell budget; and over HTTP (JSON, SSE pushes, OpenAI)."""
 
-import json
-import queue
-import threading
 
 import httpx
 import pytest
-from server_harness import ServerProc, sse_events
+from server_harness import ServerProc, listen_events, sse_events
 
 from helpers import during_idle_forwards, greedy_agrees, query_entry
 from prepos.core import AnswerPath, Request, SamplingParams
@@ -248,21 +245,7 @@ def test_sse_pushes_the_whole_standing_answer_once_pre_decoded(server):
                                       "push_max_tokens": 6})
         sid = r.json()["id"]
         assert r.json()["answer_max_tokens"] == 6
-        events: queue.Queue = queue.Queue()
-
-        def listen():
-            with httpx.Client(base_url=server.url, timeout=120) as cc, \
-                    cc.stream("GET", f"/sessions/{sid}/events") as resp:
-                name = None
-                for line in resp.iter_lines():
-                    if line.startswith("event:"):
-                        name = line[6:].strip()
-                    elif line.startswith("data:"):
-                        events.put((name, json.loads(line[5:])))
-                        if name == "close":
-                            return
-
-        threading.Thread(target=listen, daemon=True).start()
+        events, _ = listen_events(server.url, sid)
         assert events.get(timeout=30)[0] == "hello"
         version = c.post(f"/sessions/{sid}/append", json={"data": "AAPL 102"}).json()["version"]
         while True:

@@ -4,8 +4,6 @@ bounds and invalidation; one HTTP test of the correction event."""
 
 from __future__ import annotations
 
-import json
-import queue
 import re
 import threading
 
@@ -357,7 +355,7 @@ OPPOSITE = "What is the opposite of the trend of ACME?"
 def test_http_correction_event_names_the_relaxed_answer(tmp_path):
     """On probation (start serve), the bundled model: a polar question is not served a trend
     word; a class whose full path said down is served down, and corrected when wrong."""
-    from server_harness import ServerProc
+    from server_harness import ServerProc, listen_events
 
     from prepos.lab.task.market import SYSTEM_PROMPT
     from prepos.paths import DEFAULT_MODEL
@@ -380,21 +378,8 @@ def test_http_correction_event_names_the_relaxed_answer(tmp_path):
             return client.post(f"/sessions/{sid}/query", json={"question": question,
                                                                "max_tokens": 1})
 
-        events: queue.Queue = queue.Queue()
-
-        def listen():
-            with httpx.Client(base_url=srv.url, timeout=120) as c, \
-                    c.stream("GET", f"/sessions/{sid}/events") as resp:
-                name = None
-                for line in resp.iter_lines():
-                    if line.startswith("event:"):
-                        name = line[6:].strip()
-                    elif line.startswith("data:") and name not in ("commit", "ready"):
-                        events.put((name, json.loads(line[5:])))
-                        if name in ("correction", "close"):
-                            return
-
-        threading.Thread(target=listen, daemon=True).start()
+        events, _ = listen_events(srv.url, sid, skip=("commit", "ready"),
+                               until=("correction", "close"))
         assert events.get(timeout=30)[0] == "hello"
         append(RISING)  # the header's token: up
         polar = ask("Is ACME rising?").json()  # a new class: its answer set is empty

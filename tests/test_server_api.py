@@ -4,14 +4,11 @@ shift, close, metrics."""
 
 from __future__ import annotations
 
-import json
-import queue
-import threading
 import time
 
 import httpx
 import pytest
-from server_harness import ServerProc, sse_events, state_of
+from server_harness import ServerProc, listen_events, sse_events, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"
@@ -129,23 +126,7 @@ def test_standing_query_answers_are_pushed_before_anyone_asks(server, client):
     sid = create(client, kind="streaming", system=SYSTEM, standing_queries=[Q, "Up or down?"])
     feed(client, sid, DATA[:1])
     settle(client, sid)
-    events: queue.Queue = queue.Queue()
-
-    def listen():
-        with httpx.Client(base_url=server.url, timeout=120) as c, \
-                c.stream("GET", f"/sessions/{sid}/events") as r:
-            assert r.status_code == 200
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event:"):
-                    name = line[6:].strip()
-                elif line.startswith("data:"):
-                    events.put((name, json.loads(line[5:])))
-                    if name == "close":
-                        return
-
-    t = threading.Thread(target=listen, daemon=True)
-    t.start()
+    events, t = listen_events(server.url, sid)
     hello = events.get(timeout=30)
     assert hello[0] == "hello" and hello[1]["version"] == 1
     version = feed(client, sid, DATA[1:])
