@@ -44,7 +44,13 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # the servers are started as the tests start them
 
-from cluster_harness import Postgres, Router, missing_postgres, missing_router  # noqa: E402
+from cluster_harness import (  # noqa: E402
+    Postgres,
+    Router,
+    SessionClients,
+    missing_postgres,
+    missing_router,
+)
 from server_harness import ServerProc  # noqa: E402
 
 from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
@@ -155,38 +161,27 @@ def fast_path(router: Router, nodes: list[ServerProc], n: int) -> dict:
             "ratio_p50": r["p50_ms"] / d["p50_ms"]}
 
 
-class Clients:
-    """Part 3's clients: one thread per session, each op in turn through the router."""
+class Clients(SessionClients):
+    """Part 3's clients: one thread per session, each op in turn through the router, each
+    on its own kept-alive connection."""
+
+    retry_s = 0.05
 
     def __init__(self, router: Router, streaming: list[str], agentic: list[str]):
+        super().__init__(streaming + agentic)
         self.router = router
         self.streaming, self.agentic = streaming, agentic
-        self.ops: dict[str, list[dict]] = {s: [] for s in streaming + agentic}
+        self.conns = {s: Conn(router.url) for s in self.ops}
         self.history: dict[str, list[dict]] = {s: [] for s in agentic}
         self.appended: dict[str, list[str]] = {s: [] for s in streaming}
-        self.floor: dict[str, int] = {s: 0 for s in streaming + agentic}
-        self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.run, args=(s,), daemon=True)
                         for s in self.ops]
 
     def acked(self) -> int:
         return sum(op["ok"] for ops in self.ops.values() for op in ops)
 
-    def run(self, sid: str) -> None:
-        conn, i = Conn(self.router.url), 0
-        while not self.stop.is_set():
-            op = {"sent": time.monotonic(), "ok": False, "floor": self.floor[sid]}
-            try:
-                op.update(self.step(conn, sid, i))
-                op["ok"] = True
-                i += 1
-            except Exception as exc:  # not acknowledged: tried again
-                op["error"] = repr(exc)[:160]
-                time.sleep(0.05)
-            op["done"] = time.monotonic()
-            self.ops[sid].append(op)
-
-    def step(self, conn: Conn, sid: str, i: int) -> dict:
+    def step(self, sid: str, i: int) -> dict:
+        conn = self.conns[sid]
         h = {"x-session-id": sid}
         if sid in self.agentic:
             if i % 8 == 0:  # within the context: start over (rolled back to version 0)
@@ -263,12 +258,11 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
         c.stop.set()
         for t in c.threads:
             t.join(90)
-    conn = Conn(router.url)  # settle each agentic session's last turn if it failed
-    for sid in agentic:
+    for sid in agentic:  # settle each agentic session's last turn if it failed
         while not c.ops[sid][-1]["ok"]:
             try:
                 c.ops[sid].append({"sent": time.monotonic(), "ok": True, "floor": 0,
-                                   **c.step(conn, sid, 10_000)})
+                                   **c.step(sid, 10_000)})
             except Exception:
                 time.sleep(0.2)
             c.ops[sid][-1].setdefault("done", time.monotonic())

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +128,34 @@ class Router:
                 self.proc.wait()
         if self.proc is not None:
             self._logf.close()
+
+
+class SessionClients:
+    """One client per session, each op in turn, every attempt logged (`ops`): when it was
+    sent and done, whether it was acknowledged, and the version acknowledged before it was
+    sent (`floor`, which `step` raises). A subclass gives `step(sid, i)`, the i-th op."""
+
+    retry_s = 0.1  # after an op that was not acknowledged: it is tried again
+
+    def __init__(self, sids: list[str]):
+        self.ops: dict[str, list[dict]] = {sid: [] for sid in sids}
+        self.floor: dict[str, int] = {sid: 0 for sid in sids}
+        self.stop = threading.Event()
+
+    def run(self, sid: str) -> None:
+        i = 0
+        while not self.stop.is_set():
+            op = {"sent": time.monotonic(), "ok": False, "floor": self.floor[sid]}
+            try:
+                op.update(self.step(sid, i))
+                op["ok"] = True
+                i += 1
+            except Exception as exc:  # not acknowledged: tried again
+                op["error"] = repr(exc)[:200]
+                time.sleep(self.retry_s)
+            op["done"] = time.monotonic()
+            self.ops[sid].append(op)
+
+    def step(self, sid: str, i: int) -> dict:
+        raise NotImplementedError
+

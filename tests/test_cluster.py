@@ -24,7 +24,7 @@ import time
 import httpx
 import openai
 import pytest
-from cluster_harness import Postgres, Router, missing_postgres, missing_router
+from cluster_harness import Postgres, Router, SessionClients, missing_postgres, missing_router
 from server_harness import ServerProc
 
 from prepos.paths import DEFAULT_MODEL
@@ -64,35 +64,19 @@ def cluster(tmp_path_factory):
         pg.stop()
 
 
-class Load:
+class Load(SessionClients):
     """One client per session, each op in turn through the router, every attempt logged."""
 
     def __init__(self, router: Router):
+        super().__init__(STREAMING + AGENTIC)
         self.router = router
         self.client = openai.OpenAI(base_url=router.url + "/v1", api_key="none",
                                     max_retries=0, timeout=60)
-        self.ops: dict[str, list[dict]] = {sid: [] for sid in STREAMING + AGENTIC}
         self.history: dict[str, list[dict]] = {sid: [] for sid in AGENTIC}
         self.appended: dict[str, list[str]] = {sid: [] for sid in STREAMING}
-        self.acked: dict[str, int] = {sid: 0 for sid in STREAMING + AGENTIC}
-        self.stop = threading.Event()
 
     def acks(self, sid: str, after: float = 0.0) -> list[dict]:
         return [op for op in self.ops[sid] if op["ok"] and op["sent"] >= after]
-
-    def run(self, sid: str) -> None:
-        i = 0
-        while not self.stop.is_set():
-            op = {"sent": time.monotonic(), "ok": False, "floor": self.acked[sid]}
-            try:
-                op.update(self.step(sid, i))
-                op["ok"] = True
-                i += 1
-            except Exception as exc:  # not acknowledged: tried again
-                op["error"] = repr(exc)[:200]
-                time.sleep(0.1)
-            op["done"] = time.monotonic()
-            self.ops[sid].append(op)
 
     def step(self, sid: str, i: int) -> dict:
         if sid in AGENTIC:
@@ -115,7 +99,7 @@ class Load:
                        if ": " in line)
         version = json.loads(body)["version"]
         self.appended[sid].append((version, data))
-        self.acked[sid] = version
+        self.floor[sid] = version
         return {"kind": "commit", "node": headers.get("x-prepos-node"), "version": version}
 
     def query(self, sid: str, stream: bool) -> dict:
@@ -139,7 +123,7 @@ class Load:
             extra_headers={"x-session-id": sid})
         text, ext = answer(raw, i % 2 == 1)
         self.history[sid] += [user, {"role": "assistant", "content": text}]
-        self.acked[sid] = ext["version"]
+        self.floor[sid] = ext["version"]
         return {"kind": "answer", "node": raw.headers.get("x-prepos-node"),
                 "version": ext["version"]}
 
