@@ -91,3 +91,21 @@ def write(name: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def metric_samples(text: str, keep: tuple[str, ...] = ()) -> dict[str, float]:
+    """Prometheus exposition text as {'name{label="value",...}': value} (prometheus-client's
+    parser), histograms' buckets and `_created` samples left out; with `keep`, only the
+    samples whose name starts with one of its prefixes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name.endswith(("_bucket", "_created")) or (keep and not name.startswith(keep)):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{name}{{{labels}}}" if labels else name] = float(sample.value)
+    return out
+

@@ -84,7 +84,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
+from common import RESULTS, cpu_model, machine, metric_samples, summarize, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 from prepos.config import default_threads  # noqa: E402
 from prepos.lab.task.market import SYSTEM_PROMPT  # noqa: E402
@@ -297,17 +297,7 @@ class Prepos:
                 "prepos:sessions", "prepos:queue_length", "prepos:journal_errors",
                 "prepos:implicit_sessions", "prepos:cold_requests", "prepos:fall_throughs",
                 "prepos:lookup_drafts")
-        out = {}
-        for line in self.http.text("/metrics").splitlines():
-            if (line.startswith("#") or not line.startswith(keep) or "_bucket" in line
-                    or "_created" in line):
-                continue
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
-        return out
+        return metric_samples(self.http.text("/metrics"), keep)
 
     def wait_idle(self, limit: float = 300.0) -> float:
         """Until the model worker's queues are empty (pre-positions done); seconds waited."""

@@ -67,7 +67,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
+from common import RESULTS, cpu_model, machine, metric_samples, summarize, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 
 TURNS = 8
@@ -223,15 +223,7 @@ def stop(proc: subprocess.Popen) -> None:
 def metrics(url: str) -> dict[str, float]:
     r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEYS['prepos']}"},
                   timeout=30)
-    out = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
-    return out
+    return metric_samples(r.text)
 
 
 def wait_idle(url: str, limit_s: float = 30.0) -> float:
