@@ -302,8 +302,8 @@ class ServerState:
 
     async def start_exact(self, engine: Engine, sid: str, key: tuple, req: EngineRequest,
                           start: Callable[[], Stream], size: int = 0) -> Stream:
-        """`start()` a request for entry `key`: refused for backpressure unless it will be a
-        one-token exact match. It runs on the event loop (no thread hop: a fast answer is
+        """`start()` a request for entry `key`: refused for backpressure unless it needs no
+        model work (`will_be_fast`). It runs on the event loop (no thread hop: a fast answer is
         written at once) unless its text, `size` characters, is long enough that tokenizing
         it would hold the loop up."""
         if not self.will_be_fast(engine, sid, key, req):
