@@ -20,6 +20,7 @@ class TokenEvent:
 
 
 _DONE = object()
+_MAKING = threading.Lock()  # makes a stream's delivered event once
 
 
 class Stream:
@@ -29,9 +30,11 @@ class Stream:
         self._error: BaseException | None = None
         self._finished = False
         self.cancelled = False
-        # set when the reader comes back after the first event (it has been delivered: written
-        # to the client, printed), or wants the whole result at once
-        self.first_delivered = threading.Event()
+        # whether the reader came back after the first event (it has been delivered: written
+        # to the client, printed), or wants the whole result at once; the event to wait on
+        # it is made only for a producer that waits (the fast path's never does)
+        self._delivered = False
+        self._delivered_event: threading.Event | None = None
         # a raw completion's prompt logprobs (`Result.prompt_logprobs`), set before the first
         # event when asked for
         self.prompt_logprobs: list | None = None
@@ -50,12 +53,29 @@ class Stream:
         self._finished = True
         self._events.put(_DONE)
 
+    def wait_delivered(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until the first event was delivered."""
+        if self._delivered:
+            return True
+        with _MAKING:
+            if self._delivered_event is None:
+                self._delivered_event = threading.Event()
+        # delivered before the event existed: the reader saw no event to set
+        return self._delivered or self._delivered_event.wait(timeout)
+
     # -- consumer side -------------------------------------------------------------------
+    def delivered(self) -> None:
+        """The first event has been delivered (or the reader wants no more events)."""
+        self._delivered = True
+        event = self._delivered_event
+        if event is not None:
+            event.set()
+
     def cancel(self) -> None:
         """The reader has gone: the producer stops before its next forward and finishes with
         reason "cancelled". A stream already finished is unaffected."""
         self.cancelled = True
-        self.first_delivered.set()
+        self.delivered()
 
     @property
     def done(self) -> bool:
@@ -74,12 +94,12 @@ class Stream:
         try:
             while not self._end(item := self._events.get()):
                 yield item
-                self.first_delivered.set()  # the reader is back: the event was delivered
+                self.delivered()  # the reader is back: the event was delivered
         finally:
-            self.first_delivered.set()
+            self.delivered()
 
     def result(self, timeout: float | None = None) -> Result:
-        self.first_delivered.set()
+        self.delivered()
         if not self._finished:
             item = self._events.get(timeout=timeout)
             while item is not _DONE:
@@ -102,6 +122,6 @@ class Stream:
                 if self._end(item):
                     return
                 yield item
-                self.first_delivered.set()
+                self.delivered()
         finally:
-            self.first_delivered.set()
+            self.delivered()

@@ -135,7 +135,7 @@ class Answers:
         def rest():
             # the first token is out at once; on a machine with few cores the decode behind it
             # would take the CPU its writer needs, so it waits (briefly) until it was delivered
-            stream.first_delivered.wait(FIRST_TOKEN_GRACE_S)
+            stream.wait_delivered(FIRST_TOKEN_GRACE_S)
             yield from self.decode(kv, seq, out, sampling, rng, s.said())
 
         self.scheduler.submit(rest(), key=s.id, on_error=stream.fail)

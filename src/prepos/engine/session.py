@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -134,7 +135,7 @@ class Session:
         self.history = History(max_versions)
         self._entries: tuple[int, Entries] | None = None
         self.said_tokens = said_tokens
-        self._said: tuple[int, ...] = ()
+        self._said: deque[int] = deque(maxlen=max(said_tokens, 0))
         if not history:
             history = [(0, [{"role": "system", "content": spec.system}] if spec.system else [])]
         for version, messages in history:
@@ -166,13 +167,13 @@ class Session:
         much of it again, and a streaming session's answers never enter its context. Not
         journalled, not versioned: drafts are verified, so it cannot make an answer stale."""
         with self.lock:
-            return self._said
+            return tuple(self._said)
 
     def remember_answer(self, tokens: Sequence[int]) -> None:
         if self.said_tokens <= 0 or not tokens:
             return
         with self.lock:
-            self._said = (self._said + tuple(tokens))[-self.said_tokens:]
+            self._said.extend(tokens)
 
     def at(self, version: int | None) -> Snapshot:
         """A committed version still kept, rendered (the current one otherwise)."""

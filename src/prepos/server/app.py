@@ -44,7 +44,7 @@ from prepos.server.limits import BodyLimit, Limits
 from prepos.server.metrics import CONTENT_TYPE
 from prepos.server.openai import routes as openai_routes
 from prepos.server.responses_api import routes as responses_routes
-from prepos.server.results import json_response
+from prepos.server.results import JSONBody
 from prepos.server.routing import Routes
 from prepos.server.sessions import routes as sessions_routes
 from prepos.server.state import ServerConfig, ServerState
@@ -86,7 +86,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
                             headers={"Retry-After": "1"})
         cluster = state.cluster.health() if state.cluster is not None else None
         if cluster is not None and not cluster["serving"]:  # its lease lapsed: route away
-            return json_response({"status": "lapsed", "model": state.model_name,
+            return JSONBody({"status": "lapsed", "model": state.model_name,
                                   "cluster": cluster}, 503, {"Retry-After": "1"})
         tiers = eng.metrics()["kv_tiers"]
         places = state.places
@@ -98,7 +98,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
             body["cluster"] = cluster
         if config.journal is not None and state.keys.admits(request):  # the path: keys only
             body["journal_path"] = redacted(config.journal)
-        return json_response(body)
+        return JSONBody(body)
 
     @own.add("GET", "/metrics", 70, summary="Prometheus metrics", response={"type": "string"},
              media="text/plain", public=True)

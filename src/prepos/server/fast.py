@@ -6,10 +6,13 @@ exception-telemetry, body-limit, exception and exit-stack middlewares, prepos's 
 the router's match, Starlette's request and exception wrappers) cost as much again. `App`
 takes a query none of those layers would act on straight to the route's own code
 (`sessions.ask`), after the same checks in the same order (503, 401, 404, 400, 409) and with
-the same error responses. Every other request, and a query whose head is over the limit or
-whose body has no Content-Length or is over the limit, goes through the whole stack as
-before; so does every request of a server with CORS on (its middleware adds headers to
-every response, `Vary: Origin` at least)."""
+the same error responses. Every other request, and a query whose head is over the limit,
+whose body has no Content-Length or is over the limit, or that names its session in an
+`x-session-id` header, goes through the whole stack as before; so does every request of a
+server with CORS on (its middleware adds headers to every response, `Vary: Origin` at
+least). On a single node the line also stands in front of the cluster's `Front`: the path
+names the session, and the line names it back in `x-session-id` as `Front` would; in a
+cluster it runs behind `Front`, after the session's owner is settled."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from prepos.engine.session import STREAMING
-from prepos.server.cluster import Front
+from prepos.server.cluster import HEADER, SESSION_ID, Front
 from prepos.server.errors import ApiError, as_api_error
 from prepos.server.schemas import Query
 from prepos.server.sessions import ask
@@ -48,7 +51,7 @@ class StraightLine:
                 not path.startswith(PREFIX) or scope.get("root_path"):
             return None
         sid = path[len(PREFIX):-len(SUFFIX)]
-        if not sid or "/" in sid:  # the route's {sid}: one path segment
+        if not SESSION_ID.fullmatch(sid):  # the route's {sid}, one path segment; else 404
             return None
         head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         length = auth = None
@@ -58,6 +61,8 @@ class StraightLine:
                 length = value if length is None else length
             elif name == b"authorization":
                 auth = value if auth is None else auth
+            elif name == HEADER:  # Front checks it against the path's
+                return None
         if head > self.max_head or length is None or not length.isdigit() or \
                 int(length) > self.max_body:
             return None
@@ -77,12 +82,16 @@ class StraightLine:
                 self.known[raw] = body
         return body
 
-    async def answer(self, scope, receive, send, sid: str, auth: str | None) -> None:
+    async def answer(self, scope, receive, send, sid: str, auth: str | None,
+                     tag: bool = False) -> None:
+        """The query's answer; with `tag`, its session named back in `x-session-id`."""
         try:
             c = await self.state.call(auth, partial(self.body, receive), sid, STREAMING)
             response = await ask(c, receive)
         except Exception as exc:
             response = self.respond(as_api_error(exc))
+        if tag:
+            response.raw_headers.append((HEADER, sid.encode()))
         await response(scope, receive, send)
 
 
@@ -105,9 +114,14 @@ class App(FastAPI):
     front: Front | None = None
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.front is not None and scope["type"] == "http":
-            return await self.front(scope, receive, send, self._serve)
-        await self._serve(scope, receive, send)
+        if scope["type"] != "http" or self.front is None:
+            return await self._serve(scope, receive, send)
+        line = self.straight
+        if line is not None and self.front.cluster is None:
+            taken = line.take(scope)
+            if taken is not None:
+                return await line.answer(scope, receive, send, *taken, tag=True)
+        await self.front(scope, receive, send, self._serve)
 
     async def _serve(self, scope, receive, send) -> None:
         line = self.straight

@@ -42,7 +42,7 @@ from prepos.server.errors import ApiError
 from prepos.server.journal import EPHEMERAL
 from prepos.server.openai_checks import chat_sampling, completion_input, tool_specs
 from prepos.server.openai_flow import ChatCall, complete, prompt_text
-from prepos.server.results import json_response
+from prepos.server.results import JSONBody
 from prepos.server.routing import Routes
 from prepos.server.schemas import ChatCompletion, Completion
 from prepos.server.state import ServerState
@@ -83,7 +83,7 @@ def _context_errors(fn):
 async def models(request: Request):
     state = ServerState.of(request)
     state.owner(request)
-    return json_response({"object": "list", "data": [_model(state)]})
+    return JSONBody({"object": "list", "data": [_model(state)]})
 
 
 @routes.add("GET", "/v1/models/{model_id:path}", 60, summary="Retrieve a model",
@@ -94,7 +94,7 @@ async def model(request: Request, model_id: str):
     if model_id != state.model_name:
         raise ApiError(404, "model_not_found", f"model {model_id!r} is not served here; this "
                        f"server serves {state.model_name!r}", "model")
-    return json_response(_model(state))
+    return JSONBody(_model(state))
 
 
 @routes.add("POST", "/v1/chat/completions", 5, summary="Create a chat completion",

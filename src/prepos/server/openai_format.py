@@ -140,7 +140,7 @@ class Reply:
             out["system_fingerprint"] = None
         if len(results_) > 1:
             out["prepos"]["choices"] = [results.extension(r, self.sid) for r in results_]
-        return results.json_response(out, headers=results.headers(first, self.sid))
+        return results.JSONBody(out, headers=results.headers(first, self.sid))
 
 
 async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=None,

@@ -53,7 +53,7 @@ from prepos.server.responses_input import (
     tool_choice,
 )
 from prepos.server.responses_store import ResponseStore, Stored
-from prepos.server.results import json_response
+from prepos.server.results import JSONBody
 from prepos.server.routing import QueryParam, Routes
 from prepos.server.schemas import ChatCompletion, CreateResponse
 from prepos.server.state import ServerState
@@ -237,7 +237,7 @@ async def retrieve_response(request: Request, response_id: str):
     if raw == "true":
         raise ApiError(400, "unsupported", "streaming a stored response is not supported: "
                        "prepos has no background responses", "stream")
-    return json_response(api.stored(owner, response_id, "response_id").body)
+    return JSONBody(api.stored(owner, response_id, "response_id").body)
 
 
 @routes.add("DELETE", "/v1/responses/{response_id}", 60, summary="Delete a response",
@@ -249,4 +249,4 @@ async def delete_response(request: Request, response_id: str):
     if not api.store.delete(owner, response_id):
         raise ApiError(404, "response_not_found", f"no response {response_id!r}",
                        "response_id")
-    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+    return JSONBody({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -121,7 +121,7 @@ class Reply:
             finally:
                 if cleanup is not None:
                     cleanup()
-            return results.json_response(self.finished(res),
+            return results.JSONBody(self.finished(res),
                                          headers=results.headers(res, self.sid))
         return await streaming.stream_response(stream, self._guarded(stream, cleanup),
                                                self.sid)

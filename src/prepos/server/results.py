@@ -3,8 +3,7 @@ and its timing go in both, for the session API and the OpenAI-compatible endpoin
 
 from __future__ import annotations
 
-import json
-
+import orjson
 from starlette.responses import Response
 
 from prepos.core import Result
@@ -13,8 +12,22 @@ from prepos.server.metrics import cached_prompt_tokens
 JSON = "application/json"
 
 
-def json_response(data, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(json.dumps(data), status, headers=headers, media_type=JSON)
+class JSONBody(Response):
+    """A JSON response: the body encoded by orjson (a float that is not finite, as JSON has
+    no such number, is null), the headers made at once as the ASGI message carries them."""
+
+    media_type = JSON
+
+    def __init__(self, data, status: int = 200, headers: dict[str, str] | None = None):
+        self.status_code = status
+        self.background = None
+        self.body = body = orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+        raw = [(b"content-length", str(len(body)).encode()),
+               (b"content-type", b"application/json")]
+        if headers:
+            raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers = raw
+
 
 
 def timing(res: Result) -> dict:

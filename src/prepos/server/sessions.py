@@ -24,7 +24,7 @@ from prepos.server import results, streaming
 from prepos.server.cluster import check_new_id
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import logit_bias
-from prepos.server.results import json_response
+from prepos.server.results import JSONBody
 from prepos.server.routing import QueryParam, Routes
 from prepos.server.schemas import (
     AddMessage,
@@ -63,7 +63,7 @@ async def _commit(c: Call, fn, *args) -> Response:
         c.state.backpressure(c.engine)
     version = await c.state.run(fn, *args)
     snap = c.engine.snapshot(c.sid, version)
-    return json_response({"session_id": c.sid, "version": version, "tokens": len(snap.tokens),
+    return JSONBody({"session_id": c.sid, "version": version, "tokens": len(snap.tokens),
                           "messages": len(snap.messages)})
 
 
@@ -116,7 +116,7 @@ async def create_session(request: Request):
             if state.journal is not None:
                 state.journal.extras.pop(sid, None)
             raise
-    return json_response(_info(state, eng, sid), 201, {"Location": f"/sessions/{sid}"})
+    return JSONBody(_info(state, eng, sid), 201, {"Location": f"/sessions/{sid}"})
 
 
 def _answer_budget(body: CreateSession, max_tokens: int) -> tuple[int | None, tuple[str, ...]]:
@@ -163,7 +163,7 @@ async def list_sessions(request: Request):
         snap, _ = s.current()
         out.append({"id": s.id, "kind": s.kind, "version": snap.version,
                     "tokens": len(snap.tokens), "messages": len(snap.messages)})
-    return json_response({"object": "list", "data": out})
+    return JSONBody({"object": "list", "data": out})
 
 
 @routes.add("GET", "/sessions/{sid}", 50, summary="Inspect a session", response=R.SessionInfo,
@@ -208,14 +208,14 @@ async def inspect_session(sid: str, request: Request):
             info["token_ids"] = list(snap.tokens)
         if "messages" in include:
             info["message_list"] = list(snap.messages)
-    return json_response(info)
+    return JSONBody(info)
 
 
 @routes.add("DELETE", "/sessions/{sid}", 50, summary="Close a session", response=R.Closed)
 async def close_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
     c.engine.close_session(sid)
-    return json_response({"session_id": sid, "closed": True})
+    return JSONBody({"session_id": sid, "closed": True})
 
 
 # -- mutations ----------------------------------------------------------------------------
@@ -233,7 +233,7 @@ async def rollback(sid: str, request: Request):
     c = await ServerState.open(request, Rollback, sid)
     if c.body.version == c.session.version:  # already there: no new version
         snap = c.engine.snapshot(sid)
-        return json_response({"session_id": sid, "version": snap.version,
+        return JSONBody({"session_id": sid, "version": snap.version,
                               "tokens": len(snap.tokens), "messages": len(snap.messages)})
     return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait)
 
@@ -320,7 +320,7 @@ async def respond(c: Call, receive, stream, agentic: bool) -> Response:
 
     if not streamed:
         res = await streaming.result(state, stream, receive)
-        return json_response(final(res), headers=results.headers(res, sid))
+        return JSONBody(final(res), headers=results.headers(res, sid))
     if stream.done:
         stream.result()  # a finished stream that failed answers with its error, not events
 
