@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -88,14 +89,14 @@ class SamplingParams:
             raise InvalidSampling("grammar must be a string, and not beside a "
                                   "response_format")
 
-    @property
+    @cached_property
     def shaped(self) -> bool:
         """Whether penalties, biases or a response format's grammar change the logits
         before the choice."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.response_format or self.grammar)
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
         """The raw argmax is the choice: temperature 0 and nothing shaping the logits."""
         return self.temperature == 0.0 and not self.shaped
@@ -148,7 +149,7 @@ class ReadyRecord:
         return self.top_ids[0]
 
 
-@dataclass
+@dataclass(slots=True)
 class Timing:
     """Seconds spent on each part of a request's critical path."""
 
@@ -163,7 +164,7 @@ class Timing:
     cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Result:
     path: AnswerPath
     match: Match

@@ -52,7 +52,7 @@ class Generation:
             self.result.top_logprobs.append(top)
         text = self.fmt.decode(self.tokens)
         stop_at = min((i for i in (text.find(s) for s in self.sampling.stop) if i >= 0),
-                      default=-1)
+                      default=-1) if self.sampling.stop else -1
         if stop_at >= 0:
             self._text = text[:stop_at]
             return self.finish("stop", token, logprob, top)

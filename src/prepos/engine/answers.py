@@ -101,9 +101,8 @@ class Answers:
         self.count("fast_exact")
         res = Result(AnswerPath.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)
-        seq = snap.tokens + rec.entry
-        if sampling.fit_context:  # max_tokens bounded by the room left
-            sampling = self.room.fit(s, len(seq), sampling)
+        if sampling.fit_context:  # max_tokens bounded by the room left (rec.p: the sequence's)
+            sampling = self.room.fit(s, rec.p, sampling)
         stream = Stream()
         grammar = self.grammars.constraint(sampling)  # the cached logits are masked too
         rng = generator_for(sampling, grammar)
@@ -129,14 +128,14 @@ class Answers:
             first = rec.argmax if sampling.greedy else sample(dist, sampling, rng)
             if out.add(first, dist, rec.top_logprobs[0] if sampling.greedy else None):
                 return stream
-        self.room.check(s, len(seq), sampling)
+        self.room.check(s, rec.p, sampling)
         kv = self.pool.get(s.id)
 
         def rest():
             # the first token is out at once; on a machine with few cores the decode behind it
             # would take the CPU its writer needs, so it waits (briefly) until it was delivered
             stream.wait_delivered(FIRST_TOKEN_GRACE_S)
-            yield from self.decode(kv, seq, out, sampling, rng, s.said())
+            yield from self.decode(kv, snap.tokens + rec.entry, out, sampling, rng, s.said())
 
         self.scheduler.submit(rest(), key=s.id, on_error=stream.fail)
         return stream

@@ -384,7 +384,7 @@ class Engine:
     def ready_header(self, sid: str) -> ReadyRecord | None:
         """The question-independent ready record of a streaming session, if recorded."""
         s = self.sessions.get(sid)
-        return s.ready_records().get(HEADER)
+        return s.ready_record(HEADER)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         return self.scheduler.wait_idle(timeout)
@@ -412,7 +412,7 @@ class Engine:
         s = self.sessions.get(sid)
         if (fast_path or s.spec.fast_path) == "off":
             return False
-        return key in s.ready_records()
+        return s.ready_record(key) is not None
 
     def predecoding(self, sid: str, key: tuple) -> tuple[Budget | None, Predecoded | None]:
         """The answer budget the entry at `key` pre-decodes (None: it does not), and its

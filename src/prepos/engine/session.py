@@ -16,7 +16,7 @@ from prepos.chat.conversation import awaits_tool, pending_calls
 from prepos.chat.format import ChatFormat, Split
 from prepos.core import FAST_MODES
 from prepos.engine.history import History
-from prepos.engine.ready import ReadySet
+from prepos.engine.ready import ReadyRecord, ReadySet
 from prepos.errors import (
     Conflict,
     InvalidInput,
@@ -151,9 +151,10 @@ class Session:
         with self.lock:
             return self.snap, self.ready
 
-    def ready_records(self) -> dict:
-        """The current ready records (empty once invalidated)."""
-        return self.ready_now()[1]
+    def ready_record(self, key: tuple) -> ReadyRecord | None:
+        """The current ready record of entry `key` (None once invalidated)."""
+        with self.lock:
+            return self.ready.records.get(key) if self.ready.valid else None
 
     def ready_now(self) -> tuple[Snapshot, dict]:
         """The committed snapshot and the ready records computed from it, read together."""
