@@ -34,6 +34,45 @@ def test_foreground_goes_before_idle_work_after_at_most_one_chunk():
     sched.close()
 
 
+def test_idle_tasks_run_highest_priority_first_equal_ones_in_turn():
+    sched = Scheduler()
+    log = []
+    gate = threading.Event()
+
+    def blocker():
+        gate.wait(5)
+        yield
+
+    sched.submit(blocker(), idle=True, priority=10.0)
+    sched.submit(steps(log, "low", 2), idle=True, priority=0.1)
+    sched.submit(steps(log, "a", 2), idle=True, priority=0.5)
+    sched.submit(steps(log, "b", 2), idle=True, priority=0.5)
+    sched.submit(steps(log, "high", 2), idle=True, priority=0.9)
+    gate.set()
+    assert sched.wait_idle(5)
+    assert [n for n, *_ in log] == ["high", "high", "a", "b", "a", "b", "low", "low"]
+    sched.close()
+
+
+def test_an_idle_task_whose_session_is_busy_waits_for_it_others_go_on():
+    sched = Scheduler(workers=2)  # one holds session s, the other takes idle work
+    log = []
+    gate = threading.Event()
+
+    def holder():  # foreground work on session s, holding it until the gate opens
+        gate.wait(5)
+        yield
+
+    sched.submit(holder(), key="s")
+    sched.submit(steps(log, "s", 1), idle=True, key="s", priority=0.9)
+    sched.submit(steps(log, "t", 1), idle=True, key="t", priority=0.1)
+    time.sleep(0.2)
+    gate.set()
+    assert sched.wait_idle(5)
+    assert [n for n, *_ in log] == ["t", "s"]
+    sched.close()
+
+
 def test_foreground_tasks_interleave_round_robin():
     sched = Scheduler()
     log = []

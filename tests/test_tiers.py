@@ -182,3 +182,26 @@ def test_concurrent_requests_over_a_full_budget_are_served_within_it(make_engine
     for sid, res in results.items():
         assert res.finish_reason in ("stop", "length") and res.tokens
         assert answers_as_cold(eng, seqs[sid], res)
+
+
+def test_idle_work_brings_a_spilled_session_back_only_where_it_is_asked(make_engine):
+    """A pre-position that needs a KV moved down brings it back (into free room) only when
+    the session's h(rho) reaches predecode_min_hit: updates nobody asks about are not worth
+    a restore."""
+    eng = small(make_engine, cells=100, predecode_min_hit=0.2)
+    a, b = fill(eng, 2)  # b's commit moved a's KV down
+    assert eng.wait_idle(60) and eng.info(a)["kv"] != "resident"
+    eng.close_session(b)  # room for a again
+    s, rate = eng.session(a), eng.prepositioner.predecoder.rate
+    for _ in range(8):
+        rate.update(s)  # updates nobody asked about: h(rho) below 0.2
+    skipped = eng.prepositioner.counters.skipped
+    eng.append(a, "ACME 50", wait=False)  # committed; its KV left where it was
+    assert eng.wait_idle(60)
+    assert eng.info(a)["kv"] != "resident" and not eng.ready_now(a)[1]
+    assert eng.prepositioner.counters.skipped == skipped + 1
+    for _ in range(8):
+        rate.asked(s)  # now it is asked about
+    eng.append(a, "ACME 51", wait=False)
+    assert eng.wait_idle(60)
+    assert eng.info(a)["kv"] == "resident" and eng.ready_now(a)[1]

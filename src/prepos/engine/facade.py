@@ -237,7 +237,7 @@ class Engine:
             if ready.version == snap.version and ready.valid:
                 self.prepositioner.scheduled(ready)
                 self.scheduler.submit(self.prepositioner.job(s, snap, ready), idle=True,
-                                      key=s.id)
+                                      key=s.id, priority=self.prepositioner.worth(s))
 
     def _ingest(self, s: Session, snap: Snapshot):
         kv = self.pool.get(s.id)
@@ -257,6 +257,7 @@ class Engine:
             raise InvalidInput("question must be a non-empty string")
         self.fmt.check_text(question, "question")
         mode = req.fast_path or s.spec.fast_path
+        self.prepositioner.asked(s)
         snap, ready = s.current()
         header = ready.records.get(HEADER)
         evidence = None  # a withheld relaxed answer's full answer, as verified evidence
@@ -302,6 +303,7 @@ class Engine:
         s = self.sessions.get(sid)
         s.require(AGENTIC)
         mode = req.fast_path or s.spec.fast_path
+        self.prepositioner.asked(s)
         base, ready = s.current()
         if req.expected_version is not None and base.version != req.expected_version:
             raise Conflict(f"session {s.id} is at version {base.version}, not "
@@ -383,8 +385,7 @@ class Engine:
 
     def ready_header(self, sid: str) -> ReadyRecord | None:
         """The question-independent ready record of a streaming session, if recorded."""
-        s = self.sessions.get(sid)
-        return s.ready_record(HEADER)
+        return self.sessions.get(sid).ready_record(HEADER)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         return self.scheduler.wait_idle(timeout)
@@ -410,9 +411,7 @@ class Engine:
         """Whether a request for entry `key` would be an exact match now: its fast path (the
         request's, else the session's) is on and a valid ready record holds the entry."""
         s = self.sessions.get(sid)
-        if (fast_path or s.spec.fast_path) == "off":
-            return False
-        return s.ready_record(key) is not None
+        return (fast_path or s.spec.fast_path) != "off" and s.ready_record(key) is not None
 
     def predecoding(self, sid: str, key: tuple) -> tuple[Budget | None, Predecoded | None]:
         """The answer budget the entry at `key` pre-decodes (None: it does not), and its

@@ -9,9 +9,8 @@ Its cells are speculative, as a pre-positioned entry's: when the next token does
 session's or the engine's budget the pre-decode ends there ("room"), never moving anyone.
 
 Whether an entry's pre-decode pays is decided per entry from its session's observed requests
-per update (`QueryRate`: the paper's rho, and h(rho) = rho / (1 + rho), Eq. 8, the chance a
-request comes before the next update): below `min_hit` the N decode steps would mostly be
-thrown away, and the entry keeps its record alone.
+per update (`prepos.engine.rate`): below `min_hit` the N decode steps would mostly be thrown
+away, and the entry keeps its record alone.
 
 A greedy request on that entry is answered from it (`replay`): its tokens go through the
 request's own `Generation` (its stop sequences, max_tokens, logprobs) at once; where the
@@ -22,16 +21,15 @@ pre-decode: their decode is the remote engine's own, one streamed request per an
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
-from weakref import WeakKeyDictionary
 
 from prepos.backends.base import Dist, Preempted
 from prepos.chat.format import ChatFormat
 from prepos.core import ReadyRecord, SamplingParams
 from prepos.decode.generation import Generation
 from prepos.decode.sampling import sample
+from prepos.engine.rate import QueryRate
 from prepos.engine.ready import Predecoded, ReadySet
 from prepos.engine.session import TURN, Session
 from prepos.worker.kv import Forward, KVPool, KVSequence
@@ -47,42 +45,6 @@ class Budget:
 
     max_tokens: int
     stop: tuple[str, ...] = ()
-
-
-class QueryRate:
-    """Each session's exact requests per update, per entry (rho), as counts decayed by
-    `DECAY` at every update (its recent behaviour weighs most), from a prior of one request
-    per update, so a new session pre-decodes."""
-
-    DECAY = 0.9
-    UPDATES = ("updates",)
-
-    def __init__(self, min_hit: float):
-        self.min_hit = min_hit
-        self._seen: WeakKeyDictionary[Session, dict[tuple, float]] = WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    def update(self, s: Session) -> None:
-        with self._lock:
-            counts = self._seen.setdefault(s, {})
-            for k in counts:
-                counts[k] *= self.DECAY
-            counts[self.UPDATES] = counts.get(self.UPDATES, 0.0) + 1.0
-
-    def asked(self, s: Session, key: tuple) -> None:
-        with self._lock:
-            counts = self._seen.setdefault(s, {})
-            counts[key] = counts.get(key, 0.0) + 1.0
-
-    def rho(self, s: Session, key: tuple) -> float:
-        with self._lock:
-            counts = self._seen.get(s, {})
-            return (counts.get(key, 0.0) + 1.0) / (counts.get(self.UPDATES, 0.0) + 1.0)
-
-    def pays(self, s: Session, key: tuple) -> bool:
-        """h(rho) = rho / (1 + rho) reaches `min_hit`."""
-        rho = self.rho(s, key)
-        return rho / (1.0 + rho) >= self.min_hit
 
 
 class Predecoder:

@@ -20,6 +20,7 @@ from prepos.backends.base import Dist, Preempted
 from prepos.chat.format import ChatFormat
 from prepos.core import ReadyRecord
 from prepos.engine.predecode import Predecoder
+from prepos.engine.rate import QueryRate
 from prepos.engine.ready import ReadySet
 from prepos.engine.session import (
     ENVELOPE,
@@ -115,7 +116,11 @@ class Prepositioner:
     # -- Algorithm 1 ---------------------------------------------------------------------
     def job(self, session: Session, snap: Snapshot, ready: ReadySet) -> Generator:
         """Runs on the model worker at idle priority, one chunk (one Forward) per quantum."""
-        self.predecoder.rate.update(session)  # one committed version: an update
+        rate = self.predecoder.rate
+        rate.update(session)  # one committed version: an update
+        if self.pool.tier(session.id) != "resident" and not rate.pays(session):
+            self._bump("skipped")  # a spilled KV brought back only for a session often asked
+            return
         kv = self.pool.get(session.id)
         budget = session.budget(self.session_cells)
         started = False
@@ -183,9 +188,14 @@ class Prepositioner:
         if ready is not None and ready.consume():
             self._bump("consumed")
 
-    def asked(self, s: Session, key: tuple) -> None:
-        """An exact request for the entry at `key` came (the pre-decode policy's rate)."""
+    def asked(self, s: Session, key: tuple = QueryRate.ANY) -> None:
+        """A request came: an exact one for the entry at `key`, or (ANY) another."""
         self.predecoder.rate.asked(s, key)
+
+    def worth(self, s: Session) -> float:
+        """What a pre-position of the session is worth: h(rho), the chance a request comes
+        before its next update (idle work runs the most worth first)."""
+        return self.predecoder.rate.hit(s)
 
     def served(self, ready: ReadySet, key: tuple, n: int, live: bool) -> None:
         """A request used `n` tokens of the answer pre-decoded at `key`; with `live` it

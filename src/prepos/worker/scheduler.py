@@ -8,11 +8,15 @@ back-end call; idle work runs only when no request waits, one chunk per quantum,
 chunk gives way between layers when a request arrives (`Forward.preemptible`). So a request
 waits behind at most one chunk of idle work, foreground tasks interleave round-robin, and a
 session's tasks never run at the same time (tasks with the same key are never in one batch
-or on two workers at once). The workers own the KV caches: only tasks touch them.
+or on two workers at once). Idle tasks run by `priority`, highest first (what the work is
+worth: the engine gives a pre-position its session's chance of being asked before its next
+update), in turn among equals. The workers own the KV caches: only tasks touch them.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from collections import deque
@@ -25,12 +29,13 @@ from prepos.worker.sequence import Advance, Forward, run_forwards
 
 class Task:
     __slots__ = ("gen", "idle", "key", "on_error", "submitted", "started", "done", "idle_mark",
-                 "want", "reply")
+                 "want", "reply", "priority")
 
     def __init__(self, gen: Generator, idle: bool, key: str | None,
-                 on_error: Callable[[BaseException], None]):
+                 on_error: Callable[[BaseException], None], priority: float = 0.0):
         self.gen = gen
         self.idle = idle
+        self.priority = priority  # idle tasks: the highest runs first
         self.key = key  # tasks with the same key (a session) never run at the same time
         self.on_error = on_error
         self.submitted = time.perf_counter()
@@ -52,7 +57,8 @@ class Scheduler:
         if workers < 1 or max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("workers, max_batch and max_batch_tokens must be >= 1")
         self._fg: deque[Task] = deque()
-        self._idle: deque[Task] = deque()
+        self._idle: list[tuple[float, int, Task]] = []  # a heap: (-priority, turn, task)
+        self._turns = itertools.count()  # equal priorities run in turn
         self._cv = threading.Condition()
         self._pending = 0  # submitted and not finished
         self._fg_pending = 0  # of those, foreground tasks
@@ -73,18 +79,26 @@ class Scheduler:
             t.start()
 
     def submit(self, gen: Generator, idle: bool = False, key: str | None = None,
-               on_error: Callable[[BaseException], None] | None = None) -> Task:
-        task = Task(gen, idle, key, on_error or (lambda exc: None))
+               on_error: Callable[[BaseException], None] | None = None,
+               priority: float = 0.0) -> Task:
+        task = Task(gen, idle, key, on_error or (lambda exc: None), priority)
         with self._cv:
             if self._stopped:
                 gen.close()
                 raise EngineClosed("the engine is closed")
             task.idle_mark = self.idle_steps
-            (self._idle if idle else self._fg).append(task)
+            self._queue(task)
             self._pending += 1
             self._fg_pending += not idle
             self._cv.notify_all()
         return task
+
+    def _queue(self, task: Task) -> None:
+        """Queue a task at the back of its kind (among its equals, for idle tasks)."""
+        if task.idle:
+            heapq.heappush(self._idle, (-task.priority, next(self._turns), task))
+        else:
+            self._fg.append(task)
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self._fg), len(self._idle)
@@ -104,7 +118,7 @@ class Scheduler:
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=30)
-        for task in [*self._fg, *self._idle]:
+        for task in [*self._fg, *(t for _, _, t in self._idle)]:
             task.gen.close()
             task.on_error(EngineClosed("the engine closed before this task ran"))
             task.done.set()
@@ -142,11 +156,17 @@ class Scheduler:
                 break
         if batch or self._idle_running >= self._idle_cap:
             return batch
-        for i, task in enumerate(self._idle):
-            if task.key is None or task.key not in self._busy:
-                del self._idle[i]
-                return [task]
-        return []
+        busy = []  # idle tasks whose session is in use: queued again as they were
+        try:
+            while self._idle:
+                item = heapq.heappop(self._idle)
+                if item[2].key is None or item[2].key not in self._busy:
+                    return [item[2]]
+                busy.append(item)
+            return []
+        finally:
+            for item in busy:
+                heapq.heappush(self._idle, item)
 
     def _loop(self) -> None:
         while True:
@@ -156,7 +176,10 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopped:
                     for task in batch:
-                        (self._idle if task.idle else self._fg).appendleft(task)
+                        if task.idle:
+                            self._queue(task)
+                        else:
+                            self._fg.appendleft(task)
                     return
                 idle = batch[0].idle
                 for task in batch:
@@ -186,7 +209,7 @@ class Scheduler:
                     elif task.want is not None and not task.idle:
                         waiting.append(task)
                     else:
-                        (self._idle if task.idle else self._fg).append(task)
+                        self._queue(task)
                 self._fg.extendleft(reversed(waiting))
                 self._cv.notify_all()
 
