@@ -195,9 +195,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "idle up to this many tokens (a session's answer_max_tokens "
                         "overrides it; 0: off)")
     p.add_argument("--predecode-min-hit", type=float, default=EngineConfig.predecode_min_hit,
-                   help="pre-decode an entry only while the chance h = rho / (1 + rho) that a "
-                        "request for it comes before the next update (rho: its session's "
-                        "requests per update, as observed) is at least this (0: always)")
+                   help="pre-decode an entry, or bring a session's KV back from RAM or disk "
+                        "to pre-position it, only while the chance h = rho / (1 + rho) that a "
+                        "request comes before the next update (rho: its session's requests per "
+                        "update, as observed) is at least this (0: always)")
     p.add_argument("--lookup-tokens", type=int, default=EngineConfig.lookup_tokens,
                    help="prompt-lookup draft tokens verified per forward of a greedy answer "
                         "(0: off)")
