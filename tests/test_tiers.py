@@ -205,3 +205,19 @@ def test_idle_work_brings_a_spilled_session_back_only_where_it_is_asked(make_eng
     eng.append(a, "ACME 51", wait=False)
     assert eng.wait_idle(60)
     assert eng.info(a)["kv"] == "resident" and eng.ready_now(a)[1]
+
+
+def test_an_implicit_session_moves_down_a_tier_and_comes_back(make_engine):
+    """A session kept for a stock client (implicit) counts for no budget, yet with tiers its
+    KV moves down as any other's under pressure, and its next turn restores it."""
+    from prepos.engine.session import SessionSpec
+
+    eng = small(make_engine, cells=100)
+    imp = eng.restore_session("implicit-1", SessionSpec("agentic", SYSTEM, implicit=True))
+    eng.add_message(imp, "user", "ACME 40 41 43 BOLT 9. Up or down?")
+    assert eng.wait_idle(60) and eng.info(imp)["kv"] == "resident"
+    fill(eng, 2)  # others' commits need the room
+    assert eng.wait_idle(60) and eng.info(imp)["kv"] in ("ram", "disk")
+    restores = eng.metrics()["kv_tiers"]["restores"]
+    res = eng.turn(imp, None, GREEDY).result()
+    assert res.tokens and eng.metrics()["kv_tiers"]["restores"] == restores + 1

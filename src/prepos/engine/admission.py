@@ -126,7 +126,10 @@ class Room:
         return len(s.snap.tokens) if s is not None else 0
 
     def _kept_len(self, sid: str) -> int:
-        """What is never cropped: committed tokens, but nothing of an implicit session's
-        (a later request re-prefills it if it must)."""
+        """What is never cropped: committed tokens. An implicit session's counts for no
+        budget, so without tiers nothing of it is kept (a later request re-prefills it); with
+        tiers it moves down a tier as any other's."""
         s = self.sessions.find(sid)
-        return len(s.snap.tokens) if s is not None and not s.spec.implicit else 0
+        if s is None or (s.spec.implicit and self.pool.tiers is None):
+            return 0
+        return len(s.snap.tokens)
