@@ -118,6 +118,9 @@ class EngineConfig:
     # ... where it pays: an entry whose requests come before the next update with a chance
     # h(rho) = rho / (1 + rho) below this (rho: its session's requests per update) is not
     predecode_min_hit: float = 0.2
+    # the full next-token vectors ready records keep, in bytes, most recently used first
+    # (beyond it a record keeps its top tokens: greedy requests only; `prepos.engine.logits`)
+    ready_logits_bytes: int = 512 << 20
     # greedy answers on back ends that verify drafts: up to this many tokens drafted per
     # forward from the session's own context (prompt lookup, `prepos.decode.lookup`); 0: off
     lookup_tokens: int = 8

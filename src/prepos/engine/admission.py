@@ -1,17 +1,19 @@
 """What a request must satisfy before any of it runs: a request object, sampling the back end
-can honour, a prompt of valid token ids, room in the context and in the session's budget.
+can honour, a prompt of valid token ids, a session's spec and history of valid text, room in
+the context and in the session's budget.
 Each check raises a typed error and changes nothing. `Room` also frees KV cells for a task
 about to run (speculative cells only)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Sequence
 
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat
 from prepos.core import Request, SamplingParams
-from prepos.engine.session import AGENTIC, Session, SessionStore
+from prepos.engine.session import AGENTIC, Session, SessionSpec, SessionStore
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
 
@@ -34,6 +36,22 @@ def check_request(req: Request, backend: Backend, topk_sampling: bool) -> Sampli
                               "serves greedy decoding (temperature 0) unless topk_sampling is "
                               "enabled")
     return sampling
+
+
+def check_session(spec: SessionSpec, history: Sequence[tuple[int, Sequence[dict]]],
+                  fmt: ChatFormat) -> None:
+    """A new or restored session's spec and journalled history, before anything is made."""
+    spec.validate()
+    if spec.system is not None and (not isinstance(spec.system, str)
+                                    or not spec.system.strip()):
+        raise InvalidInput("system must be a non-empty string when given")
+    fmt.check_text(spec.system, "system")
+    for q in spec.standing:
+        fmt.check_text(q, "a standing query")
+    fmt.check_text(json.dumps(list(spec.tools)), "tools")
+    for _, messages in history:
+        for i, m in enumerate(messages):
+            fmt.check_text(json.dumps(m), f"messages[{i}]")
 
 
 def check_room(prompt_len: int, sampling: SamplingParams, max_context: int,

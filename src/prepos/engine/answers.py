@@ -98,6 +98,7 @@ class Answers:
         tokens decode on from the resident entry KV."""
         self.prepositioner.consume(ready)
         self.prepositioner.asked(s, key)
+        self.prepositioner.kept.used_now(ready, key)
         self.count("fast_exact")
         res = Result(AnswerPath.FAST, Match.EXACT, gap=rec.gap, version=rec.version,
                      prompt_tokens=rec.p)

@@ -15,9 +15,10 @@ from prepos.config import EngineConfig, GateConfig
 from prepos.core import ReadyRecord, Request, Result
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
-from prepos.engine.admission import Room, check_request, prompt_ids
+from prepos.engine.admission import Room, check_request, check_session, prompt_ids
 from prepos.engine.answers import Answers
 from prepos.engine.loading import load_parts
+from prepos.engine.logits import answers_from
 from prepos.engine.predecode import Budget
 from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
 from prepos.engine.ready import Predecoded, ReadySet
@@ -66,7 +67,7 @@ class Engine:
         self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,
                                            config.budget.session_cells, self._emit,
                                            config.predecode_tokens, self.max_context,
-                                           config.predecode_min_hit)
+                                           config.predecode_min_hit, config.ready_logits_bytes)
         self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram,  # greedy drafts
                              config.lookup_min_ngram, config.lookup_max_batch,
                              self.scheduler.foreground)
@@ -111,17 +112,7 @@ class Engine:
         """Create a session with a given id, optionally from journalled history ((version,
         messages) pairs, the last current). Its KV cache is rebuilt lazily at idle priority
         by the pre-position job; ready records are recomputed, never restored."""
-        spec.validate()
-        if spec.system is not None and (not isinstance(spec.system, str)
-                                        or not spec.system.strip()):
-            raise InvalidInput("system must be a non-empty string when given")
-        self.fmt.check_text(spec.system, "system")
-        for q in spec.standing:
-            self.fmt.check_text(q, "a standing query")
-        self.fmt.check_text(json.dumps(list(spec.tools)), "tools")
-        for _, messages in history:
-            for i, m in enumerate(messages):
-                self.fmt.check_text(json.dumps(m), f"messages[{i}]")
+        check_session(spec, history, self.fmt)
         c = self.config
         self.pool.claim(sid, spec.owner)
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
@@ -263,10 +254,12 @@ class Engine:
         evidence = None  # a withheld relaxed answer's full answer, as verified evidence
         if mode != "off":
             key = query_key(question)
-            if key in ready.records:  # realized entry == pre-positioned entry: zero added risk
-                return self.answers.exact(s, snap, ready, key, ready.records[key], sampling,
-                                          req.logprobs, t0)
-            if mode == "relaxed" and header is not None and not sampling.shaped:
+            rec = ready.records.get(key)
+            if rec is not None:  # realized entry == pre-positioned entry: zero added risk
+                if answers_from(rec, sampling, self.backend.full_distribution):
+                    return self.answers.exact(s, snap, ready, key, rec, sampling,
+                                              req.logprobs, t0)
+            elif mode == "relaxed" and header is not None and not sampling.shaped:
                 if self.gate.fires(header):  # Eq. 12, then the class's verified risk
                     d = self.relaxed.decide(s, question, header)
                     if d.serve:  # one cached token, no scheduler; verified at idle
@@ -312,7 +305,8 @@ class Engine:
             if s.awaiting_tool:
                 raise InvalidInput(f"session {s.id} awaits a tool result, not a new turn")
             turn = ready.records.get(TURN)
-            if mode != "off" and turn is not None:
+            if mode != "off" and turn is not None and answers_from(
+                    turn, sampling, self.backend.full_distribution):
                 return self.answers.exact(s, base, ready, TURN, turn, sampling, req.logprobs,
                                           t0, on_finish=self._commit_answer(s, base.version))
             snap, dropped = base, None
@@ -400,6 +394,9 @@ class Engine:
             "prefix_reuse": {"hits": self.pool.index.hits, "tokens": self.pool.index.tokens},
             "kv_tiers": self.pool.metrics(),
             "kv_cells_budget": self.pool.engine_cells,
+            "ready_logits": {"bytes": self.prepositioner.kept.used,
+                             "budget": self.prepositioner.kept.budget,
+                             "stripped": self.prepositioner.kept.stripped},
             "queue_foreground": fg,
             "queue_idle": idle,
             "lookup": self.lookup.stats.metrics(),
@@ -407,11 +404,14 @@ class Engine:
         }
 
     # == for the server (read-only views) ==================================================
-    def serves_exact(self, sid: str, key: tuple, fast_path: str | None = None) -> bool:
-        """Whether a request for entry `key` would be an exact match now: its fast path (the
-        request's, else the session's) is on and a valid ready record holds the entry."""
+    def serves_exact(self, sid: str, key: tuple, req: Request = DEFAULT) -> bool:
+        """Whether `req` for entry `key` would be an exact match now: its fast path (the
+        request's, else the session's) is on and a valid ready record holds the entry and
+        the distribution its sampling needs."""
         s = self.sessions.get(sid)
-        return (fast_path or s.spec.fast_path) != "off" and s.ready_record(key) is not None
+        rec = s.ready_record(key) if (req.fast_path or s.spec.fast_path) != "off" else None
+        return rec is not None and answers_from(rec, req.sampling,
+                                                self.backend.full_distribution)
 
     def predecoding(self, sid: str, key: tuple) -> tuple[Budget | None, Predecoded | None]:
         """The answer budget the entry at `key` pre-decodes (None: it does not), and its

@@ -19,6 +19,7 @@ from typing import Callable, Generator
 from prepos.backends.base import Dist, Preempted
 from prepos.chat.format import ChatFormat
 from prepos.core import ReadyRecord
+from prepos.engine.logits import KeptLogits
 from prepos.engine.predecode import Predecoder
 from prepos.engine.rate import QueryRate
 from prepos.engine.ready import ReadySet
@@ -81,13 +82,14 @@ class Prepositioner:
     def __init__(self, fmt: ChatFormat, pool: KVPool, chunk_tokens: int, session_cells: int,
                  emit: Callable[[str, Session, object], None] | None = None,
                  predecode_tokens: int = 0, max_context: int = 1 << 30,
-                 predecode_min_hit: float = 0.0):
+                 predecode_min_hit: float = 0.0, logits_bytes: int = 1 << 62):
         self.fmt = fmt
         self.emit = emit or (lambda event, s, payload: None)
         self.pool = pool
         self.chunk = chunk_tokens
         self.session_cells = session_cells
         self.counters = Counters()
+        self.kept = KeptLogits(logits_bytes)  # which records keep their full vectors
         self.in_flight = 0  # jobs queued or running (idle work ranked below them waits)
         self._lock = threading.Lock()  # counters and in_flight: bumped from the worker and callers
         self.predecoder = Predecoder(fmt, pool, predecode_tokens, session_cells, max_context,
@@ -174,6 +176,7 @@ class Prepositioner:
             top_text=self.fmt.decode([dist.top_ids[0]]),
         )
         if ready.record(target.key, rec):  # else its version is no longer current
+            self.kept.add(ready, target.key, rec)
             self.emit("record", session, (target.key, rec))
 
     # -- accounting ----------------------------------------------------------------------

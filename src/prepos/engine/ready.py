@@ -4,7 +4,7 @@ committed version, the answers pre-decoded after them, and where that pre-positi
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prepos.core import ReadyRecord
 
@@ -36,7 +36,7 @@ class ReadySet:
 
     def __init__(self, version: int):
         self.version = version
-        self.records: dict[tuple, ReadyRecord] = {}  # written by `record` alone
+        self.records: dict[tuple, ReadyRecord] = {}  # written by `record` and `strip` alone
         self.answers: dict[tuple, Predecoded] = {}  # written by `predecoded` alone
         self.served: dict[tuple, int] = {}  # per answer, the most of its tokens one request used
         self.taken: set[tuple] = set()  # answers a request decodes on from: pre-decode stops
@@ -55,6 +55,16 @@ class ReadySet:
             if self.valid:
                 self.records[key] = rec
             return self.valid
+
+    def strip(self, key: tuple) -> bool:
+        """The record at `key` keeps its top tokens only (`prepos.engine.logits`); True if it
+        had its full vector."""
+        with self._lock:
+            rec = self.records.get(key)
+            if rec is None or rec.logits is None:
+                return False
+            self.records[key] = replace(rec, logits=None)
+            return True
 
     def predecoded(self, key: tuple, answer: Predecoded) -> bool:
         """Store (or extend) the pre-decoded answer of a recorded entry, only while the set

@@ -154,6 +154,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-ram", type=size, default=None,
                    help="bytes of host RAM for the KV of sessions not resident (K/M/G "
                    "suffixes; default: a quarter of the machine's memory)")
+    p.add_argument("--ready-logits-memory", type=size,
+                   default=EngineConfig.ready_logits_bytes,
+                   help="bytes of full next-token vectors prepared answers keep, most recently "
+                   "used first (K/M/G; default 512M); beyond it a prepared answer keeps its "
+                   "top tokens: greedy requests are answered from it, others take the full "
+                   "path")
     p.add_argument("--kv-disk", type=size, default=TierConfig().disk_bytes,
                    help="bytes of disk for the KV below RAM (default 16G); beyond it a "
                    "session's KV is recomputed from its committed tokens when needed")
@@ -285,6 +291,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           preposition=not args.no_preposition,
                           predecode_tokens=max(0, args.predecode_tokens),
                           predecode_min_hit=args.predecode_min_hit,
+                          ready_logits_bytes=args.ready_logits_memory,
                           budget=BudgetConfig(args.max_session_cells, args.max_kv_cells),
                           lookup_tokens=args.lookup_tokens,
                           lookup_said_tokens=args.lookup_said_tokens,

@@ -169,6 +169,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("prepos:kv_cells_budget", "The engine's KV cell budget",
                                 m["kv_cells_budget"])
         yield from _tiers(m["kv_tiers"])
+        kept = m["ready_logits"]
+        yield GaugeMetricFamily("prepos:ready_logits_bytes", "Bytes of full next-token "
+                                "vectors ready records keep (--ready-logits-memory)",
+                                kept["bytes"])
+        yield CounterMetricFamily("prepos:ready_logits_stripped", "Ready records that kept "
+                                  "their top tokens only, for the budget", kept["stripped"])
         fam = CounterMetricFamily("prepos:kv_prefix_reuse", "KVs that started from the "
                                   "longest prefix another KV of their key held (hits), and "
                                   "the tokens they did not prefill for it", labels=["what"])

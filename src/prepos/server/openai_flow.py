@@ -283,7 +283,7 @@ class ChatCall:
         if target is None and not delta and (
                 self.state.will_be_fast(eng, s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
-                or self.body.stream and eng.serves_exact(s.id, TURN, req.fast_path)):
+                or self.body.stream and eng.serves_exact(s.id, TURN, req)):
             stream = eng.turn(s.id, None, req)
             return await self._respond([stream], s.id if public else None, agentic=True,
                                        tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))

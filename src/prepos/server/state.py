@@ -292,7 +292,7 @@ class ServerState:
         """Whether the request will be answered from a ready record with no model work (a
         one-token exact match, or a greedy one whose whole answer is pre-decoded): such
         requests are never refused for backpressure."""
-        if not engine.serves_exact(sid, key, req.fast_path):
+        if not engine.serves_exact(sid, key, req):
             return False
         n = req.sampling.max_tokens
         if n == 1:
