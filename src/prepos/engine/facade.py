@@ -260,7 +260,8 @@ class Engine:
                     return self.answers.exact(s, snap, ready, key, rec, sampling,
                                               req.logprobs, t0)
             elif mode == "relaxed" and header is not None and not sampling.shaped:
-                if self.gate.fires(header):  # Eq. 12, then the class's verified risk
+                kept = header.logits is not None or sampling.top_logprobs <= len(header.top_ids)
+                if kept and self.gate.fires(header):  # Eq. 12, then the class's verified risk
                     d = self.relaxed.decide(s, question, header)
                     if d.serve:  # one cached token, no scheduler; verified at idle
                         stream = self.answers.relaxed(ready, header, sampling, req.logprobs,
