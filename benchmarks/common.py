@@ -75,7 +75,7 @@ def cpu_model() -> str | None:
 
 def machine() -> dict:
     out = {"platform": platform.platform(), "processor": platform.processor(),
-           "cpus": os.cpu_count(), "torch": torch.__version__,
+           "cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            # the machine is shared: what else was running when this benchmark started
