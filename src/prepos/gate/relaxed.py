@@ -359,7 +359,9 @@ class Relaxed:
             queue.append(v)
         if start:
             try:
-                self.submit(self._drain(s), idle=True, key=s.id)
+                # before any pre-position (whose priority, a chance, is below 1): a served
+                # answer's verification is owed, and its correction is due as soon as can be
+                self.submit(self._drain(s), idle=True, key=s.id, priority=1.0)
             except Exception:  # the engine is closing: nothing will run
                 self._fail(s.id, "closed")
 
