@@ -248,7 +248,6 @@ class Engine:
             raise InvalidInput("question must be a non-empty string")
         self.fmt.check_text(question, "question")
         mode = req.fast_path or s.spec.fast_path
-        self.prepositioner.asked(s)
         snap, ready = s.current()
         header = ready.records.get(HEADER)
         evidence = None  # a withheld relaxed answer's full answer, as verified evidence
@@ -267,11 +266,13 @@ class Engine:
                         stream = self.answers.relaxed(ready, header, sampling, req.logprobs,
                                                       t0, d.answer_id)
                         self.relaxed.served(s, snap, question, header, d)
+                        self.prepositioner.asked(s)
                         return stream
                     evidence = self.relaxed.withheld(s, snap, question, header, d,
                                                      sampling.greedy)
                 else:
                     self.answers.count("gate_miss")
+        self.prepositioner.asked(s)  # an exact answer counted its entry's request (and this)
         ent = s.entries(snap)
         entry = self.fmt.encode(self.fmt.frame(ent.user, question))
         return self.answers.prefill(s, snap.tokens + tuple(entry), len(snap.tokens),
@@ -421,8 +422,7 @@ class Engine:
         return self.prepositioner.predecoder.budget(s, key), s.current()[1].answer(key)
 
     def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:
-        """A session's committed snapshot and its valid ready records, read together (no
-        records while its ready set is invalid)."""
+        """A session's committed snapshot and its valid ready records, read together."""
         return self.sessions.get(sid).ready_now()
 
     def snapshot(self, sid: str, version: int | None = None) -> Snapshot:

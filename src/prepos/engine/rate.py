@@ -34,11 +34,13 @@ class QueryRate:
             counts[self.UPDATES] = counts.get(self.UPDATES, 0.0) + 1.0
 
     def asked(self, s: Session, key: tuple = ANY) -> None:
-        """A request on the session (ANY: every request counts here), or an exact one for
-        the entry at `key` (counted here as well)."""
+        """A request on the session (ANY), or an exact one for the entry at `key` (which
+        counts toward ANY too)."""
         with self._lock:
             counts = self._seen.setdefault(s, {})
             counts[key] = counts.get(key, 0.0) + 1.0
+            if key != self.ANY:
+                counts[self.ANY] = counts.get(self.ANY, 0.0) + 1.0
 
     def rho(self, s: Session, key: tuple = ANY) -> float:
         with self._lock:
