@@ -423,9 +423,11 @@ def real_models_gate(folder: Path = RESULTS / "calibration-smollm2") -> str | No
             + "\n".join(lines) + figure)
 
 
-def whole_answer_table() -> str | None:
-    """`benchmarks/whole_answer.py`: the standing answer pre-decoded, against llama-server."""
-    r = load("whole_answer.json")
+def whole_answer_table(name: str = "whole_answer.json", model: str = "smollm2") -> str | None:
+    """`benchmarks/whole_answer.py`: the standing answer pre-decoded, against llama-server;
+    the time to the whole answer against the idle window, its figure and the timing model's
+    closed form beside it."""
+    r = load(name)
     if not r or "standing" not in r:
         return None
     st, m = r["standing"], r["machine"]
@@ -444,18 +446,53 @@ def whole_answer_table() -> str | None:
              f"{pp(st['peer'])} | 1 |",
              f"| idle window needed: update to the whole answer pushed | "
              f"{pp(st['idle_needed'])} | |"]
+    if "idle_after_commit" in st:
+        lines.append(f"| the same from the update's commit (where a window starts) | "
+                     f"{pp(st['idle_after_commit'])} | |")
     cold = r.get("cold")
     if cold:
         lines.append(f"| an unrelated cold request (8 tokens) during the update's pre-decode "
                      f"/ with pre-decoding off | {pp(cold['on'])} / {pp(cold['off'])} | "
                      f"P99 **{r['p99_cold_ratio_predecode_on_off']}x** (target <= 1.1), P50 "
                      f"{r['p50_cold_ratio_predecode_on_off']}x |")
+    if cold and "server_queue" in cold:
+        q, tot, stop = cold["server_queue"], cold["server_total"], cold["stopped_an_idle_chunk"]
+        lines.append(f"| its wait for the model worker, as the server timed it, on / off | "
+                     f"{pp(q['on'])} / {pp(q['off'])} | |")
+        lines.append(f"| its time in the server, on / off | {pp(tot['on'])} / {pp(tot['off'])} "
+                     f"| |")
+        lines.append("| of those, the ones that stopped an idle chunk, on / off | " + " / ".join(
+            pp(stop[k]) if stop[k]["n"] else "none" for k in ("on", "off")) + " | |")
     out = (f"A {r['answer_budget']}-token standing answer after each data update, time to the "
            f"whole answer over HTTP (one JSON response), model {r['model']}, "
            f"{r['threads']} thread per server, three servers interleaved round by round "
-           f"(`python benchmarks/whole_answer.py --model smollm2`; {m['date']}, "
-           f"{m.get('cpu_model')}, load {m['loadavg_1m_at_start']} at the start).\n\n"
-           + "\n".join(lines))
+           f"(`python benchmarks/whole_answer.py --model {model}`; {m['date']}, "
+           f"{m.get('cpu_model')}, load {m['loadavg_1m_at_start']} at the start, "
+           f"{r.get('loadavg_1m_at_end', '?')} at the end).\n\n" + "\n".join(lines))
+    win, cf = r.get("window"), r.get("closed_form")
+    if win:
+        rows = ["| idle window (ms) | prepos, pre-decoding on | tokens of it pre-decoded "
+                "(P50) | prepos, first token only | llama-server | on / llama-server | "
+                "timing model (closed form) |", "|---|---|---|---|---|---|---|"]
+        for i, p in enumerate(win["points"]):
+            model_ms = f"{cf['whole_ms'][i]:.0f}" if cf else ""
+            rows.append(f"| {p['window_ms']:.0f} | {pp(p['on'])} | "
+                        f"{p['predecoded_served_p50']} of {p['answer_tokens_p50']} | "
+                        f"{pp(p['off'])} | {pp(p['peer'])} | {p['ratio_vs_llama_server']}x "
+                        f"| {model_ms} |")
+        out += (f"\n\nTime to the whole answer (ms, P50 / P99) against the idle window, from "
+                f"the update's commit to the request, {win['samples_per_point']} rounds per "
+                f"window, the three interleaved in each round (llama-server, told of the "
+                f"update only by the request, is asked without the wait)")
+        if cf:
+            out += (f"; the timing model is `prepos.sim.model.L_whole` (T_scan + what is left "
+                    f"of T_pp + (N - 1) T_decode when the window closes) on constants from "
+                    f"the standing rows above: T_scan {cf['T_scan_ms']} ms, T_decode "
+                    f"{cf['T_decode_ms']} ms, T_pp {cf['T_pp_ms']} ms")
+        out += ".\n\n" + "\n".join(rows)
+        if str(r.get("figure", "")).startswith("docs/"):
+            out += (f"\n\n![time to the whole answer against the idle window]"
+                    f"({Path(r['figure']).relative_to('docs')})")
     waste = r.get("waste")
     if waste:
         rows = ["| rho (queries per update) | waste tokens per update | hit rate | with the "
@@ -466,6 +503,30 @@ def whole_answer_table() -> str | None:
             rows.append(f"| {rho} | {w['waste_tokens_per_update']} | {w['hit_rate']} | "
                         f"{pol.get('waste_tokens_per_update')} / {served:.1f} |")
         out += "\n\n" + "\n".join(rows)
+    sim = load(name.replace(".json", "_simulate.json"))
+    if sim and "whole" in sim:
+        w = sim["whole"]
+        rows = ["| rho | whole answer, pre-decoded: simulated [95%] / closed form | first token "
+                "only: simulated / closed form | waste tokens per update: simulated [95%] / "
+                "closed form |", "|---|---|---|---|"]
+        for i, rho in enumerate(sim["rho"]):
+            lo, hi = w["whole_ms_ci"][i]
+            wlo, whi = w["waste_tokens_per_update_ci"][i]
+            rows.append(f"| {rho} | {w['whole_ms'][i]:.0f} [{lo:.0f}, {hi:.0f}] / "
+                        f"{w['whole_ms_closed_form'][i]:.0f} | "
+                        f"{w['whole_first_token_only_ms'][i]:.0f} / "
+                        f"{w['whole_first_token_only_ms_closed_form'][i]:.0f} | "
+                        f"{w['waste_tokens_per_update'][i]:.2f} [{wlo:.2f}, {whi:.2f}] / "
+                        f"{w['waste_tokens_per_update_closed_form'][i]:.2f} |")
+        checks = sim.get("checks", {})
+        out += (f"\n\nThe timing model's simulator on the same constants (`prepos simulate "
+                f"--constants results/{name.replace('.json', '_constants.json')} --predecode "
+                f"{w['N']} --update-rate {sim['update_rate_per_s']} --check`: Poisson updates "
+                f"and queries, {sim['prepositions'][0]} pre-positions per rho, a query finds "
+                f"what was pre-decoded by then); its whole-answer checks "
+                + ", ".join(f"{k} {checks.get(k + '_all')}" for k in
+                            ("whole_in_ci", "first_token_only_in_ci", "waste_in_ci"))
+                + ".\n\n" + "\n".join(rows))
     return out
 
 
@@ -669,6 +730,9 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 
 ## The whole answer, pre-decoded (`benchmarks/whole_answer.py`)
 {whole_answer_table() or "Not run yet."}
+
+{whole_answer_table("whole_answer_timing.json", "timing --out results/whole_answer_timing.json")
+ or ""}
 
 ## Structured output (`benchmarks/structured.py`)
 {structured_table() or "Not run yet."}
