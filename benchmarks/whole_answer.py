@@ -270,7 +270,8 @@ def closed_form(st: dict, win: dict, n: int) -> dict:
 
     t_scan = st["on"]["p50_ms"]
     t_dec = (st["off"]["p50_ms"] - t_scan) / (n - 1)
-    t_pp = max(st["idle_after_commit"]["p50_ms"] - (n - 1) * t_dec, 0.0)
+    idle = st.get("idle_after_commit", st["idle_needed"])  # (an older run: from the request)
+    t_pp = max(idle["p50_ms"] - (n - 1) * t_dec, 0.0)
     c = REFERENCE.with_(
         T_scan=round(t_scan, 4), T_decode=round(t_dec, 4),
         tau_p=round(t_pp / REFERENCE.L_entry, 4),
@@ -420,6 +421,9 @@ def main() -> None:
     ap.add_argument("--window-samples", type=int, default=12, help="rounds per window")
     ap.add_argument("--only", choices=["standing", "window", "cold", "waste"], nargs="+",
                     help="these parts alone (window needs standing for the closed form)")
+    ap.add_argument("--standing-from", type=Path, default=None,
+                    help="an earlier run's JSON: its standing part gives the closed form's "
+                    "constants when this run has none")
     ap.add_argument("--figure", type=Path, default=None,
                     help="the window figure's PNG (default docs/figures/"
                     "whole_answer_window_MODEL.png)")
@@ -474,7 +478,9 @@ def main() -> None:
                      "standing_answer_ratio_vs_first_token_only",
                      "first_token_only_ratio_vs_llama_server", "idle_window_needed_ms"]
         if "window" in parts:
-            if "standing" in parts:
+            if "standing" in parts or args.standing_from:
+                st = out["standing"] if "standing" in parts else json.loads(
+                    args.standing_from.read_text())["standing"]
                 out["closed_form"] = closed_form(st, out["window"], args.tokens)
             out["time_to_whole_answer_vs_window_ms"] = {
                 str(p["window_ms"]): {k: round(p[k]["p50_ms"], 1) for k in ("on", "off", "peer")}
