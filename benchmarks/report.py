@@ -484,6 +484,11 @@ def whole_answer_table(name: str = "whole_answer.json", model: str = "smollm2") 
                 f"the update's commit to the request, {win['samples_per_point']} rounds per "
                 f"window, the three interleaved in each round (llama-server, told of the "
                 f"update only by the request, is asked without the wait)")
+        if "machine" in win:  # a run of its own (`--only window`), merged into this file
+            wm = win["machine"]
+            out += (f", a run of its own (`--only window`; {wm['date']}, load "
+                    f"{wm['loadavg_1m_at_start']} at the start, {wm.get('loadavg_1m_at_end')} "
+                    f"at the end)")
         if cf:
             out += (f"; the timing model is `prepos.sim.model.L_whole` (T_scan + what is left "
                     f"of T_pp + (N - 1) T_decode when the window closes) on constants from "
@@ -503,29 +508,33 @@ def whole_answer_table(name: str = "whole_answer.json", model: str = "smollm2") 
             rows.append(f"| {rho} | {w['waste_tokens_per_update']} | {w['hit_rate']} | "
                         f"{pol.get('waste_tokens_per_update')} / {served:.1f} |")
         out += "\n\n" + "\n".join(rows)
-    sim = load(name.replace(".json", "_simulate.json"))
-    if sim and "whole" in sim:
-        w = sim["whole"]
+    sim = load(name.replace(".json", "_simulate.json"))  # `prepos simulate --out` there
+    if sim and sim.get("settings", {}).get("predecode"):
+        run, settings = sim["runs"][sim["primary"]], sim["settings"]
         rows = ["| rho | whole answer, pre-decoded: simulated [95%] / closed form | first token "
                 "only: simulated / closed form | waste tokens per update: simulated [95%] / "
                 "closed form |", "|---|---|---|---|"]
-        for i, rho in enumerate(sim["rho"]):
-            lo, hi = w["whole_ms_ci"][i]
-            wlo, whi = w["waste_tokens_per_update_ci"][i]
-            rows.append(f"| {rho} | {w['whole_ms'][i]:.0f} [{lo:.0f}, {hi:.0f}] / "
-                        f"{w['whole_ms_closed_form'][i]:.0f} | "
-                        f"{w['whole_first_token_only_ms'][i]:.0f} / "
-                        f"{w['whole_first_token_only_ms_closed_form'][i]:.0f} | "
-                        f"{w['waste_tokens_per_update'][i]:.2f} [{wlo:.2f}, {whi:.2f}] / "
-                        f"{w['waste_tokens_per_update_closed_form'][i]:.2f} |")
-        checks = sim.get("checks", {})
+        for p in run["points"]:
+            w, c = p["whole"], p["closed_form"]
+            lo, hi = w["whole_ms_ci"]
+            wlo, whi = w["waste_tokens_per_update_ci"]
+            rows.append(f"| {p['rho']} | {w['whole_ms']:.0f} [{lo:.0f}, {hi:.0f}] / "
+                        f"{c['whole_ms']:.0f} | {w['whole_first_token_only_ms']:.0f} / "
+                        f"{c['whole_first_token_only_ms']:.0f} | "
+                        f"{w['waste_tokens_per_update']:.2f} [{wlo:.2f}, {whi:.2f}] / "
+                        f"{c['waste_tokens_per_update']:.2f} |")
+        checks = run["checks"]
         out += (f"\n\nThe timing model's simulator on the same constants (`prepos simulate "
                 f"--constants results/{name.replace('.json', '_constants.json')} --predecode "
-                f"{w['N']} --update-rate {sim['update_rate_per_s']} --check`: Poisson updates "
-                f"and queries, {sim['prepositions'][0]} pre-positions per rho, a query finds "
-                f"what was pre-decoded by then); its whole-answer checks "
-                + ", ".join(f"{k} {checks.get(k + '_all')}" for k in
-                            ("whole_in_ci", "first_token_only_in_ci", "waste_in_ci"))
+                f"{settings['predecode']} --update-rate {settings['update_rate_per_s']} --check "
+                f"--out results/{name.replace('.json', '_simulate.json')}`: Poisson updates "
+                f"and queries, {settings['n_prepositions']} pre-positions per rho; a query "
+                f"during the pre-position is cold, one during the pre-decode takes what is "
+                f"decoded; T_pd "
+                f"{run['points'][0]['whole']['T_pd_ms']:.0f} ms). Its checks: "
+                + ", ".join(f"{k} {checks.get(k)}" for k in
+                            ("whole_in_ci_all", "first_token_only_in_ci_all", "waste_in_ci_all",
+                             "amortized_whole_eq7_at_mean_update_interval"))
                 + ".\n\n" + "\n".join(rows))
     return out
 
