@@ -271,6 +271,7 @@ def closed_form(st: dict, win: dict, n: int) -> dict:
     t_scan = st["on"]["p50_ms"]
     t_dec = (st["off"]["p50_ms"] - t_scan) / (n - 1)
     idle = st.get("idle_after_commit", st["idle_needed"])  # (an older run: from the request)
+    since = "after the commit" if "idle_after_commit" in st else "from the update's request"
     t_pp = max(idle["p50_ms"] - (n - 1) * t_dec, 0.0)
     c = REFERENCE.with_(
         T_scan=round(t_scan, 4), T_decode=round(t_dec, 4),
@@ -278,7 +279,7 @@ def closed_form(st: dict, win: dict, n: int) -> dict:
         label="whole_answer.py standing part (HTTP, this machine)",
         sources={"T_scan": "measured: pre-decoded answer P50 over HTTP",
                  "T_decode": f"derived: (first-token-only answer P50 - T_scan) / {n - 1}",
-                 "tau_p": "derived: (idle window needed after the commit P50 - "
+                 "tau_p": f"derived: (idle window needed {since} P50 - "
                           f"{n - 1} T_decode) / L_entry",
                  "L_entry": "the reference's (only tau_p * L_entry = T_pp is used)",
                  "T_restore": "the reference's (unused)", "g": "the reference's (unused)"})
