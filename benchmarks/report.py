@@ -423,9 +423,11 @@ def real_models_gate(folder: Path = RESULTS / "calibration-smollm2") -> str | No
             + "\n".join(lines) + figure)
 
 
-def whole_answer_table() -> str | None:
-    """`benchmarks/whole_answer.py`: the standing answer pre-decoded, against llama-server."""
-    r = load("whole_answer.json")
+def whole_answer_table(name: str = "whole_answer.json", model: str = "smollm2") -> str | None:
+    """`benchmarks/whole_answer.py`: the standing answer pre-decoded, against llama-server;
+    the time to the whole answer against the idle window, its figure and the timing model's
+    closed form beside it."""
+    r = load(name)
     if not r or "standing" not in r:
         return None
     st, m = r["standing"], r["machine"]
@@ -444,18 +446,58 @@ def whole_answer_table() -> str | None:
              f"{pp(st['peer'])} | 1 |",
              f"| idle window needed: update to the whole answer pushed | "
              f"{pp(st['idle_needed'])} | |"]
+    if "idle_after_commit" in st:
+        lines.append(f"| the same from the update's commit (where a window starts) | "
+                     f"{pp(st['idle_after_commit'])} | |")
     cold = r.get("cold")
     if cold:
         lines.append(f"| an unrelated cold request (8 tokens) during the update's pre-decode "
                      f"/ with pre-decoding off | {pp(cold['on'])} / {pp(cold['off'])} | "
                      f"P99 **{r['p99_cold_ratio_predecode_on_off']}x** (target <= 1.1), P50 "
                      f"{r['p50_cold_ratio_predecode_on_off']}x |")
+    if cold and "server_queue" in cold:
+        q, tot, stop = cold["server_queue"], cold["server_total"], cold["stopped_an_idle_chunk"]
+        lines.append(f"| its wait for the model worker, as the server timed it, on / off | "
+                     f"{pp(q['on'])} / {pp(q['off'])} | |")
+        lines.append(f"| its time in the server, on / off | {pp(tot['on'])} / {pp(tot['off'])} "
+                     f"| |")
+        lines.append("| of those, the ones that stopped an idle chunk, on / off | " + " / ".join(
+            pp(stop[k]) if stop[k]["n"] else "none" for k in ("on", "off")) + " | |")
     out = (f"A {r['answer_budget']}-token standing answer after each data update, time to the "
            f"whole answer over HTTP (one JSON response), model {r['model']}, "
            f"{r['threads']} thread per server, three servers interleaved round by round "
-           f"(`python benchmarks/whole_answer.py --model smollm2`; {m['date']}, "
-           f"{m.get('cpu_model')}, load {m['loadavg_1m_at_start']} at the start).\n\n"
-           + "\n".join(lines))
+           f"(`python benchmarks/whole_answer.py --model {model}`; {m['date']}, "
+           f"{m.get('cpu_model')}, load {m['loadavg_1m_at_start']} at the start, "
+           f"{r.get('loadavg_1m_at_end', '?')} at the end).\n\n" + "\n".join(lines))
+    win, cf = r.get("window"), r.get("closed_form")
+    if win:
+        rows = ["| idle window (ms) | prepos, pre-decoding on | tokens of it pre-decoded "
+                "(P50) | prepos, first token only | llama-server | on / llama-server | "
+                "timing model (closed form) |", "|---|---|---|---|---|---|---|"]
+        for i, p in enumerate(win["points"]):
+            model_ms = f"{cf['whole_ms'][i]:.0f}" if cf else ""
+            rows.append(f"| {p['window_ms']:.0f} | {pp(p['on'])} | "
+                        f"{p['predecoded_served_p50']} of {p['answer_tokens_p50']} | "
+                        f"{pp(p['off'])} | {pp(p['peer'])} | {p['ratio_vs_llama_server']}x "
+                        f"| {model_ms} |")
+        out += (f"\n\nTime to the whole answer (ms, P50 / P99) against the idle window, from "
+                f"the update's commit to the request, {win['samples_per_point']} rounds per "
+                f"window, the three interleaved in each round (llama-server, told of the "
+                f"update only by the request, is asked without the wait)")
+        if "machine" in win:  # a run of its own (`--only window`), merged into this file
+            wm = win["machine"]
+            out += (f", a run of its own (`--only window`; {wm['date']}, load "
+                    f"{wm['loadavg_1m_at_start']} at the start, {wm.get('loadavg_1m_at_end')} "
+                    f"at the end)")
+        if cf:
+            out += (f"; the timing model is `prepos.sim.model.L_whole` (T_scan + what is left "
+                    f"of T_pp + (N - 1) T_decode when the window closes) on constants from "
+                    f"the standing rows above: T_scan {cf['T_scan_ms']} ms, T_decode "
+                    f"{cf['T_decode_ms']} ms, T_pp {cf['T_pp_ms']} ms")
+        out += ".\n\n" + "\n".join(rows)
+        if str(r.get("figure", "")).startswith("docs/"):
+            out += (f"\n\n![time to the whole answer against the idle window]"
+                    f"({Path(r['figure']).relative_to('docs')})")
     waste = r.get("waste")
     if waste:
         rows = ["| rho (queries per update) | waste tokens per update | hit rate | with the "
@@ -466,6 +508,34 @@ def whole_answer_table() -> str | None:
             rows.append(f"| {rho} | {w['waste_tokens_per_update']} | {w['hit_rate']} | "
                         f"{pol.get('waste_tokens_per_update')} / {served:.1f} |")
         out += "\n\n" + "\n".join(rows)
+    sim = load(name.replace(".json", "_simulate.json"))  # `prepos simulate --out` there
+    if sim and sim.get("settings", {}).get("predecode"):
+        run, settings = sim["runs"][sim["primary"]], sim["settings"]
+        rows = ["| rho | whole answer, pre-decoded: simulated [95%] / closed form | first token "
+                "only: simulated / closed form | waste tokens per update: simulated [95%] / "
+                "closed form |", "|---|---|---|---|"]
+        for p in run["points"]:
+            w, c = p["whole"], p["closed_form"]
+            lo, hi = w["whole_ms_ci"]
+            wlo, whi = w["waste_tokens_per_update_ci"]
+            rows.append(f"| {p['rho']} | {w['whole_ms']:.0f} [{lo:.0f}, {hi:.0f}] / "
+                        f"{c['whole_ms']:.0f} | {w['whole_first_token_only_ms']:.0f} / "
+                        f"{c['whole_first_token_only_ms']:.0f} | "
+                        f"{w['waste_tokens_per_update']:.2f} [{wlo:.2f}, {whi:.2f}] / "
+                        f"{c['waste_tokens_per_update']:.2f} |")
+        checks = run["checks"]
+        out += (f"\n\nThe timing model's simulator on the same constants (`prepos simulate "
+                f"--constants results/{name.replace('.json', '_constants.json')} --predecode "
+                f"{settings['predecode']} --update-rate {settings['update_rate_per_s']} --check "
+                f"--out results/{name.replace('.json', '_simulate.json')}`: Poisson updates "
+                f"and queries, {settings['n_prepositions']} pre-positions per rho; a query "
+                f"during the pre-position is cold, one during the pre-decode takes what is "
+                f"decoded; T_pd "
+                f"{run['points'][0]['whole']['T_pd_ms']:.0f} ms). Its checks: "
+                + ", ".join(f"{k} {checks.get(k)}" for k in
+                            ("whole_in_ci_all", "first_token_only_in_ci_all", "waste_in_ci_all",
+                             "amortized_whole_eq7_at_mean_update_interval"))
+                + ".\n\n" + "\n".join(rows))
     return out
 
 
@@ -669,6 +739,9 @@ Runs (when each wrote its results; the 1-minute load average at its start, if re
 
 ## The whole answer, pre-decoded (`benchmarks/whole_answer.py`)
 {whole_answer_table() or "Not run yet."}
+
+{whole_answer_table("whole_answer_timing.json", "timing --out results/whole_answer_timing.json")
+ or ""}
 
 ## Structured output (`benchmarks/structured.py`)
 {structured_table() or "Not run yet."}

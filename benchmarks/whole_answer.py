@@ -14,6 +14,11 @@ rotated, so a change in the machine's load falls on all of them.
                the update in its prompt cache (its previous request), asked for as many tokens
                as prepos answered (ignore_eos). Time to the whole answer (one JSON response);
                `idle_window_needed_ms`: from the update's request to the push's arrival;
+  window       time to the whole answer against the idle window (update to request, each
+               of `--windows` ms, `--window-samples` rounds each): prepos on (what was
+               pre-decoded by then served at once, the rest decoded live), off, llama-server;
+               beside the timing model's closed form (prepos.sim.model.L_whole, its
+               constants from the standing part); drawn to docs/figures;
   cold         an unrelated session's cold request (an ad-hoc question, fast path off, 8
                tokens) sent a random 0-300 ms after an update, while the update's
                pre-position (and, on, its pre-decode of `--cold-tokens`) runs: P99 on
@@ -23,7 +28,8 @@ rotated, so a change in the machine's load falls on all of them.
                (on) pre-decoding every update, and a fourth server that pre-decodes where
                the policy says it pays (`--predecode-min-hit`).
 
-    python benchmarks/whole_answer.py [--model smollm2|FILE.gguf] [--samples 64] [--tokens 40]
+    python benchmarks/whole_answer.py [--model smollm2|timing|FILE.gguf] [--samples 64]
+        [--tokens 40] [--only standing window cold waste]
 The last line printed is the JSON summary.
 """
 
@@ -44,9 +50,9 @@ from pathlib import Path
 import httpx
 from stock_clients import KEYS, metrics, start_prepos, stop
 
-from common import RESULTS, cpu_model, machine, summarize, write
+from common import RESULTS, ROOT, cpu_model, machine, summarize, timing_model_dir, write
 from prepos.backends.llama_server import LlamaServer, find_binary
-from prepos.engine.loading import resolve_model
+from prepos.engine.loading import exported_gguf, resolve_model
 
 SYSTEM = "You are a market analyst. Readings of ACME arrive as lines of six prices."
 ASK = "Is ACME going up or down? Explain the trend in two sentences."
@@ -162,14 +168,17 @@ def measure_standing(on: Prepos, off: Prepos, peer: Peer, args, data: list[str])
     msgs = [{"role": "system", "content": SYSTEM}, *({"role": "user", "content": d}
                                                      for d in data)]
     peer.ask([*msgs, {"role": "user", "content": ASK}], args.tokens)  # its cache: the state
-    t: dict[str, list[float]] = {"on": [], "off": [], "peer": [], "idle_needed": []}
+    t: dict[str, list[float]] = {"on": [], "off": [], "peer": [], "idle_needed": [],
+                                 "idle_after_commit": []}
     served, answered = [], []
 
     def run_on(i):
         t0 = time.perf_counter()
         version = on.append(sid_on, update(i))
+        t1 = time.perf_counter()  # the update committed (and its tokens ingested)
         arrived, pushed = pushes.wait(version)
         t["idle_needed"].append(arrived - t0)
+        t["idle_after_commit"].append(arrived - t1)
         dt, res = on.query(sid_on, ASK, args.tokens)
         assert res["tokens"] == pushed["tokens"] and res["path"] == "fast", res
         t["on"].append(dt)
@@ -202,12 +211,130 @@ def measure_standing(on: Prepos, off: Prepos, peer: Peer, args, data: list[str])
     return out
 
 
+def measure_window(on: Prepos, off: Prepos, peer: Peer, args, data: list[str]) -> dict:
+    """Time to the whole answer against the idle window: each round appends an update, waits
+    `w` ms (the idle window), then asks the standing question for the whole answer; prepos
+    with pre-decoding on (the part decoded by then is served at once, the rest decoded live)
+    and off (the first token cached once its pre-position is done), and llama-server (its
+    prompt cache holding the state before the update; a stateless server learns of the
+    update only with the request, so it is asked without the wait: the window changes
+    nothing for it). Windows in the order given, rounds within a window rotated."""
+    sid = {s: s.create([ASK], data, answer_max_tokens=args.tokens) for s in (on, off)}
+    msgs = [{"role": "system", "content": SYSTEM}, *({"role": "user", "content": d}
+                                                     for d in data)]
+    peer.ask([*msgs, {"role": "user", "content": ASK}], args.tokens)  # its cache: the state
+    points, k = [], 0
+    for w in args.windows:
+        t: dict[str, list[float]] = {"on": [], "off": [], "peer": []}
+        served, answered = [], []
+
+        def run_prepos(s: Prepos, name: str, i: int) -> None:
+            s.append(sid[s], update(3000 + i))
+            time.sleep(w / 1e3)
+            dt, res = s.query(sid[s], ASK, args.tokens)
+            t[name].append(dt)
+            if name == "on":
+                served.append(res["predecoded"])
+                answered.append(len(res["tokens"]))
+            s.ready(sid[s])  # its idle work done before the next arm's round
+
+        def run_peer(i: int) -> None:
+            msgs.append({"role": "user", "content": update(3000 + i)})
+            dt, _ = peer.ask([*msgs, {"role": "user", "content": ASK}], answered[-1])
+            t["peer"].append(dt)
+
+        arms = [lambda i: run_prepos(on, "on", i), lambda i: run_prepos(off, "off", i)]
+        for j in range(args.window_samples):
+            for arm in (arms if j % 2 == 0 else arms[::-1]):
+                arm(k)
+            run_peer(k)  # its n: this round's prepos answer
+            k += 1
+        point = {"window_ms": w, **{name: summarize(xs) for name, xs in t.items()},
+                 "predecoded_served_p50": sorted(served)[len(served) // 2],
+                 "answer_tokens_p50": sorted(answered)[len(answered) // 2]}
+        point["ratio_vs_llama_server"] = ratio(point["on"], point["peer"])
+        points.append(point)
+    return {"samples_per_point": args.window_samples, "points": points}
+
+
+def closed_form(st: dict, win: dict, n: int) -> dict:
+    """The timing model's whole answer (prepos.sim.model.L_whole: the scan, plus what is left
+    of the pre-position and its N - 1 decode steps when the window closes), its constants
+    from this run's standing part: T_scan the pre-decoded answer's P50, T_decode from the
+    first-token-only answer's P50 ((off - T_scan) / (N - 1)), T_pp (tau_p * L_entry, Eq. 6)
+    the idle window needed after the update's commit (where the windows start) less the
+    N - 1 decode steps. `constants` is a file of them for
+    `prepos simulate --constants` (T_restore and g, which the whole answer does not use, are
+    the reference's)."""
+    from prepos.sim.model import REFERENCE, L_whole, L_whole_first_token
+
+    t_scan = st["on"]["p50_ms"]
+    t_dec = (st["off"]["p50_ms"] - t_scan) / (n - 1)
+    idle = st.get("idle_after_commit", st["idle_needed"])  # (an older run: from the request)
+    since = "after the commit" if "idle_after_commit" in st else "from the update's request"
+    t_pp = max(idle["p50_ms"] - (n - 1) * t_dec, 0.0)
+    c = REFERENCE.with_(
+        T_scan=round(t_scan, 4), T_decode=round(t_dec, 4),
+        tau_p=round(t_pp / REFERENCE.L_entry, 4),
+        label="whole_answer.py standing part (HTTP, this machine)",
+        sources={"T_scan": "measured: pre-decoded answer P50 over HTTP",
+                 "T_decode": f"derived: (first-token-only answer P50 - T_scan) / {n - 1}",
+                 "tau_p": f"derived: (idle window needed {since} P50 - "
+                          f"{n - 1} T_decode) / L_entry",
+                 "L_entry": "the reference's (only tau_p * L_entry = T_pp is used)",
+                 "T_restore": "the reference's (unused)", "g": "the reference's (unused)"})
+    ws = [p["window_ms"] for p in win["points"]]
+    return {"T_scan_ms": c.T_scan, "T_decode_ms": c.T_decode, "T_pp_ms": round(t_pp, 1),
+            "window_ms": ws, "whole_ms": [round(float(L_whole(c, n, w)), 1) for w in ws],
+            "whole_first_token_only_ms": round(float(L_whole_first_token(c, n)), 1),
+            "constants": c.as_dict()}
+
+
+def figure(out: dict, path: Path) -> None:
+    """Time to the whole answer against the idle window: measured P50 (P25-P75 would need
+    more samples per point; P99 as the bar's top), and the closed form."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts, cf = out["window"]["points"], out.get("closed_form")
+    ws = [p["window_ms"] for p in pts]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, label, style in (("on", "prepos, pre-decoding on", "o-"),
+                              ("off", "prepos, first token only", "s-"),
+                              ("peer", "llama-server, prompt cache", "^-")):
+        p50 = [p[key]["p50_ms"] for p in pts]
+        p99 = [p[key]["p99_ms"] for p in pts]
+        ax.errorbar(ws, p50, yerr=[[0] * len(ws), [b - a for a, b in zip(p50, p99)]],
+                    fmt=style, capsize=3, label=f"{label} (P50, bar to P99)")
+    if cf:
+        ax.plot(cf["window_ms"], cf["whole_ms"], "k--", lw=1,
+                label="timing model (closed form, constants from this run)")
+    ax.set_yscale("log")
+    ax.set_xlabel("idle window: the update committed to the request (ms)")
+    ax.set_ylabel("time to the whole answer (ms)")
+    ax.set_title(f"{out['answer_budget']}-token standing answer, {out['model']}, "
+                 f"n={out['window']['samples_per_point']} per point", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def measure_cold(on: Prepos, off: Prepos, args, data: list[str]) -> dict:
-    """An unrelated cold request while the update's pre-position (and pre-decode) runs."""
+    """An unrelated cold request while the update's pre-position (and pre-decode) runs; with
+    the server's own account of each (its wait for the model worker, its time from arrival
+    to the last token) and whether it stopped an idle chunk (the `preempted` counter moved
+    while it ran: it came while idle work ran)."""
     rng = random.Random(7)
     sids = {s: (s.create([ASK], data, answer_max_tokens=args.cold_tokens),
                 s.create([], data[:4])) for s in (on, off)}
     t: dict[str, list[float]] = {"on": [], "off": []}
+    queue_s: dict[str, list[float]] = {"on": [], "off": []}
+    server_s: dict[str, list[float]] = {"on": [], "off": []}
+    overlap: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(args.samples):
         delay = rng.uniform(0.0, 0.3)
         for name, s in ((("on", on), ("off", off)) if i % 2 == 0 else
@@ -215,10 +342,20 @@ def measure_cold(on: Prepos, off: Prepos, args, data: list[str]) -> dict:
             standing, other = sids[s]
             s.append(standing, update(1000 + i))
             time.sleep(delay)
+            before = s.counters().get("preempted", 0)
             dt, res = s.query(other, f"Is series {i % 10} above {40 + i}?", 8, fast_path="off")
             t[name].append(dt)
-            s.ready(standing)
-    return {name: summarize(xs) for name, xs in t.items()}
+            queue_s[name].append(res["timing"]["queue_ms"] / 1e3)
+            server_s[name].append(res["timing"]["total_ms"] / 1e3)
+            s.ready(standing)  # (a stopped chunk is counted when its task runs again)
+            if s.counters().get("preempted", 0) > before:
+                overlap[name].append(dt)
+    out = {name: summarize(xs) for name, xs in t.items()}
+    out["server_queue"] = {name: summarize(xs) for name, xs in queue_s.items()}
+    out["server_total"] = {name: summarize(xs) for name, xs in server_s.items()}
+    out["stopped_an_idle_chunk"] = {name: summarize(xs) if xs else {"n": 0}
+                                    for name, xs in overlap.items()}
+    return out
 
 
 def poisson(rng: random.Random, lam: float) -> int:
@@ -267,7 +404,7 @@ def ratio(a: dict, b: dict, key: str = "p50_ms") -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2", help="smollm2 or a GGUF file")
+    ap.add_argument("--model", default="smollm2", help="smollm2, timing or a GGUF file")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=40, help="the standing answer's budget")
     ap.add_argument("--threads", type=int, default=1,
@@ -280,14 +417,27 @@ def main() -> None:
                     help="the answer budget pre-decoded while the cold requests come")
     ap.add_argument("--updates", type=int, default=16, help="updates per rho (waste)")
     ap.add_argument("--rho", type=float, nargs="+", default=[0.25, 1.0, 4.0])
-    ap.add_argument("--only", choices=["standing", "cold", "waste"])
+    ap.add_argument("--windows", type=float, nargs="+", default=[0, 500, 1000, 2000, 3000, 5000],
+                    help="idle windows (ms): the update's commit to the request, for the figure")
+    ap.add_argument("--window-samples", type=int, default=12, help="rounds per window")
+    ap.add_argument("--only", choices=["standing", "window", "cold", "waste"], nargs="+",
+                    help="these parts alone (window needs standing for the closed form)")
+    ap.add_argument("--standing-from", type=Path, default=None,
+                    help="an earlier run's JSON: its standing part gives the closed form's "
+                    "constants when this run has none")
+    ap.add_argument("--figure", type=Path, default=None,
+                    help="the window figure's PNG (default docs/figures/"
+                    "whole_answer_window_MODEL.png)")
     ap.add_argument("--out", type=Path, default=RESULTS / "whole_answer.json")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers stop too
     binary = find_binary()
     if binary is None:
         sys.exit("no llama-server: scripts/build_llama_server.sh")
-    gguf = resolve_model(args.model)
+    if args.model == "timing":  # the timing model (seeded random weights) as F32 GGUF
+        gguf = exported_gguf(timing_model_dir("125m"))
+    else:
+        gguf = resolve_model(args.model)
     data = base(random.Random(1), args.state)
     logs = RESULTS / "whole_answer_logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -311,10 +461,16 @@ def main() -> None:
                      "machine": {**machine(), "cpu_model": cpu_model()},
                      "llama_server": str(binary)}
         keys = []
-        if args.only in (None, "standing"):
+        parts = set(args.only or ["standing", "window", "cold", "waste"])
+        if parts & {"standing", "window"}:
             with LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192,
                              threads=args.threads) as srv:
-                st = out["standing"] = measure_standing(on, off, Peer(srv.url), args, data)
+                if "standing" in parts:
+                    out["standing"] = measure_standing(on, off, Peer(srv.url), args, data)
+                if "window" in parts:
+                    out["window"] = measure_window(on, off, Peer(srv.url), args, data)
+        if "standing" in parts:
+            st = out["standing"]
             out["standing_answer_ratio_vs_llama_server"] = ratio(st["on"], st["peer"])
             out["standing_answer_ratio_vs_first_token_only"] = ratio(st["on"], st["off"])
             out["first_token_only_ratio_vs_llama_server"] = ratio(st["off"], st["peer"])
@@ -322,12 +478,25 @@ def main() -> None:
             keys += ["standing_answer_ratio_vs_llama_server",
                      "standing_answer_ratio_vs_first_token_only",
                      "first_token_only_ratio_vs_llama_server", "idle_window_needed_ms"]
-        if args.only in (None, "cold"):
+        if "window" in parts:
+            if "standing" in parts or args.standing_from:
+                st = out["standing"] if "standing" in parts else json.loads(
+                    args.standing_from.read_text())["standing"]
+                out["closed_form"] = closed_form(st, out["window"], args.tokens)
+            out["time_to_whole_answer_vs_window_ms"] = {
+                str(p["window_ms"]): {k: round(p[k]["p50_ms"], 1) for k in ("on", "off", "peer")}
+                for p in out["window"]["points"]}
+            keys.append("time_to_whole_answer_vs_window_ms")
+            fig = args.figure or (ROOT / "docs" / "figures" /
+                                  f"whole_answer_window_{Path(args.model).stem.lower()}.png")
+            figure(out, fig)
+            out["figure"] = str(fig.relative_to(ROOT)) if fig.is_relative_to(ROOT) else str(fig)
+        if "cold" in parts:
             cold = out["cold"] = measure_cold(on, off, args, data)
             out["p99_cold_ratio_predecode_on_off"] = ratio(cold["on"], cold["off"], "p99_ms")
             out["p50_cold_ratio_predecode_on_off"] = ratio(cold["on"], cold["off"])
             keys += ["p99_cold_ratio_predecode_on_off", "p50_cold_ratio_predecode_on_off"]
-        if args.only in (None, "waste"):
+        if "waste" in parts:
             w = out["waste"] = measure_waste(on, args, data)
             wp = out["waste_policy"] = measure_waste(policy, args, data)
             out["waste_tokens_per_update"] = {r: v["waste_tokens_per_update"]
@@ -344,6 +513,9 @@ def main() -> None:
         for p in procs:
             stop(p)
     write(args.out, out)
+    if "closed_form" in out:  # for `prepos simulate --constants`
+        write(args.out.with_name(args.out.stem + "_constants.json"),
+              out["closed_form"]["constants"])
     print(json.dumps({"benchmark": "whole_answer", "model": gguf.name,
                       "samples": args.samples, "cpu": out["machine"]["cpu_model"],
                       "loadavg_1m": [out["machine"]["loadavg_1m_at_start"],
