@@ -178,6 +178,8 @@ class Journal:
     def on_event(self, event: str, s: Session, payload: object) -> None:
         if is_ephemeral(s.id) or event not in ("commit", "create", "close"):
             return
+        if event == "create" and s.id in self._last:  # loaded from this store: no write
+            return
         try:
             with self._lock, self._db.tx():
                 if self.fence is not None and not (event == "close" and s.id in self.moving):
@@ -197,8 +199,6 @@ class Journal:
                 raise
 
     def _create(self, s: Session, snap: Snapshot) -> None:
-        if s.id in self._last:  # restored from this journal
-            return
         extras = self.extras.get(s.id, {})
         self._db.q("INSERT INTO sessions VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                    "spec=excluded.spec, extras=excluded.extras, created=excluded.created",
