@@ -10,7 +10,8 @@ also decides who serves the request:
   where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
 - another node owns it: the request is forwarded to it, once (a forwarded request that
   finds another owner again gets 409 `session_moved` naming it); an owner that does not
-  answer is waited out until its lease expires, then taken over.
+  answer is waited out until its lease expires, then taken over; meanwhile the session is
+  loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (`server/store.py`: SQLite by default, PostgreSQL for several nodes), so a restarted server
 restores them all, or, with a shared store, the node a session moves to loads it. Ready
 records and KV caches are never persisted: a restored session's KV is rebuilt lazily by its
-pre-position job at idle priority.
+pre-position job at idle priority (a session moving to another node: there, at once).
 
 A row is written in the engine's commit listener, in one transaction of the store, before
 the request that committed it returns: an answered request survives a crash of the server
