@@ -32,6 +32,7 @@ import argparse
 import http.client
 import json
 import random
+import re
 import signal
 import sys
 import threading
@@ -60,7 +61,7 @@ from prepos.server.journal import Journal  # noqa: E402
 from prepos.server.lease import LeaseConfig, Leases  # noqa: E402
 from prepos.server.store import Database  # noqa: E402
 
-PORTS = (18231, 18232, 18233)  # the nodes' fixed ports (a restarted node comes back on its)
+TAKEOVER = re.compile(r"takeover (\S+) at ([0-9.]+): (.*)")
 
 
 class Conn:
@@ -209,10 +210,28 @@ class Clients(SessionClients):
                 "max_tokens": 1, "session_id": sid}, h)
             if status != 200:
                 raise RuntimeError(f"query {status}: {raw[:120]!r}")
-            return {"node": head.get("x-prepos-node"),
+            return {"node": head.get("x-prepos-node"), "path": head.get("x-prepos-path"),
+                    "timing": head.get("server-timing"),
                     "version": json.loads(raw)["prepos"]["version"]}
         self.floor[sid] = version
-        return {"node": head.get("x-prepos-node"), "version": version}
+        return {"node": head.get("x-prepos-node"), "version": version,
+                "path": head.get("x-prepos-path"), "timing": head.get("server-timing")}
+
+
+def steps(nodes: list[ServerProc], sid: str, start: float, end: float) -> list:
+    """A takeover's steps the nodes logged (`--node-log info`) between the kill and the
+    first answer: (seconds after the kill, node, step)."""
+    out = []
+    for i, n in enumerate(nodes):
+        for line in n.log.read_text(errors="replace").splitlines():
+            m = TAKEOVER.search(line)
+            if m and m[1] == sid and start <= float(m[2]) <= end + 0.01:
+                out.append((round(float(m[2]) - start, 3), f"n{i}", m[3]))
+            elif "fencing" in line and f"session {sid}" in line:
+                t = float(line.split(" at ")[1].split(":")[0])
+                if start <= t <= end + 0.01:
+                    out.append((round(t - start, 3), f"n{i}", "fenced the dead owner"))
+    return sorted(out)
 
 
 def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease: float,
@@ -237,7 +256,7 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             victim = max(counts, key=counts.get)
             affected = [s for s in c.ops if before.get(s) == victim]
             proc = nodes[int(victim[1:])]
-            t_kill = time.monotonic()
+            t_kill, wall_kill = time.monotonic(), time.time()
             proc.proc.send_signal(signal.SIGKILL)
             proc.proc.wait()
             t_dead = time.monotonic()  # an answer it wrote before this is not a dead node's
@@ -250,6 +269,7 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             log(f"{victim} killed; its {len(affected)} sessions served again")
             proc.start(timeout=240)  # on its own port again: a new epoch, owning nothing
             kills.append({"victim": victim, "t_kill": t_kill, "t_dead": t_dead,
+                          "wall_kill": wall_kill,
                           "affected": affected,
                           "t_back": time.monotonic()})
         while c.acked() < ops and time.monotonic() < t0 + 900:
@@ -282,19 +302,27 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
     stale = sum(1 for op in all_ops if op["ok"] and op["version"] < op["floor"])
     dead = takeovers = 0
     takeover_s: list[float] = []
+    asked_after: list[float] = []  # the same, counting only ops sent after the kill
     for k in kills:
         for sid in k["affected"]:
             later = [op for op in c.ops[sid] if op["ok"] and op["sent"] >= k["t_kill"]]
             dead += sum(1 for op in later if op["node"] == k["victim"]
                         and k["t_dead"] <= op["sent"] < k["t_back"])
-            first = min(op["done"] for op in later if op["node"] != k["victim"])
+            # the first answer the new owner gave, to an op sent before the kill (in flight
+            # at it, then retried by the router or the node) or after it
+            first = min(op["done"] for op in c.ops[sid] if op["ok"] and op["done"] >= k[
+                "t_kill"] and op["node"] != k["victim"])
             takeover_s.append(first - k["t_kill"])
+            asked_after.append(min(op["done"] for op in later if op["node"] != k["victim"])
+                               - k["t_kill"])
             takeovers += 1
             k.setdefault("takeover_s", {})[sid] = round(first - k["t_kill"], 3)
-            op = next(op for op in later if op["done"] == first)  # the first answer after
+            op = next(op for op in c.ops[sid] if op["done"] == first)  # the first answer:
             k.setdefault("first_answer", {})[sid] = {  # the kill: when asked, how long, where
                 "sent_s": round(op["sent"] - k["t_kill"], 3),
-                "took_s": round(op["done"] - op["sent"], 3), "node": op["node"]}
+                "took_s": round(op["done"] - op["sent"], 3), "node": op["node"],
+                "path": op.get("path"), "server_timing": op.get("timing"),
+                "steps": steps(nodes, sid, k["wall_kill"], k["wall_kill"] + first - k["t_kill"])}
             k.setdefault("errors_before", {})[sid] = [
                 (round(op["sent"] - k["t_kill"], 2), round(op["done"] - k["t_kill"], 2),
                  op["error"][:70]) for op in c.ops[sid]
@@ -305,14 +333,21 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             key = op["error"][:60]
             errors[key] = errors.get(key, 0) + 1
     tk = summarize(takeover_s)
+    slow = [{"sid": sid, "sent_s": round(op["sent"] - t0, 2),
+             "took_s": round(op["done"] - op["sent"], 2), "ok": op["ok"],
+             "node": op.get("node"), "error": op.get("error", "")[:120]}
+            for sid, ops in c.ops.items() for op in ops if op["done"] - op["sent"] > 5]
     return {"ops_acked": sum(op["ok"] for op in all_ops),
             "ops_failed_and_retried": sum(not op["ok"] for op in all_ops),
             "failures": errors, "sessions": len(c.ops), "lost_acked": lost,
             "stale_answers": stale, "served_by_dead_node": dead,
             "kills": [{"victim": k["victim"], "sessions_moved": len(k["affected"]),
                        "takeover_s": k["takeover_s"], "first_answer": k["first_answer"],
-                       "failed_ops": k["errors_before"]}
+                       "failed_ops": k["errors_before"], "at_s": round(k["t_kill"] - t0, 2)}
                       for k in kills],
+            "slow_ops": slow,  # over 5 s: when sent (seconds from the start), how long
+            "takeover_asked_after_kill_p50_s": summarize(asked_after)["p50_ms"] / 1e3,
+            "takeover_asked_after_kill_p99_s": summarize(asked_after)["p99_ms"] / 1e3,
             "takeovers": takeovers, "takeover_p50_s": tk["p50_ms"] / 1e3,
             "takeover_p99_s": tk["p99_ms"] / 1e3, "takeover_max_s": max(takeover_s),
             "lease_s": lease}
@@ -358,7 +393,10 @@ def main() -> int:
     ap.add_argument("--commits", type=int, default=300)
     ap.add_argument("--fast", type=int, default=300, help="fast-path requests each way")
     ap.add_argument("--seconds", type=float, default=15.0, help="each throughput window")
-    ap.add_argument("--node-log", default="warning", help="the nodes' --log-level")
+    ap.add_argument("--node-log", default="info", help="the nodes' --log-level (info: the "
+                    "takeover steps are reported)")
+    ap.add_argument("--port", type=int, default=18231,
+                    help="the first node's fixed port (the others follow)")
     ap.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
     args = ap.parse_args()
     reason = missing_postgres() or missing_router()
@@ -369,7 +407,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     pg = Postgres().start()
     nodes = [ServerProc(DEFAULT_MODEL, work / f"n{i}", "--store", pg.url, "--node-id",
-                        f"n{i}", "--port", str(PORTS[i]), "--lease-seconds", str(args.lease),
+                        f"n{i}", "--port", str(args.port + i), "--lease-seconds", str(args.lease),
                         "--renew-seconds", str(args.lease / 4), "--threads", "1",
                         "--log-level", args.node_log)
              for i in range(3)]

@@ -104,8 +104,10 @@ class Router:
 
     def start(self, timeout: float = 60.0) -> Router:
         self._logf = open(self.log, "ab")
+        # RUST_LOG: its --log-level leaves the consistent-hash policy's lines on every request
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         self.proc = subprocess.Popen(self.command(), stdout=self._logf,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

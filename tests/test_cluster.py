@@ -229,3 +229,47 @@ def test_sessions_move_when_their_owner_is_killed(cluster):
                                  for sid in load.ops},
                       "errors": sorted({op["error"][:90] for ops in load.ops.values()
                                         for op in ops if not op["ok"]})}))
+
+
+def test_a_copy_warmed_for_a_session_another_node_took_is_dropped(cluster):
+    """Two nodes asked for one session whose owner was killed both load it and rebuild its KV
+    while its lease runs out; one claims it and serves both requests (the other forwards to
+    it), and the other's copy is closed without touching the store."""
+    pg, nodes, _ = cluster
+    for n in nodes:  # the test above killed one
+        if n.proc is None or n.proc.poll() is not None:
+            n.stop()
+            n.start(timeout=240)
+    owner, *others = nodes
+    sid = "warm-0"
+    r = httpx.post(owner.url + "/sessions", json={"kind": "streaming", "session_id": sid,
+                                                  "standing_queries": ["trend?"]}, timeout=60)
+    assert r.status_code == 201, r.text
+    for i in range(6):
+        r = httpx.post(f"{owner.url}/sessions/{sid}/append", json={"data": f"tick {i}"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    stored = Journal(Database(pg.url, migrate=False)).load_one(sid)[3]
+    owner.proc.send_signal(signal.SIGKILL)
+    owner.proc.wait()
+    answers: dict[int, httpx.Response] = {}
+
+    def ask(k: int) -> None:
+        answers[k] = httpx.post(f"{others[k].url}/sessions/{sid}/query",
+                                json={"question": "trend?"}, timeout=60)
+
+    asking = [threading.Thread(target=ask, args=(k,)) for k in range(2)]
+    for t in asking:
+        t.start()
+    for t in asking:
+        t.join(90)
+    assert [answers[k].status_code for k in range(2)] == [200, 200], \
+        [answers[k].text for k in range(2)]
+    winner = {answers[k].headers["x-prepos-node"] for k in range(2)}
+    assert len(winner) == 1 and owners(pg.url)[sid] in winner, winner
+    for n in others:  # the claimed copy is there; the other node's warmed copy is gone
+        listed = {s["id"] for s in httpx.get(n.url + "/sessions", timeout=10).json()["data"]}
+        assert (sid in listed) == (f"n{nodes.index(n)}" in winner), (n.url, listed)
+    assert Journal(Database(pg.url, migrate=False)).load_one(sid)[3] == stored
+    for k in range(2):
+        assert answers[k].json()["version"] == stored[-1][0]

@@ -107,11 +107,11 @@ class Engine:
                            answer_stop=tuple(answer_stop))
         return self.restore_session(self.sessions.new_id(), spec)
 
-    def restore_session(self, sid: str, spec: SessionSpec,
-                        history: Sequence[tuple[int, Sequence[dict]]] = ()) -> str:
-        """Create a session with a given id, optionally from journalled history ((version,
-        messages) pairs, the last current). Its KV cache is rebuilt lazily at idle priority
-        by the pre-position job; ready records are recomputed, never restored."""
+    def restore_session(self, sid: str, spec: SessionSpec, history: Sequence[tuple[int,
+                        Sequence[dict]]] = (), warm: bool = False) -> str:
+        """A session with a given id, optionally from journalled history ((version, messages),
+        the last current). Its KV is rebuilt by the pre-position job at idle priority (`warm`:
+        first in the foreground, waited for); ready records are recomputed, never restored."""
         check_session(spec, history, self.fmt)
         c = self.config
         self.pool.claim(sid, spec.owner)
@@ -120,7 +120,7 @@ class Engine:
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s)
         self._emit("create", s, s.snap)
-        self._committed(s, s.snap, None, wait=False)
+        self._committed(s, s.snap, None, wait=warm)
         return s.id
 
     def close_session(self, sid: str) -> None:

@@ -10,7 +10,8 @@ also decides who serves the request:
   where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
 - another node owns it: the request is forwarded to it, once (a forwarded request that
   finds another owner again gets 409 `session_moved` naming it); an owner that does not
-  answer is waited out until its lease expires, then taken over.
+  answer is waited out until its lease expires, then taken over; meanwhile the session is
+  loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ class Front:
             slow(scope, sid, t0, "served here")
 
 
+def mark(sid: str, stage: str) -> None:
+    """A step of a takeover, on the wall clock (benchmarks/cluster.py lines them up)."""
+    log.info("takeover %s at %.3f: %s", sid, time.time(), stage)
+
+
 def slow(scope, sid: str, t0: float, how: str) -> None:
     """A request on a session that took long is logged (a takeover's wait, a recompute)."""
     took = time.monotonic() - t0
@@ -178,6 +184,7 @@ class Cluster:
         self.takeovers = 0
         self.forwarded = 0
         self._locks: dict[str, asyncio.Lock] = {}
+        self._dropping: set[str] = set()  # copies being closed here, their lease kept
         self._client = None
         journal.fence = self.leases.fence
         engine.listeners.append(self._on_event)
@@ -189,11 +196,14 @@ class Cluster:
         self.leases.stop()
 
     async def serve_here(self, sid: str, scope) -> bool:
-        """Whether this node serves `sid` now: owned, or claimed (and loaded) now."""
+        """Whether this node serves `sid` now: owned, or claimed (and loaded) now. While a
+        dead owner's lease runs out, the session is loaded and its KV rebuilt here (`warm`),
+        not served: at the claim only what was committed since is redone."""
         leases = self.leases
         if leases.owns(sid):
             return True
         lock = self._locks.setdefault(sid, asyncio.Lock())
+        warming = None
         async with lock:
             try:
                 deadline = asyncio.get_running_loop().time() + self.config.lease_s + 1
@@ -201,7 +211,11 @@ class Cluster:
                     claim: Claim = await self.state.run(leases.claim, sid)
                     if claim.ours:
                         if claim.fresh:
+                            mark(sid, "claimed")
+                            if warming is not None:  # take_over checks what it left
+                                await asyncio.gather(warming, return_exceptions=True)
                             await self.state.run(self.take_over, sid)
+                        warming = None
                         return True
                     dead = scope.setdefault("prepos.dead", set())
                     forwarded = dict(scope["headers"]).get(FORWARDED) is not None
@@ -213,15 +227,44 @@ class Cluster:
                         raise ApiError(409, "session_moved", f"session {sid} is owned by node "
                                        f"{claim.node} at {claim.url}",
                                        headers={"x-prepos-owner": claim.url or ""})
+                    if warming is None:
+                        mark(sid, f"waiting (owner {claim.node}, {claim.expires_in:.3f} s left)")
+                        warming = asyncio.ensure_future(self.state.run(self.warm, sid))
                     await asyncio.sleep(min(claim.expires_in + 0.05, 0.5))
             finally:
+                if warming is not None:  # claimed by another node, or given up: not ours
+                    await asyncio.gather(warming, return_exceptions=True)
+                    await self.state.run(self.unwarm, sid)
                 if len(self._locks) > 4096:
                     self._locks = {k: v for k, v in self._locks.items() if v.locked()}
+
+    def warm(self, sid: str) -> None:
+        """Load `sid` from the store and rebuild its KV (foreground: a request waits for it),
+        then pre-position it, before this node owns it. Nothing is written and nothing is
+        served from it until the claim (`Front` serves only owned sessions), and `take_over`
+        keeps it only if it is still the store's latest."""
+        if self.engine.has_session(sid):
+            return
+        found = self.journal.load_one(sid)
+        if found is None:
+            return
+        _, spec, extras, history = found
+        self.state.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
+        mark(sid, "warming")
+        self.engine.restore_session(sid, spec, history, warm=True)
+        mark(sid, "warm")
+
+    def unwarm(self, sid: str) -> None:
+        """A warmed copy of `sid` this node did not get to own: closed (the store's rows
+        stay)."""
+        if sid not in self.leases.owned:
+            self._drop(sid)
 
     def take_over(self, sid: str) -> None:
         """Load `sid` from the store unless this node's copy is the store's: its KV is
         recomputed at idle priority and it is pre-positioned again."""
         found = self.journal.load_one(sid)
+        mark(sid, "loaded")
         eng = self.engine
         if found is None:  # not in the store: nothing to own
             self.leases.release(sid)
@@ -232,13 +275,21 @@ class Cluster:
             try:
                 snap = eng.snapshot(sid)
                 if snap.version == history[-1][0] and list(snap.messages) == history[-1][1]:
+                    self.takeovers += 1
+                    mark(sid, "kept this node's copy: the store's latest")
                     return  # this node's copy is the store's: keep it, and its KV
             except PreposError:
                 pass
             self._drop(sid)
+            found = self.journal.load_one(sid)  # closing the copy forgot the store's rows
+            if found is None:
+                self.leases.release(sid)
+                return
+            _, spec, extras, history = found
         self.state.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
         eng.restore_session(sid, spec, history)
         self.takeovers += 1
+        mark(sid, "restored")
         log.info("node %s took session %s over at version %d", self.leases.node, sid,
                  history[-1][0])
 
@@ -249,11 +300,14 @@ class Cluster:
         if not eng.has_session(sid):
             return
         self.journal.moving.add(sid)
+        self._dropping.add(sid)  # the journal forgets `moving` in its own close listener
         try:
             eng.close_session(sid)
         except PreposError:
             self.journal.moving.discard(sid)
             return
+        finally:
+            self._dropping.discard(sid)
 
         def settled():
             return
@@ -266,7 +320,7 @@ class Cluster:
             self._drop(sid)
 
     def _on_event(self, event: str, s, payload) -> None:
-        if event == "close" and s.id not in self.journal.moving and s.id in self.leases.owned:
+        if event == "close" and s.id not in self._dropping and s.id in self.leases.owned:
             try:
                 self.leases.release(s.id)
             except Exception as exc:

@@ -2,7 +2,7 @@
 (`server/store.py`: SQLite by default, PostgreSQL for several nodes), so a restarted server
 restores them all, or, with a shared store, the node a session moves to loads it. Ready
 records and KV caches are never persisted: a restored session's KV is rebuilt lazily by its
-pre-position job at idle priority.
+pre-position job at idle priority (a session moving to another node: there, at once).
 
 A row is written in the engine's commit listener, in one transaction of the store, before
 the request that committed it returns: an answered request survives a crash of the server
@@ -178,6 +178,8 @@ class Journal:
     def on_event(self, event: str, s: Session, payload: object) -> None:
         if is_ephemeral(s.id) or event not in ("commit", "create", "close"):
             return
+        if event == "create" and s.id in self._last:  # loaded from this store: no write
+            return
         try:
             with self._lock, self._db.tx():
                 if self.fence is not None and not (event == "close" and s.id in self.moving):
@@ -197,8 +199,6 @@ class Journal:
                 raise
 
     def _create(self, s: Session, snap: Snapshot) -> None:
-        if s.id in self._last:  # restored from this journal
-            return
         extras = self.extras.get(s.id, {})
         self._db.q("INSERT INTO sessions VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                    "spec=excluded.spec, extras=excluded.extras, created=excluded.created",

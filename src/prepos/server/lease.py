@@ -162,6 +162,8 @@ class Leases:
             if node_epoch == owner_epoch and left is not None and left > 0:
                 return Claim(False, node=owner, url=url, expires_in=float(left))
             if node_epoch == owner_epoch:  # expired, not fenced yet: fence it
+                log.info("node %s at %.3f: fencing node %s (epoch %d) for session %s",
+                         self.node, time.time(), owner, owner_epoch, sid)
                 db.q("UPDATE nodes SET epoch = epoch + 1 WHERE node=? AND epoch=? AND "
                      "expires <= NOW", (owner, owner_epoch))
                 continue
