@@ -221,3 +221,23 @@ def test_an_implicit_session_moves_down_a_tier_and_comes_back(make_engine):
     restores = eng.metrics()["kv_tiers"]["restores"]
     res = eng.turn(imp, None, GREEDY).result()
     assert res.tokens and eng.metrics()["kv_tiers"]["restores"] == restores + 1
+
+
+@pytest.mark.parametrize("idle_cells", [0, None])
+def test_idle_kvs_leave_the_scanned_cells_while_a_request_runs(make_engine, idle_cells):
+    """Where every forward scans every resident cell (llama.cpp's unified layout), a
+    foreground request runs with the idle sessions' KV beyond `kv_idle_cells` moved down a
+    tier, and a session moved so answers as cold when it comes back; with no bound (None),
+    or where forwards scan their own cells only, idle KVs stay resident."""
+    eng = make_engine("chatml", kv_idle_cells=idle_cells)
+    moves = idle_cells is not None and eng.backend.scans_resident
+    idle = "ram" if moves else "resident"
+    a, b = fill(eng, 2)
+    for asked, other in ((a, b), (b, a)):
+        eng.wait_idle()  # the pre-positions done (idle work may bring a KV back)
+        seq = entry(eng, asked, "Which way is ACME moving?")
+        res = eng.query(asked, "Which way is ACME moving?", GREEDY).result()
+        assert answers_as_cold(eng, seq, res)
+        eng.wait_idle()
+        assert (eng.info(asked)["kv"], eng.info(other)["kv"]) == ("resident", idle)
+    assert (eng.metrics()["kv_tiers"]["restores"] > 0) == moves

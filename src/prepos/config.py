@@ -139,6 +139,9 @@ class EngineConfig:
     # llama.cpp: "unified" (one pool: a session may use all of it, every step scans every
     # session's cells) or "streams" (kv_cells / max_sequences per session, scanned alone)
     kv_layout: str = "unified"
+    # unified layout: the cells idle sessions keep resident while a request runs (the rest
+    # move down to the RAM tier, least recently used first); None: no bound but kv_cells
+    kv_idle_cells: int | None = 1024
     tiers: TierConfig = field(default_factory=TierConfig)
     # sessions at most, on back ends whose KV moves down tiers (others: what they hold)
     max_sessions: int = 1_000_000

@@ -107,6 +107,9 @@ class Backend(abc.ABC):
     shares_prefixes: bool = False
     # True where `save`/`load` work: a KV's state moved out of the back end and back
     holds_tiers: bool = False
+    # True where every forward reads every resident cell, other sessions' too (llama.cpp's
+    # unified layout): idle KVs left resident slow everyone's forwards
+    scans_resident: bool = False
 
     @abc.abstractmethod
     def new_kv(self, key: str | None = None) -> Any:

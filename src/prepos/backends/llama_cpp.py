@@ -110,6 +110,7 @@ class LlamaCppBackend(Backend):
         n_batch = min(n_batch, n_ctx)
         self.n_seq = n_seq
         self.kv_layout = kv_layout
+        self.scans_resident = kv_layout == "unified"  # each step scans every occupied cell
         self.max_sessions = self.n_seq  # the engine admits no more sessions than this
         if kv_layout == "streams":  # whole streams, within the cells asked for
             n_ctx = n_ctx // n_seq // MIN_STREAM * MIN_STREAM * n_seq

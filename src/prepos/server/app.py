@@ -151,6 +151,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="llama.cpp: unified (one pool; every step scans all sessions' cells) "
                    "or streams (kv-cells / kv-sequences cells per session, each step scans "
                    "its own: faster with many sessions resident or decoding at once)")
+    p.add_argument("--kv-idle-cells", type=int, default=EngineConfig.kv_idle_cells,
+                   help="llama.cpp, unified layout: the cells idle sessions keep resident "
+                   "while a request runs; the rest move to the RAM tier, least recently used "
+                   "first (default %(default)s; -1: no bound but --kv-cells)")
     p.add_argument("--kv-ram", type=size, default=None,
                    help="bytes of host RAM for the KV of sessions not resident (K/M/G "
                    "suffixes; default: a quarter of the machine's memory)")
@@ -284,6 +288,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
                           backend=args.backend, kv_cells=args.kv_cells,
                           max_sequences=args.kv_sequences, kv_layout=args.kv_layout,
+                          kv_idle_cells=None if args.kv_idle_cells < 0 else args.kv_idle_cells,
                           tiers=TierConfig(**({} if args.kv_ram is None
                                               else {"ram_bytes": args.kv_ram}),
                                            disk_bytes=args.kv_disk, disk_dir=args.kv_dir),

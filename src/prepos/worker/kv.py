@@ -30,10 +30,14 @@ class KVPool:
 
     def __init__(self, backend: Backend, engine_cells: int, tiers: Tiers | None = None,
                  reserve: Callable[[str], bool] = lambda key: True,
-                 release: Callable[[str], None] = lambda key: None):
+                 release: Callable[[str], None] = lambda key: None,
+                 idle_cells: int | None = None):
         self.backend = backend
         self.engine_cells = engine_cells
         self.tiers = tiers if backend.holds_tiers else None
+        # where every forward scans every resident cell (llama.cpp's unified layout): the
+        # cells idle KVs may keep resident while a foreground batch runs (None: no bound)
+        self.idle_cells = idle_cells if backend.scans_resident else None
         self.index = PrefixIndex()
         # what room-making keeps of another session's KV, pass by pass (the engine's: its
         # committed length, then less where its owner allows); none: nothing is cropped
@@ -161,7 +165,16 @@ class KVPool:
                 return out
             added += grow
             out[i] = plan
+        if moves and self.idle_cells is not None:
+            self._quiet(keep)
         return out
+
+    def _quiet(self, keep: set[str]) -> None:
+        """A foreground batch admitted: idle resident KVs beyond `idle_cells` moved down a
+        tier, least recently used first, so its forward scans its own cells, not theirs."""
+        batch = sum(len(self._kv[k]) for k in keep if k in self._resident)
+        while self.used - batch > self.idle_cells and self._spill_one(keep):
+            pass
 
     def bring_back(self, kv: KVSequence, moves: bool, keep: set[str],
                    spare: Sequence[KVSequence], extra: int) -> None:
