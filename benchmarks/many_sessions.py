@@ -33,8 +33,9 @@ and the KV tier sizes named below, and talks to it over HTTP with keep-alive con
          after the fill the oldest sessions' KV lies in RAM, on disk or nowhere (recomputed);
          each returning session (one not resident after the fill) asks a new question
          (max_tokens 1, fast_path off: the KV is needed) after all others ran, the tiers
-         interleaved, oldest first (--p3-order newest: newest first), each classified by the
-         tier GET /sessions/{id} reports just before its query. restore_ram_over_reprefill
+         interleaved, oldest first (--p3-order newest: newest first; --p3-returning N: the
+         first N only), each classified by the tier GET /sessions/{id} reports just before
+         its query. restore_ram_over_reprefill
          and restore_disk_over_reprefill: the P50 query time with the KV in RAM / on disk
          over that with the KV recomputed. The same workload (the same token ids, in the
          same order) against llama-server -np 4 --cache-ram (the RAM tier's size, in MiB):
@@ -894,6 +895,8 @@ def part3(ctx, args) -> dict:
         for t in ("ram", "disk", "none"):
             if by_tier.get(t):
                 returning.append(by_tier[t].pop(0))
+    returning_all = len(returning)
+    returning = returning[:args.p3_returning or None]
     samples = []
     for k, s in enumerate(returning):
         _, info, _, _ = srv.call("GET", f"/sessions/{s['id']}")
@@ -939,7 +942,9 @@ def part3(ctx, args) -> dict:
            "fill_statuses": fill.st.as_dict(),
            "tokens_per_session_mean": round(statistics.fmean(len(s["ids"]) for s in sessions), 1),
            "entry_tokens_mean": round(statistics.fmean(len(s["entry"]) for s in sessions), 1),
-           "tiers_after_fill": tiers, "llama_server_fill_seconds": round(peer_fill_s, 1),
+           "tiers_after_fill": tiers, "returning_sessions": returning_all,
+           "returning_measured": len(returning),
+           "llama_server_fill_seconds": round(peer_fill_s, 1),
            "llama_server_fill_failed": sum(f["status"] != 200 for f in fills),
            "by_tier": stats, "samples": samples, "metrics_end": srv.metrics(),
            "memory_end": srv.memory()}
@@ -1165,6 +1170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p3-client-threads", type=int, default=4)
     ap.add_argument("--p3-order", choices=("oldest", "newest"), default="oldest",
                     help="part 3: which returning sessions ask first, within each tier")
+    ap.add_argument("--p3-returning", type=int, default=None,
+                    help="part 3: measure the first N returning sessions only (default: all)")
     ap.add_argument("--p3-fill-seconds", type=float, default=None,
                     help="part 3: stop creating sessions after this long")
     ap.add_argument("--p4-system-tokens", type=int, default=400)
