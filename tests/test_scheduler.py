@@ -14,22 +14,24 @@ def steps(log, name, n, pause=0.0):
         yield
 
 
+def held(gate: threading.Event):
+    """A task whose one chunk runs until `gate` opens."""
+    gate.wait(5)
+    yield
+
+
 def test_foreground_goes_before_idle_work_after_at_most_one_chunk():
     sched = Scheduler()
     log = []
     gate = threading.Event()
 
-    def blocker():
-        gate.wait(5)
-        yield
-
-    sched.submit(blocker(), idle=True)
+    sched.submit(held(gate), idle=True)
     sched.submit(steps(log, "idle", 5), idle=True)
     sched.submit(steps(log, "fg", 2))
     gate.set()
     assert sched.wait_idle(5)
     names = [n for n, *_ in log]
-    assert names[:2] == ["fg", "fg"]  # the blocker was the one chunk it waited behind
+    assert names[:2] == ["fg", "fg"]  # the held task was the one chunk it waited behind
     assert max(chunks for _, chunks in sched.fg_waits) <= 1
     sched.close()
 
@@ -39,11 +41,7 @@ def test_idle_tasks_run_highest_priority_first_equal_ones_in_turn():
     log = []
     gate = threading.Event()
 
-    def blocker():
-        gate.wait(5)
-        yield
-
-    sched.submit(blocker(), idle=True, priority=10.0)
+    sched.submit(held(gate), idle=True, priority=10.0)
     sched.submit(steps(log, "low", 2), idle=True, priority=0.1)
     sched.submit(steps(log, "a", 2), idle=True, priority=0.5)
     sched.submit(steps(log, "b", 2), idle=True, priority=0.5)
@@ -59,11 +57,7 @@ def test_an_idle_task_whose_session_is_busy_waits_for_it_others_go_on():
     log = []
     gate = threading.Event()
 
-    def holder():  # foreground work on session s, holding it until the gate opens
-        gate.wait(5)
-        yield
-
-    sched.submit(holder(), key="s")
+    sched.submit(held(gate), key="s")  # foreground work holding session s
     sched.submit(steps(log, "s", 1), idle=True, key="s", priority=0.9)
     sched.submit(steps(log, "t", 1), idle=True, key="t", priority=0.1)
     time.sleep(0.2)
@@ -78,11 +72,7 @@ def test_foreground_tasks_interleave_round_robin():
     log = []
     gate = threading.Event()
 
-    def blocker():
-        gate.wait(5)
-        yield
-
-    sched.submit(blocker())
+    sched.submit(held(gate))
     sched.submit(steps(log, "a", 3))
     sched.submit(steps(log, "b", 3))
     gate.set()
