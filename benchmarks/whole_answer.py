@@ -218,13 +218,14 @@ def measure_window(on: Prepos, off: Prepos, peer: Peer, args, data: list[str]) -
     and off (the first token cached once its pre-position is done), and llama-server (its
     prompt cache holding the state before the update; a stateless server learns of the
     update only with the request, so it is asked without the wait: the window changes
-    nothing for it). Windows in the order given, rounds within a window rotated."""
-    sid = {s: s.create([ASK], data, answer_max_tokens=args.tokens) for s in (on, off)}
-    msgs = [{"role": "system", "content": SYSTEM}, *({"role": "user", "content": d}
-                                                     for d in data)]
-    peer.ask([*msgs, {"role": "user", "content": ASK}], args.tokens)  # its cache: the state
+    nothing for it). Windows in the order given, each on new sessions (the same state:
+    a session's updates would fill its cell budget), rounds within a window rotated."""
     points, k = [], 0
     for w in args.windows:
+        sid = {s: s.create([ASK], data, answer_max_tokens=args.tokens) for s in (on, off)}
+        msgs = [{"role": "system", "content": SYSTEM}, *({"role": "user", "content": d}
+                                                         for d in data)]
+        peer.ask([*msgs, {"role": "user", "content": ASK}], args.tokens)  # its cache
         t: dict[str, list[float]] = {"on": [], "off": [], "peer": []}
         served, answered = [], []
 
