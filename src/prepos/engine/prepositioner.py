@@ -120,7 +120,7 @@ class Prepositioner:
         """Runs on the model worker at idle priority, one chunk (one Forward) per quantum."""
         rate = self.predecoder.rate
         rate.update(session)  # one committed version: an update
-        if self.pool.tier(session.id) != "resident" and not rate.pays(session):
+        if self.pool.tier(session.id) in ("ram", "disk") and not rate.pays(session):
             self._bump("skipped")  # a spilled KV brought back only for a session often asked
             return
         kv = self.pool.get(session.id)
