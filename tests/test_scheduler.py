@@ -60,7 +60,9 @@ def test_an_idle_task_whose_session_is_busy_waits_for_it_others_go_on():
     sched.submit(held(gate), key="s")  # foreground work holding session s
     sched.submit(steps(log, "s", 1), idle=True, key="s", priority=0.9)
     sched.submit(steps(log, "t", 1), idle=True, key="t", priority=0.1)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # t runs while s is held, however slow the machine
+    while not log and time.monotonic() < deadline:
+        time.sleep(0.01)
     gate.set()
     assert sched.wait_idle(5)
     assert [n for n, *_ in log] == ["t", "s"]

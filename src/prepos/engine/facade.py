@@ -18,7 +18,7 @@ from prepos.decode.stream import Stream
 from prepos.engine.admission import Room, check_request, check_session, prompt_ids
 from prepos.engine.answers import Answers
 from prepos.engine.loading import load_parts
-from prepos.engine.logits import answers_from
+from prepos.engine.logits import answers_from, keeps_top
 from prepos.engine.predecode import Budget
 from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
 from prepos.engine.ready import Predecoded, ReadySet
@@ -259,7 +259,7 @@ class Engine:
                     return self.answers.exact(s, snap, ready, key, rec, sampling,
                                               req.logprobs, t0)
             elif mode == "relaxed" and header is not None and not sampling.shaped:
-                kept = header.logits is not None or sampling.top_logprobs <= len(header.top_ids)
+                kept = keeps_top(header, sampling.top_logprobs, self.backend.full_distribution)
                 if kept and self.gate.fires(header):  # Eq. 12, then the class's verified risk
                     d = self.relaxed.decide(s, question, header)
                     if d.serve:  # one cached token, no scheduler; verified at idle

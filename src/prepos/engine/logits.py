@@ -25,9 +25,15 @@ def answers_from(rec: ReadyRecord, sampling: SamplingParams, full_distribution: 
     it kept its full vector, or where the back end never gives one (a top-k engine: its
     sampling is what the record holds); else only a greedy request wanting no more top
     logprobs than it kept."""
-    if rec.logits is not None or not full_distribution:
-        return True
-    return sampling.greedy and sampling.top_logprobs <= len(rec.top_ids)
+    if not sampling.greedy:
+        return rec.logits is not None or not full_distribution
+    return keeps_top(rec, sampling.top_logprobs, full_distribution)
+
+
+def keeps_top(rec: ReadyRecord, k: int, full_distribution: bool) -> bool:
+    """Whether `rec` still gives the `k` likeliest tokens a request asks for (a top-k back
+    end's record gives what it has, as it always did)."""
+    return rec.logits is not None or not full_distribution or k <= len(rec.top_ids)
 
 
 class KeptLogits:

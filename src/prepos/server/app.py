@@ -273,7 +273,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from prepos.server.auth import load_keys
 
     for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions",
-                 "response_sessions"):
+                 "response_sessions", "ready_logits_memory"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
