@@ -32,6 +32,11 @@ server works:
   prepos          prepos serve, the stock client (implicit sessions)
   llama_server    llama-server on the same GGUF, same threads, one slot (-np 1), its prompt
                   cache on (cache_prompt is its default), --jinja
+  llama_server_same_prompt  the same llama-server given the messages as prepos renders them
+                  for this template (its tools block, calls and results as text; no `tools`),
+                  so both servers get the same prompt tokens (`prompt_tokens_equal` checks):
+                  `turn_ratio_vs_llama_server` is against this arm, the servers on the same
+                  tokens; `own_render` against the one above
   prepos_session  the same conversation with a named agentic session (POST /sessions, then
                   extra_body={"session_id": ...}): prepos-specific on purpose
   prepos_responses  the same turns through /v1/responses with previous_response_id: only
@@ -75,7 +80,8 @@ MAX_TOKENS = 32
 THREADS = 2
 KEYS = {"prepos": "stock-client", "prepos_session": "session-client",
         "prepos_responses": "responses-client"}
-ARMS = ("prepos", "llama_server", "prepos_session", "prepos_responses")
+ARMS = ("prepos", "llama_server", "llama_server_same_prompt", "prepos_session",
+        "prepos_responses")
 
 SYSTEM = """You are Ledger, a market research assistant embedded in a brokerage's research \
 desk. You help analysts and retail clients understand how individual stocks have traded.
@@ -263,9 +269,28 @@ def _server_timing(h: str | None) -> dict:
     return {k: float(v) for k, v in re.findall(r"(\w+);dur=([\d.]+)", h or "")}
 
 
+def tool_support(model: str):
+    """What the model's chat template renders of tools, calls and results, as prepos probes
+    it at load (`prepos.chat.tool_support`)."""
+    from prepos.chat.format import ChatFormat
+    from prepos.engine.loading import load_tokenizer, resolve_model
+
+    return ChatFormat(load_tokenizer(resolve_model(model))).tool_support
+
+
+def prepos_render(msgs: list[dict], support) -> tuple[list[dict], list[dict] | None]:
+    """The messages as prepos gives the template: what it does not render of the tools and
+    calls written in by prepos (SmolLM2's: a tools block in the system message, each call as
+    <tool_call> markup)."""
+    return support.apply(msgs, [TOOL])
+
+
 def run_chat(client: openai.OpenAI, model: str, convo: dict, arm: str,
-             extra_body: dict | None, think_s: float, turns_n: int = TURNS) -> dict:
-    """The 8 turns as a stock client sends them (the whole conversation each time)."""
+             extra_body: dict | None, think_s: float, turns_n: int = TURNS,
+             same_prompt=None) -> dict:
+    """The 8 turns as a stock client sends them (the whole conversation each time);
+    `same_prompt` (a ToolSupport): sent as prepos renders them for the template
+    (`prepos_render`)."""
     msgs: list[dict] = [{"role": "system", "content": SYSTEM}]
     turns, errors, own_calls = [], [], 0
     for t in range(turns_n):
@@ -280,10 +305,12 @@ def run_chat(client: openai.OpenAI, model: str, convo: dict, arm: str,
                          "content": convo["tables"][k]})
         if think_s:
             time.sleep(think_s)
+        sent, tools = prepos_render(msgs, same_prompt) if same_prompt else (msgs, [TOOL])
         t0 = time.perf_counter()
         try:
             raw = client.chat.completions.with_raw_response.create(
-                model=model, messages=msgs, tools=[TOOL], max_tokens=MAX_TOKENS,
+                model=model, messages=sent, max_tokens=MAX_TOKENS,
+                **({"tools": tools} if tools else {}),
                 temperature=0, **({"extra_body": extra_body} if extra_body else {}))
             wall = time.perf_counter() - t0
             r = raw.parse()
@@ -308,11 +335,22 @@ def run_chat(client: openai.OpenAI, model: str, convo: dict, arm: str,
                               "predicted_ms")}
         turns.append(rec)
         reply = {"role": "assistant", "content": m.content}
-        if m.tool_calls:
+        calls = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls or ()]
+        if same_prompt and not calls and m.content:  # a call in prepos's markup, as it parses
+            from prepos.chat.tool_formats import parse_prepos
+
+            text, parsed = parse_prepos(m.content)
+            if parsed:
+                reply["content"] = text or None
+                calls = [{"id": f"call_own_{t}_{j}", "type": "function", "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(c["function"]["arguments"])}}
+                    for j, c in enumerate(parsed)]
+        if calls:
             own_calls += 1
-            reply["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": c.function.arguments}}
-                for c in m.tool_calls]
+            reply["tool_calls"] = calls
         msgs.append(reply)
     return {"arm": arm, "turns": turns, "errors": errors, "model_tool_calls": own_calls}
 
@@ -483,6 +521,26 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def turn_ratio(arms: dict, med: dict, peer: str) -> dict:
+    """prepos's P50 turn after the first over `peer`'s, and the same for user and tool
+    turns apart."""
+    ours, theirs = arms.get("prepos", {}), arms.get(peer, {})
+    return {"value": ratio(med.get("prepos"), med.get(peer)), "peer": peer,
+            "prepos": ours.get("turns_after_first"), "llama_server": theirs.get(
+                "turns_after_first"),
+            "user_turns": ratio(ours.get("user_turns_p50_ms"), theirs.get("user_turns_p50_ms")),
+            "tool_turns": ratio(ours.get("tool_turns_p50_ms"), theirs.get("tool_turns_p50_ms"))}
+
+
+def prompts_equal(ours: list[dict], theirs: list[dict]) -> dict:
+    """Turns whose prompt was the same number of tokens on both arms (the same conversation,
+    the same turn): the check that the same-prompt arm is given the same tokens."""
+    pairs = [(a["prompt_tokens"], b["prompt_tokens"]) for x, y in zip(ours, theirs)
+             for a, b in zip(x["turns"], y["turns"])]
+    return {"turns": len(pairs), "equal": sum(a == b for a, b in pairs),
+            "max_abs_difference": max((abs(a - b) for a, b in pairs), default=None)}
+
+
 def resolve(model: str) -> tuple[str, Path, str]:
     """(what prepos serve is given, the GGUF llama-server loads, a label)."""
     from prepos.engine.loading import exported_gguf, resolve_model
@@ -519,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     mach = {**machine(), "cpu_model": cpu_model()}
     think = args.think_ms / 1e3
 
+    support = tool_support(args.model)
     proc, url = start_prepos(served, work / "prepos.log", args.threads, args.server_arg)
     llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
                         extra=("--jinja",), log=work / "llama-server.log")
@@ -541,8 +600,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def one(arm: str, convo: dict, n: int = TURNS) -> dict:
             wait_idle(url)
-            if arm == "llama_server":
-                return run_chat(lc, lmodel, convo, arm, None, think, n)
+            if arm.startswith("llama_server"):
+                return run_chat(lc, lmodel, convo, arm, None, think, n,
+                                same_prompt=support if arm.endswith("same_prompt") else None)
             if arm == "prepos":
                 return run_chat(pc[arm], pmodel, convo, arm, None, think, n)
             if arm == "prepos_responses":
@@ -595,23 +655,25 @@ def main(argv: list[str] | None = None) -> int:
         "llama_server": {"binary": str(binary), "slots": 1, "ctx": 8192, "jinja": True,
                          "cache_prompt": "default (on)"},
         "order": "interleaved conversation by conversation, the arms' order rotated",
+        # the same prompt tokens on both: llama-server given the messages as prepos renders
+        # them for the template (prepos_render); `own_render`: llama-server's render, which
+        # drops the tools and the calls (shorter prompts, so other answers)
         "turn_ratio_vs_llama_server": {
-            "value": ratio(med.get("prepos"), med.get("llama_server")), "target_le": 1.0,
-            "prepos": arms_summary.get("prepos", {}).get("turns_after_first"),
-            "llama_server": llama_cached.get("turns_after_first"),
-            "user_turns": ratio(arms_summary.get("prepos", {}).get("user_turns_p50_ms"),
-                                llama_cached.get("user_turns_p50_ms")),
-            "tool_turns": ratio(arms_summary.get("prepos", {}).get("tool_turns_p50_ms"),
-                                llama_cached.get("tool_turns_p50_ms"))},
-        # the turn ratio apart from the workload's difference (prepos's prompts hold the
-        # tools and calls llama-server's render drops, so its answers differ too)
+            **turn_ratio(arms_summary, med, "llama_server_same_prompt"), "target_le": 1.0,
+            "prompt_tokens_equal": prompts_equal(runs["prepos"],
+                                                 runs["llama_server_same_prompt"]),
+            "own_render": turn_ratio(arms_summary, med, "llama_server")},
         "per_token_vs_llama_server": {
-            k: ratio(arms_summary.get("prepos", {}).get(f"{k}_ms_per_token_p50"),
-                     llama_cached.get(f"{k}_ms_per_token_p50")) for k in ("prefill", "decode")},
+            peer: {k: ratio(arms_summary.get("prepos", {}).get(f"{k}_ms_per_token_p50"),
+                            arms_summary.get(peer, {}).get(f"{k}_ms_per_token_p50"))
+                   for k in ("prefill", "decode")}
+            for peer in ("llama_server_same_prompt", "llama_server")},
         "cached_fraction": {
             "prepos": arms_summary.get("prepos", {}).get("cached_fraction"), "target_ge": 0.9,
             "llama_server": llama_cached.get("cached_fraction"),
             "llama_server_cache_n": llama_cached.get("cache_n_fraction"),
+            "llama_server_same_prompt": arms_summary.get("llama_server_same_prompt", {}).get(
+                "cached_fraction"),
             "prepos_session": arms_summary.get("prepos_session", {}).get("cached_fraction"),
             "cacheable": {a: s["cacheable_fraction"] for a, s in arms_summary.items()}},
         "stateless_vs_session_ratio": {

@@ -97,12 +97,12 @@ def load_parts(path: str | Path, config: EngineConfig | None = None) -> Parts:
     gguf = path.suffix == ".gguf"
     config = with_gate(config or EngineConfig(), path.parent if gguf else path)
     kind = resolve_backend(path, config)
-    tokenizer = _tokenizer(path)
+    tokenizer = load_tokenizer(path)
     backend = _llama_cpp(path, config) if kind == "llama.cpp" else _torch(path, config)
     return Parts(backend, ChatFormat(tokenizer), config, path.stem if gguf else path.name)
 
 
-def _tokenizer(path: Path):
+def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
