@@ -14,7 +14,9 @@ and the KV tier sizes named below, and talks to it over HTTP with keep-alive con
          committed messages at the end; also unacknowledged_commits: appends answered with an
          error whose data was committed anyway), the server's VmRSS and VmHWM beside its RSS
          at start, the RAM tier's use and the model (and the RSS per session beyond the RAM
-         tier), the time and the rates (with an estimate for 10,000 sessions where fewer
+         tier), and whether the RSS stayed within what the options bound (the RSS at start,
+         which holds the model and the resident pool, plus --kv-ram and
+         --ready-logits-memory), the time and the rates (with an estimate for 10,000 sessions where fewer
          ran). --fill-seconds stops creating sessions after that long (the largest N that
          fits); --client-threads sets the client's pool (keep-alive connections).
   part2  step_ratio_10000_vs_10_sessions: a resident session (preposition off) answers a cold
@@ -87,7 +89,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import RESULTS, cpu_model, machine, metric_samples, summarize, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
-from prepos.config import default_threads  # noqa: E402
+from prepos.config import EngineConfig, default_threads  # noqa: E402
 from prepos.lab.task.market import SYSTEM_PROMPT  # noqa: E402
 
 PARTS = ("part1", "part2", "part3", "part4", "part5")
@@ -598,6 +600,10 @@ def part1(ctx, args) -> dict:
     configured = parse_bytes(args.kv_ram) + mb
     base = srv.memory_at_start["rss_gb"]
     ram_used = (kv["ram"]["bytes"] or 0) / 2**30
+    # what the options bound: the process as it started (the model, the resident pool, the
+    # libraries) plus the RAM tier and the ready records' full vectors at their budgets
+    logits_used = out["metrics_end"].get("prepos:ready_logits_bytes", 0) / 2**30
+    bound = base + (parse_bytes(args.kv_ram) + EngineConfig.ready_logits_bytes) / 2**30
     growth = mem["rss_gb"] - base
     pts = [(n_, r - b / 2**30) for n_, r, b in fill.rss_samples]
     pts = pts[len(pts) // 3:]  # past the start's one-off growth
@@ -615,6 +621,12 @@ def part1(ctx, args) -> dict:
                      "model_gb": round(mb / 2**30, 4),
                      "resident_cells_budget": (kv["resident"] or {}).get("budget"),
                      "configured_ram_plus_model_gb": round(configured / 2**30, 3),
+                     "ready_logits_used_gb": round(logits_used, 4),
+                     "bound_by_options_gb": round(bound, 3),
+                     "rss_within_bound_by_options": mem["rss_gb"] <= bound,
+                     "growth_beyond_tiers_and_logits_per_session_kb": round(
+                         (growth - ram_used - logits_used) * 2**20
+                         / max(1, health.get("sessions") or 1), 1),
                      "rss_over_configured": ratio(mem["rss_gb"], configured / 2**30, 2),
                      "peak_rss_over_configured": ratio(mem["peak_rss_gb"], configured / 2**30, 2)}
     refused = fill.st.refused() + final["statuses"]["refused"]
@@ -628,6 +640,10 @@ def part1(ctx, args) -> dict:
         "unacknowledged_commits": out["verify"]["unacknowledged_commits"],
         "rss_gb": mem["rss_gb"], "peak_rss_gb": mem["peak_rss_gb"],
         "configured_ram_plus_model_gb": out["memory"]["configured_ram_plus_model_gb"],
+        "bound_by_options_gb": out["memory"]["bound_by_options_gb"],
+        "rss_within_bound_by_options": out["memory"]["rss_within_bound_by_options"],
+        "growth_beyond_tiers_and_logits_per_session_kb":
+            out["memory"]["growth_beyond_tiers_and_logits_per_session_kb"],
         "rss_at_start_gb": base, "ram_tier_used_gb": round(ram_used, 3),
         "growth_beyond_ram_tier_per_session_kb":
             out["memory"]["growth_beyond_ram_tier_per_session_kb"],
