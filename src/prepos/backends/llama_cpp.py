@@ -182,11 +182,11 @@ class LlamaCppBackend(Backend):
         size = _ll.llama_state_seq_get_size(self.ctx, kv.seq)
         buf = (ctypes.c_uint8 * size)()
         written = _ll.llama_state_seq_get_data(self.ctx, buf, size, kv.seq)
-        return bytes(buf)[:written]
+        return ctypes.string_at(buf, written)  # one copy (a session's KV: megabytes)
 
     def load(self, data: bytes, key: str | None = None) -> SeqKV | None:
         kv = self.new_kv(key)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy
         if not _ll.llama_state_seq_set_data(self.ctx, buf, len(data), kv.seq):
             self.release(kv)
             return None
