@@ -857,8 +857,8 @@ class Peer:
 
 def smollm2_format():
     from prepos.chat.format import ChatFormat
-    from prepos.engine.loading import _tokenizer, resolve_model
-    return ChatFormat(_tokenizer(resolve_model("smollm2")))
+    from prepos.engine.loading import load_tokenizer, resolve_model
+    return ChatFormat(load_tokenizer(resolve_model("smollm2")))
 
 
 def part3(ctx, args) -> dict:

@@ -28,9 +28,9 @@ SYSTEM = "You are a helpful assistant."
 
 @pytest.fixture(scope="module")
 def smol_fmt():
-    from prepos.engine.loading import _tokenizer, resolve_model
+    from prepos.engine.loading import load_tokenizer, resolve_model
 
-    return ChatFormat(_tokenizer(resolve_model("smollm2")))
+    return ChatFormat(load_tokenizer(resolve_model("smollm2")))
 
 
 def _ids(fmt: ChatFormat, *strings: str) -> list[int]:
