@@ -278,19 +278,13 @@ def tool_support(model: str):
     return ChatFormat(load_tokenizer(resolve_model(model))).tool_support
 
 
-def prepos_render(msgs: list[dict], support) -> tuple[list[dict], list[dict] | None]:
-    """The messages as prepos gives the template: what it does not render of the tools and
-    calls written in by prepos (SmolLM2's: a tools block in the system message, each call as
-    <tool_call> markup)."""
-    return support.apply(msgs, [TOOL])
-
-
 def run_chat(client: openai.OpenAI, model: str, convo: dict, arm: str,
              extra_body: dict | None, think_s: float, turns_n: int = TURNS,
              same_prompt=None) -> dict:
     """The 8 turns as a stock client sends them (the whole conversation each time);
-    `same_prompt` (a ToolSupport): sent as prepos renders them for the template
-    (`prepos_render`)."""
+    `same_prompt` (the template's ToolSupport): sent as prepos gives them to the template
+    (what it does not render of the tools and calls written in: SmolLM2's, a tools block in
+    the system message and each call as <tool_call> markup)."""
     msgs: list[dict] = [{"role": "system", "content": SYSTEM}]
     turns, errors, own_calls = [], [], 0
     for t in range(turns_n):
@@ -305,7 +299,7 @@ def run_chat(client: openai.OpenAI, model: str, convo: dict, arm: str,
                          "content": convo["tables"][k]})
         if think_s:
             time.sleep(think_s)
-        sent, tools = prepos_render(msgs, same_prompt) if same_prompt else (msgs, [TOOL])
+        sent, tools = same_prompt.apply(msgs, [TOOL]) if same_prompt else (msgs, [TOOL])
         t0 = time.perf_counter()
         try:
             raw = client.chat.completions.with_raw_response.create(
@@ -655,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         "llama_server": {"binary": str(binary), "slots": 1, "ctx": 8192, "jinja": True,
                          "cache_prompt": "default (on)"},
         "order": "interleaved conversation by conversation, the arms' order rotated",
-        # the same prompt tokens on both: llama-server given the messages as prepos renders
-        # them for the template (prepos_render); `own_render`: llama-server's render, which
+        # the same prompt tokens on both: llama-server given the messages as prepos gives
+        # them to the template (ToolSupport.apply); `own_render`: llama-server's render, which
         # drops the tools and the calls (shorter prompts, so other answers)
         "turn_ratio_vs_llama_server": {
             **turn_ratio(arms_summary, med, "llama_server_same_prompt"), "target_le": 1.0,
