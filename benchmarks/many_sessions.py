@@ -72,6 +72,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -1011,7 +1012,8 @@ def part4(ctx, args) -> dict:
     from prepos.engine.loading import resolve_model
     fmt = smollm2_format()
     system = long_system_prompt(fmt, args.p4_system_tokens)
-    srv = ctx.add(Prepos("p4-prepos", ctx.work, ["--model", "smollm2"]).start())
+    srv = ctx.add(Prepos("p4-prepos", ctx.work, ["--model", "smollm2",
+                                                   *shlex.split(args.p4_prepos_args)]).start())
     lsrv = LlamaServer(binary, resolve_model("smollm2"), slots=4, ctx_per_slot=2048,
                        threads=default_threads(), extra=("--jinja",),
                        log=ctx.work / "p4-llama-server.log")
@@ -1192,6 +1194,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 3: stop creating sessions after this long")
     ap.add_argument("--p4-system-tokens", type=int, default=400)
     ap.add_argument("--p4-rounds", type=int, default=16)
+    ap.add_argument("--p4-prepos-args", default="",
+                    help="part 4: more prepos serve options, e.g. '--kv-idle-cells 0'")
     ap.add_argument("--hot-sessions", type=int, default=50)
     ap.add_argument("--hot-tokens", type=int, default=500)
     ap.add_argument("--hot-rate", type=float, default=0.2,

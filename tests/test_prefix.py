@@ -1,11 +1,15 @@
-"""The prefix index: a KV about to be filled starts from the longest prefix another resident
-KV of its scope holds, on every in-process back end (and layout); what it answers from there
-is what a cold forward of the same sequence gives (exact on torch, the argmax within the
-stated tolerance on llama.cpp); never across owners; the KV it came from is untouched."""
+"""The prefix index: a KV about to be filled starts from the longest prefix another KV of its
+scope holds, resident or moved down to a lower tier (RAM, disk: its state read and left
+there), on every in-process back end (and layout); what it answers from there is what a cold
+forward of the same sequence gives (exact on torch, the argmax within the stated tolerance
+on llama.cpp); never across owners; the KV it came from is untouched."""
 
 from __future__ import annotations
 
+import pytest
+
 from helpers import greedy_agrees
+from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.worker.prefix import BLOCK, PrefixIndex, chain
 
@@ -68,10 +72,44 @@ def test_a_prefix_is_never_shared_across_owners(make_engine):
     assert eng.complete(c, shared + [13], GREEDY).result().cached_prompt_tokens >= BLOCK
 
 
+@pytest.mark.parametrize("tiers, where", [
+    (TierConfig(), "ram"), (TierConfig(ram_bytes=1, disk_bytes=1 << 30), "disk")])
+def test_a_session_starts_from_the_prefix_a_moved_down_session_holds(make_engine, tiers,
+                                                                      where):
+    """The only KV holding a system prompt moved down a tier (for room another owner's
+    session needed): a new session of its owner loads its state from there and prefills only
+    the rest; the state stays in its tier and still restores its own session."""
+    eng = make_engine(budget=BudgetConfig(session_cells=4096, engine_cells=200),
+                      max_sequences=4, tiers=tiers)  # about one session's KV
+    system = "You are a market analyst. Answer in one word, up, down or flat. " * 6
+
+    def session(owner, line):
+        sid = eng.create_session("streaming", system=system, preposition=False, owner=owner)
+        eng.append(sid, line)
+        return sid
+
+    a = session("key-1", "ACME 41 43 44")
+    reused = eng.metrics()["prefix_reuse"]["tokens"]
+    session("key-2", "ACME 41 43 44")  # another owner's: shares nothing, needs a's room
+    assert eng.metrics()["prefix_reuse"]["tokens"] == reused
+    assert eng.info(a)["kv"] == where
+    loads = eng.metrics()["kv_tiers"]["prefix_loads"]
+    b = session("key-1", "BOLT 12 11 10")
+    assert eng.metrics()["kv_tiers"]["prefix_loads"] == loads + 1
+    assert eng.metrics()["prefix_reuse"]["tokens"] >= reused + 2 * BLOCK
+    assert eng.info(a)["kv"] in ("ram", "disk")  # read, not taken
+    for sid in (b, a):
+        q = "Which way?"
+        seq = list(eng.snapshot(sid).tokens) + eng.fmt.encode(
+            eng.fmt.frame(eng.session(sid).entries(eng.snapshot(sid)).user, q))
+        assert answers_as_cold(eng, seq, eng.query(sid, q, GREEDY).result())
+
+
 def test_the_index_finds_the_deepest_block_and_forgets_what_is_cropped():
     class KV:  # the index's view of a KV: its scope, tokens and block hashes
-        def __init__(self, scope, tokens):
+        def __init__(self, scope, tokens, resident=True):
             self.scope, self.tokens = scope, list(tokens)
+            self.handle = object() if resident else None
             self.hashes = chain(scope, tokens, 0, [], len(tokens) // BLOCK)
 
         def common_prefix(self, target):
@@ -93,3 +131,8 @@ def test_the_index_finds_the_deepest_block_and_forgets_what_is_cropped():
     assert index.longest(me, target) == (short, 2 * BLOCK)
     assert index.longest(KV("k", []), target) == (other, 3 * BLOCK + 7)
     assert index.longest(me, [5] + target) == (None, 0)
+    away = KV(None, range(2 * BLOCK), resident=False)  # its state in a lower tier
+    index.add(away, away.hashes)
+    assert index.longest(me, target) == (short, 2 * BLOCK)  # equals: the resident one
+    index.remove(short, short.hashes)
+    assert index.longest(me, target) == (away, 2 * BLOCK)

@@ -8,7 +8,8 @@ awaited) and queries.
 (b) no answer is served from a ready record (or a pre-decoded answer) whose version differs
     from the session's; a mutation leaves nothing of the old version's to serve;
 (c) budget skips never evict committed state, and a pre-decode stays within the budget;
-across KVs moved down to the RAM tier and brought back at any point between the others.
+across KVs moved down to the RAM tier and brought back at any point between the others, and
+new sessions starting from the prefix another session holds, resident or in the RAM tier.
 """
 
 import pytest
@@ -196,6 +197,25 @@ def run_machine(engine):
 
             self.eng._call(move(), key=sid)
 
+        @rule(which=st.sampled_from(["stream", "agent"]), away=st.booleans(),
+              n=st.integers(1, 3))
+        def newcomer(self, which, away, n):
+            """A new session whose prompt begins with another session's committed tokens:
+            it starts from the prefix that session's KV holds, resident or (`away`) moved
+            down to the RAM tier, and answers as a cold forward."""
+            donor = getattr(self, which)
+            if away:
+                self.spill(which)
+            seq = list(self.eng.session(donor).snap.tokens) + self.eng.fmt.encode(Q)
+            sid = self.eng.create_session("agentic", preposition=False)
+            try:
+                res = self.eng.complete(sid, seq, Request(SamplingParams(max_tokens=n))).result()
+            finally:
+                self.eng.close_session(sid)
+            for tok in res.tokens:  # (a)
+                assert greedy_agrees(self.eng, seq, tok)
+                seq.append(tok)
+
         # -- (c) -----------------------------------------------------------------------
         @invariant()
         def committed_state_never_evicted(self):
@@ -230,3 +250,5 @@ def test_interleavings_keep_the_invariants(engine):
     assert counters.predecode_wasted > 0
     # KVs moved down and came back between the other steps
     assert engine.pool.counts["spills"] > 0 and engine.pool.counts["restores"] > 0
+    # new sessions started from a prefix another held, resident and loaded from the RAM tier
+    assert engine.pool.index.hits > engine.pool.counts["prefix_loads"] > 0

@@ -224,6 +224,9 @@ def _tiers(t: dict):
                               t["restores"])
     yield CounterMetricFamily("prepos:kv_restore_seconds", "Time spent loading KVs back",
                               t["restore_s"])
+    yield CounterMetricFamily("prepos:kv_prefix_loads", "States read from a tier (and left "
+                              "there) for the prefix another KV starts from",
+                              t.get("prefix_loads", 0))
     yield CounterMetricFamily("prepos:kv_recomputed_tokens", "Tokens of KVs no tier held, "
                               "prefilled again from the session's committed tokens",
                               t["recomputed_tokens"])

@@ -45,11 +45,12 @@ class KVPool:
         self._kv: dict[str, KVSequence] = {}
         self._scopes: dict[str, str | None] = {}  # a session's owner: its KVs' scope
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._saved: dict[str, int] = {}  # cells of each state a tier holds, by session
         self._reserve, self._release = reserve, release
         self._used = 0
         self._lock = threading.Lock()
         self.counts = {"restores": 0, "restore_s": 0.0, "recomputed_tokens": 0, "spills": 0,
-                       "deferred": 0}
+                       "deferred": 0, "prefix_loads": 0}
 
     def claim(self, sid: str, scope: str | None) -> None:
         """The scope of `sid`'s KV (its owner): prefixes are shared within a scope only."""
@@ -82,6 +83,7 @@ class KVPool:
     def drop(self, sid: str) -> None:
         self._scopes.pop(sid, None)
         self._resident.pop(sid, None)
+        self._saved.pop(sid, None)
         if self.tiers is not None:
             self.tiers.discard(sid)
         kv = self._kv.pop(sid, None)
@@ -126,7 +128,7 @@ class KVPool:
               moves: bool) -> list[tuple[int, int, int] | BaseException | None]:
         """Admit a batch: resident KVs first (a decode step needs a cell; a KV coming back
         needs all of its own), each in batch order: its KV made resident and started from
-        the longest prefix another KV holds, then room made for the cells it adds on top
+        the longest prefix another KV holds (resident, or loaded from a lower tier), then room made for the cells it adds on top
         of what those admitted before it add (its target's end less what its KV holds).
         Once one does not fit, it and the rest wait (None), their KVs as they are; the
         first is given room even by moving the waiting ones' KVs down, and gets the error
@@ -149,7 +151,8 @@ class KVPool:
                     held = len(kv.tokens)
                 elif away:  # a KV of no pool's, made for one use: its own handle
                     kv.ensure()
-                gained = kv.reuse(f.target)
+                gained = kv.reuse(f.target, lambda donor: self._load(
+                    donor, moves, keep, spare, added)) if ours else kv.reuse(f.target)
                 same = plans is not None and not (away or gained or len(kv.tokens) != held)
                 plan = plans[i] if same else f.plan()
                 grow = plan[2] - len(kv.tokens) if ours else 0
@@ -184,9 +187,10 @@ class KVPool:
         sid = kv.key
         t0 = time.perf_counter()
         data = self.tiers.take(sid) if kv.tokens else None  # before others move down past it
+        self._saved.pop(sid, None)
         if not self._room(len(kv.tokens) + extra, True, keep, spare, moves):
             if data is not None:
-                self.tiers.put(sid, data)
+                self._put(kv, data)
             if self.backend.free_handles() == 0:
                 raise TooManySessions(f"the {self.backend.name} back end holds no more "
                                       f"sessions' KV at once")
@@ -197,15 +201,28 @@ class KVPool:
             handle, data = self.backend.new_kv(sid), None
         if data is None:
             self.counts["recomputed_tokens"] += len(kv.tokens)
-            kv.tokens = []
+            kv.crop(0)
         else:
             self.backend.crop(handle, len(kv.tokens))  # cropped while it was away
             self.counts["restores"] += 1
             self.counts["restore_s"] += time.perf_counter() - t0
         kv.handle = handle
         self._resize(len(kv.tokens))
-        kv._reindex()
         self._resident[sid] = None
+
+    def _load(self, donor: KVSequence, moves: bool, keep: set[str],
+              spare: Sequence[KVSequence], extra: int) -> object | None:
+        """A new handle holding `donor`'s state, read from its tier and left there, with
+        room made for all of its cells on top of `extra` (`_room`); None where that cannot
+        be had. The caller crops it to the prefix it takes."""
+        cells = self._saved.get(donor.key)
+        if cells is None or not self._room(extra + cells, True, keep, spare, moves):
+            return None
+        data = self.tiers.peek(donor.key)  # None if room-making moved it out of every tier
+        handle = self.backend.load(data, None) if data is not None else None
+        if handle is not None:
+            self.counts["prefix_loads"] += 1
+        return handle
 
     def _room(self, cells: int, handle: bool, keep: set[str], spare: Sequence[KVSequence],
               moves: bool) -> bool:
@@ -257,11 +274,20 @@ class KVPool:
         self.backend.release(kv.handle)
         kv.handle = None
         self._resize(-len(kv.tokens))
-        kv._unindex(0)
         self._resident.pop(kv.key, None)
         self.counts["spills"] += 1
         if data is not None:  # a state that no tier can keep is recomputed when needed
-            self.tiers.put(kv.key, data)
+            self._put(kv, data)
+
+    def _put(self, kv: KVSequence, data: bytes) -> None:
+        """`kv`'s state into the tiers, still indexed there (other KVs may start from its
+        prefix); the KVs whose state no tier keeps any longer leave the index."""
+        self._saved[kv.key] = len(kv.tokens)
+        for sid in self.tiers.put(kv.key, data):
+            self._saved.pop(sid, None)
+            gone = self._kv.get(sid)
+            if gone is not None:
+                gone._unindex(0)
 
     def metrics(self) -> dict:
         resident = {"cells": self.used, "sessions": len(self._resident),

@@ -1,7 +1,7 @@
-"""The prefix index: every resident KV's token sequence by blocks, so a KV about to be
-filled can start from the longest prefix of its target that any other resident KV of the
-same scope holds (another session's committed state, a pre-positioned entry, a stateless
-conversation) and prefill only the rest.
+"""The prefix index: every KV's token sequence by blocks, resident or held in a lower tier
+(host RAM, disk), so a KV about to be filled can start from the longest prefix of its target
+that any other KV of the same scope holds (another session's committed state, a
+pre-positioned entry, a stateless conversation) and prefill only the rest.
 
 A KV's tokens are cut into blocks of `BLOCK`; block j is known by a chain hash over its
 scope and every token up to the block's end, so one lookup per block walks the target from
@@ -19,11 +19,13 @@ BLOCK = 32  # tokens per indexed block: the least a shared prefix saves
 
 
 class Indexed(Protocol):
-    """What the index knows of a KV (`KVSequence`): its scope, tokens and block hashes."""
+    """What the index knows of a KV (`KVSequence`): its scope, tokens and block hashes, and
+    its back-end handle (None while its state is in a lower tier)."""
 
     scope: str | None
     tokens: list[int]
     hashes: list[int]
+    handle: object
 
     def common_prefix(self, target: Sequence[int]) -> int: ...
 
@@ -60,17 +62,20 @@ class PrefixIndex:
 
     def longest(self, kv: Indexed, target: Sequence[int]) -> tuple[Indexed | None, int]:
         """Another KV of `kv`'s scope holding more of `target`'s prefix than `kv` does, and
-        how much of it (the longest such, the most recently filled among equals)."""
+        how much of it: the longest such; among equals a resident one (shared where a
+        lower tier's must be loaded), then the most recently filled."""
         kept = kv.common_prefix(target)
         own = kept // BLOCK
-        best = None
+        others: list[Indexed] = []
         hashes = kv.hashes[:own]
         for h in chain(kv.scope, target, own, hashes, len(target) // BLOCK):
             holders = self._at.get(h)
-            others = [o for o in holders if o is not kv] if holders else None
-            if not others:
+            deeper = [o for o in holders if o is not kv] if holders else None
+            if not deeper:
                 break
-            best = others[-1]
+            others = deeper
+        best = next((o for o in reversed(others) if o.handle is not None),
+                    others[-1] if others else None)
         if best is None:
             return None, kept
         n = best.common_prefix(target)

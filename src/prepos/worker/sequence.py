@@ -128,17 +128,28 @@ class KVSequence:
             del self.tokens[length:]
             self._unindex(length // BLOCK)
 
-    def reuse(self, target: Sequence[int]) -> int:
+    def reuse(self, target: Sequence[int],
+              load: Callable[[KVSequence], object] | None = None) -> int:
         """Start from the longest prefix of `target` another KV of this scope holds, where
-        it is longer than this one's own (the back end shares or copies it); returns the
-        tokens gained. Tasks call it before a prefill."""
+        it is longer than this one's own: a resident one's shared or copied by the back end,
+        one in a lower tier's loaded (`load`: a new handle holding the donor's saved state,
+        or None where it cannot be had); returns the tokens gained. Tasks call it before a
+        prefill."""
         if self.index is None or len(target) - len(self.tokens) < BLOCK:
             return 0
         donor, n = self.index.longest(self, target)
         if donor is None:
             return 0
         gained = n - self.common_prefix(target)
-        self.backend.copy_prefix(donor.handle, self.handle, n)
+        if donor.handle is not None:
+            self.backend.copy_prefix(donor.handle, self.handle, n)
+        else:
+            handle = load(donor) if load is not None else None
+            if handle is None:
+                return 0
+            self.backend.release(self.handle)
+            self.handle = handle
+            self.backend.crop(handle, n)
         self._on_size(n - len(self.tokens))
         self.tokens = donor.tokens[:n]
         self._unindex(0)
@@ -163,12 +174,6 @@ class KVSequence:
                         len(self.tokens) // BLOCK)
             self.hashes += new
             self.index.add(self, new)
-
-    def _reindex(self) -> None:
-        """Index every full block (the KV is resident again)."""
-        if self.index is not None:
-            self.hashes = chain(self.scope, self.tokens, 0, [], len(self.tokens) // BLOCK)
-            self.index.add(self, self.hashes)
 
     def _unindex(self, blocks: int) -> None:
         """Forget the blocks from `blocks` on (they are no longer held whole)."""

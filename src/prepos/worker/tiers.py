@@ -2,10 +2,11 @@
 KV the pool moved out of the back end's cells. Each holds a session's KV state as the back
 end saved it (`Backend.save`: llama.cpp's sequence state, torch's tensors), by session id.
 
-Least recently stored moves down first: RAM over its budget spills its oldest states to
-disk, disk over its budget drops its oldest, and a dropped session's KV is recomputed from
-its committed tokens (the journal's) when it is next needed. Owned by the model worker, like
-the pool that uses it; the sizes are readable from any thread.
+Least recently used (stored, or read for a prefix another KV starts from) moves down first:
+RAM over its budget spills its oldest states to disk, disk over its budget drops its oldest,
+and a dropped session's KV is recomputed from its committed tokens (the journal's) when it
+is next needed. Owned by the model worker, like the pool that uses it; the sizes are
+readable from any thread.
 """
 
 from __future__ import annotations
@@ -33,26 +34,41 @@ class Tiers:
     def where(self, sid: str) -> str | None:
         return "ram" if sid in self._ram else "disk" if sid in self._disk else None
 
-    def put(self, sid: str, data: bytes) -> None:
-        """Keep a session's state in RAM, moving the oldest down to make room (those no
-        tier can keep are dropped: recomputed when needed)."""
+    def put(self, sid: str, data: bytes) -> list[str]:
+        """Keep a session's state in RAM, moving the oldest down to make room; returns the
+        sessions whose state no tier could keep (dropped: recomputed when needed)."""
         self.discard(sid)
         with self._lock:
             self._ram[sid] = data
             self.ram_used += len(data)
             self.moves["ram"] += 1
-        dropped = 0
+        dropped = []
         while self.ram_used > self.ram_bytes and self._ram:
             old, state = self._pop_ram()
             if len(state) <= self.disk_bytes:
                 self._write(old, state)
             else:
-                dropped += 1
+                dropped.append(old)
         while self.disk_used > self.disk_bytes and self._disk:
-            self._remove_file(next(iter(self._disk)))
-            dropped += 1
+            old = next(iter(self._disk))
+            self._remove_file(old)
+            dropped.append(old)
         with self._lock:
-            self.moves["dropped"] += dropped
+            self.moves["dropped"] += len(dropped)
+        return dropped
+
+    def peek(self, sid: str) -> bytes | None:
+        """A session's state, left in its tier (a read counts as a use: it moves to the
+        end of the line to move down); None if no tier holds it."""
+        if sid in self._ram:
+            with self._lock:
+                self._ram.move_to_end(sid)
+            return self._ram[sid]
+        if sid in self._disk:
+            with self._lock:
+                self._disk.move_to_end(sid)
+            return self._path(sid).read_bytes()
+        return None
 
     def take(self, sid: str) -> bytes | None:
         """A session's state, out of its tier (None if no tier holds it)."""
