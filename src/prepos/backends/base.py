@@ -155,7 +155,8 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"the {self.name} back end does not share prefixes")
 
     def save(self, kv: Any) -> bytes:
-        """Back ends with `holds_tiers`: the state `kv` holds, as bytes `load` takes."""
+        """Back ends with `holds_tiers`: the state `kv` holds, as bytes (or a bytearray) `load`
+        takes."""
         raise NotImplementedError(f"the {self.name} back end keeps its KV itself")
 
     def load(self, data: bytes, key: str | None = None) -> Any | None:

@@ -178,15 +178,18 @@ class LlamaCppBackend(Backend):
             _ll.llama_memory_seq_cp(self.mem, src.seq, dst.seq, -1, -1)
             _ll.llama_memory_seq_rm(self.mem, dst.seq, length, -1)
 
-    def save(self, kv: SeqKV) -> bytes:
+    def save(self, kv: SeqKV) -> bytearray:
         size = _ll.llama_state_seq_get_size(self.ctx, kv.seq)
-        buf = (ctypes.c_uint8 * size)()
-        written = _ll.llama_state_seq_get_data(self.ctx, buf, size, kv.seq)
-        return ctypes.string_at(buf, written)  # one copy (a session's KV: megabytes)
+        data = bytearray(size)  # written in place: no copy (a session's KV: megabytes)
+        written = _ll.llama_state_seq_get_data(
+            self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, kv.seq)
+        del data[written:]
+        return data
 
-    def load(self, data: bytes, key: str | None = None) -> SeqKV | None:
+    def load(self, data: bytes | bytearray, key: str | None = None) -> SeqKV | None:
         kv = self.new_kv(key)
-        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy
+        buf = ((ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray)
+               else ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8)))  # no copy
         if not _ll.llama_state_seq_set_data(self.ctx, buf, len(data), kv.seq):
             self.release(kv)
             return None
