@@ -37,12 +37,12 @@ and the KV tier sizes named below, and talks to it over HTTP with keep-alive con
          (max_tokens 1, fast_path off: the KV is needed) after all others ran, the tiers
          interleaved, oldest first (--p3-order newest: newest first; --p3-returning N: the
          first N only), each classified by the tier GET /sessions/{id} reports just before
-         its query. restore_ram_over_reprefill
-         and restore_disk_over_reprefill: the P50 query time with the KV in RAM / on disk
-         over the P50 time of prefilling the same tokens from nothing on the same server
-         in the same phase (every --p3-reprefill-every'th returning session, a stateless
-         completion under a second API key, which shares no prefix of the sessions'; where
-         no probe ran, the queries of sessions whose KV no tier held). The same workload (the same token ids, in the
+         its query. restore_ram_over_reprefill and restore_disk_over_reprefill: the P50
+         query time with the KV in RAM / on disk over the P50 time of prefilling the same
+         tokens from nothing on the same server in the same phase (every
+         --p3-reprefill-every'th returning session, a stateless completion under a second
+         API key, which shares no prefix of the sessions'; where no probe ran, the queries
+         of sessions whose KV no tier held). The same workload (the same token ids, in the
          same order) against llama-server -np 4 --cache-ram (the RAM tier's size, in MiB):
          returning_ratio_vs_llama_server is the median of prepos's returning query over
          llama-server's returning prompt (/completion, n_predict 1), sample by sample.
@@ -945,7 +945,8 @@ def part3(ctx, args) -> dict:
         # every --p3-reprefill-every'th session: the same tokens (its committed ones and the
         # question's entry) prefilled by prepos from nothing, a stateless completion under the
         # other key (no prefix of the sessions' is ever shared across keys)
-        c = reprefill(probe, served, s["ids"] + s["entry"]) if k % args.p3_reprefill_every == 0 else None
+        c = (reprefill(probe, served, s["ids"] + s["entry"])
+             if k % args.p3_reprefill_every == 0 else None)
         samples.append({"session": s["i"], "tier": tier_now, "tier_after_fill": s["kv"],
                         "prepos": a, "llama_server": b, "prepos_reprefill": c,
                         "same_prompt_tokens":
@@ -986,7 +987,8 @@ def part3(ctx, args) -> dict:
            "returning_measured": len(returning),
            "llama_server_fill_seconds": round(peer_fill_s, 1),
            "llama_server_fill_failed": sum(f["status"] != 200 for f in fills),
-           "by_tier": stats, "reprefill": reprefill_stats, "samples": samples, "metrics_end": srv.metrics(),
+           "by_tier": stats, "reprefill": reprefill_stats, "samples": samples,
+           "metrics_end": srv.metrics(),
            "memory_end": srv.memory()}
     out["headline"] = {
         "sessions": len(sessions), "samples_per_tier": {t: len(xs) for t, xs in grp.items()},
@@ -1011,7 +1013,8 @@ def reprefill(probe: Http, model: str, ids: list[int]) -> dict:
         return {"status": st, "ms": dt * 1e3, "error": str(body)[:200]}
     t = body.get("prepos", {}).get("timing", {})
     return {"status": st, "ms": dt * 1e3, "prefill_tokens": t.get("prefill_tokens"),
-            "cached_tokens": t.get("cached_tokens"), "prompt_tokens": body["usage"]["prompt_tokens"]}
+            "cached_tokens": t.get("cached_tokens"),
+            "prompt_tokens": body["usage"]["prompt_tokens"]}
 
 
 def long_system_prompt(fmt, target: int) -> str:
