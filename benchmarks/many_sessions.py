@@ -17,8 +17,9 @@ and the KV tier sizes named below, and talks to it over HTTP with keep-alive con
          tier), and whether the RSS stayed within what the options bound (the RSS at start,
          which holds the model and the resident pool, plus --kv-ram and
          --ready-logits-memory), the time and the rates (with an estimate for 10,000 sessions
-         where fewer ran). --fill-seconds stops creating sessions after that long (the largest N that
-         fits); --client-threads sets the client's pool (keep-alive connections).
+         where fewer ran). --fill-seconds stops creating sessions after that long (the
+         largest N that fits); --client-threads sets the client's pool (keep-alive
+         connections).
   part2  step_ratio_10000_vs_10_sessions: a resident session (preposition off) answers a cold
          query (1 token, fast_path off; the question alternates by round, so each prefills
          its question's tokens) and a 16-token answer (fast_path off, end of turn banned by

@@ -226,7 +226,7 @@ def _tiers(t: dict):
                               t["restore_s"])
     yield CounterMetricFamily("prepos:kv_prefix_loads", "States read from a tier (and left "
                               "there) for the prefix another KV starts from",
-                              t.get("prefix_loads", 0))
+                              t["prefix_loads"])
     yield CounterMetricFamily("prepos:kv_recomputed_tokens", "Tokens of KVs no tier held, "
                               "prefilled again from the session's committed tokens",
                               t["recomputed_tokens"])

@@ -153,7 +153,7 @@ class KVPool:
                 elif away:  # a KV of no pool's, made for one use: its own handle
                     kv.ensure()
                 gained = kv.reuse(f.target, lambda donor: self._load(
-                    donor, moves, keep, spare, added)) if ours else kv.reuse(f.target)
+                    donor, moves, keep, spare, added))
                 same = plans is not None and not (away or gained or len(kv.tokens) != held)
                 plan = plans[i] if same else f.plan()
                 grow = plan[2] - len(kv.tokens) if ours else 0
