@@ -1,7 +1,7 @@
 """Implicit sessions: a stock OpenAI client that resends its whole conversation and names no
 session pays, from its second turn on, only its new messages (the rest is found in the KV
-of the implicit session its previous turn left), never across API keys, within a bounded
-number of kept conversations. Through the real server with the OpenAI SDK, on the chatml
+of the implicit session its previous turn left), never across API keys, kept while the KV
+tiers hold them and within the bytes given for their bookkeeping, found by hash. Through the real server with the OpenAI SDK, on the chatml
 tiny model; API behaviour, not the model's wording."""
 
 from __future__ import annotations
@@ -186,3 +186,96 @@ def test_a_continued_turn_is_a_fall_through_counting_every_cached_token(server, 
         assert p["timing"]["prefill_tokens"] == r.usage.prompt_tokens - cached(r)
         answered(msgs, r)
         prev = r
+
+
+def tier_moves(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("prepos:kv_tier_moves_total{"):
+            out[line.split('into="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("disk", ["64M", "0"])
+def test_kept_conversations_are_the_tiers_to_keep(model_dirs, tmp_path, disk):
+    """No count bounds the kept conversations: a conversation whose KV moved down to disk to
+    make room for another is continued from there and answers as a cold request; one whose
+    KV no tier could keep (no disk) is closed, and its next turn starts anew."""
+    model = model_dirs["chatml"].name
+    args = ("--max-kv-cells", "300", "--kv-ram", "0", "--kv-disk", disk, "--no-preposition",
+            "--api-key", "a", "--api-key", "b")
+    with ServerProc(model_dirs["chatml"], tmp_path, *args) as srv:
+        a, b = client(srv, "a"), client(srv, "b")
+        first = [{"role": "system", "content": SYSTEM + "Disk."},
+                 {"role": "user", "content": "First?"}]
+        turn(a, model, first)
+        for i in range(3):  # other conversations take the resident cells
+            turn(a, model, [{"role": "system", "content": SYSTEM + f"Other {i}."},
+                            {"role": "user", "content": "Hello?"}])
+        moved = tier_moves(srv)
+        assert moved.get("disk" if disk != "0" else "dropped", 0) >= 1
+        first.append({"role": "user", "content": "Second?"})
+        before = implicit_counts(srv)
+        again = a.chat.completions.create(model=model, messages=first, max_tokens=6)
+        after = implicit_counts(srv)
+        cold = b.chat.completions.create(model=model, messages=first, max_tokens=6)
+        assert again.choices[0].message.content == cold.choices[0].message.content
+        if disk != "0":
+            assert after["continued"] == before.get("continued", 0) + 1
+            assert cached(again) > 0
+        else:
+            assert after.get("continued", 0) == before.get("continued", 0)
+            assert after["evicted"] >= 1
+
+
+def test_kept_conversations_are_bounded_by_their_memory(model_dirs, tmp_path):
+    model = model_dirs["chatml"].name
+    with ServerProc(model_dirs["chatml"], tmp_path, "--implicit-memory", "12K") as srv:
+        c = client(srv)
+        convs = []
+        for i in range(4):
+            msgs = [{"role": "system", "content": SYSTEM + f"Memory {i}."},
+                    {"role": "user", "content": "Hello?"}]
+            turn(c, model, msgs)
+            convs.append(msgs)
+        assert implicit_counts(srv)["evicted"] >= 1
+        convs[3].append({"role": "user", "content": "Again?"})
+        convs[0].append({"role": "user", "content": "Again?"})
+        newest = c.chat.completions.create(model=model, messages=convs[3], max_tokens=4)
+        oldest = c.chat.completions.create(model=model, messages=convs[0], max_tokens=4)
+        assert cached(newest) > cached(oldest)
+
+
+def test_a_conversation_is_found_by_its_hash_not_by_a_scan(make_engine, monkeypatch):
+    """Finding a conversation checks one kept session, however many the key has, and never
+    one of another key's."""
+    import prepos.server.implicit as implicit
+    from prepos.engine.session import SessionSpec
+
+    eng = make_engine(preposition=False)
+    kept = implicit.ImplicitSessions(lambda: eng, eng.close_session, memory=None)
+    convs = []
+    for i in range(40):
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Q{i}?"},
+                {"role": "assistant", "content": f"A{i}."}]
+        sid = f"imp-{i}"
+        eng.restore_session(sid, SessionSpec("agentic", SYSTEM, implicit=True, owner="a"),
+                            [(0, msgs)])
+        kept.keep(sid, "a")
+        kept.release(sid)
+        convs.append(msgs)
+    checked = []
+    real = implicit.resume
+    monkeypatch.setattr(implicit, "resume",
+                        lambda *a, **kw: checked.append(a[0]) or real(*a, **kw))
+    ask = [*convs[7], {"role": "user", "content": "More?"}]
+    assert kept.find(eng, "b", [], ask) is None  # another key's: not even looked at
+    assert kept.find(eng, "a", [{"type": "function", "function": {"name": "f"}}], ask) is None
+    assert checked == []
+    assert kept.find(eng, "a", [], ask) == "imp-7" and checked == ["imp-7"]
+    assert kept.find(eng, "a", [], ask) is None  # leased to the first request
+    kept.release("imp-7")
+    edited = [*convs[7][:2], {"role": "assistant", "content": "Something else."},
+              {"role": "user", "content": "More?"}]
+    assert kept.find(eng, "a", [], edited) is None  # diverges at its answer
+    assert kept.find(eng, "a", [], convs[7][:2]) is None  # shorter than any kept one

@@ -12,6 +12,7 @@ No HTTP here: a refusal is a `ConversationError` carrying the code, status and f
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -165,17 +166,24 @@ def _awaited(pending: list[str | None]) -> str:
 
 
 # -- where a conversation meets a session -------------------------------------------------
+def _canonical(m: dict) -> tuple:
+    """A message as the session's form compares it: role, content (an assistant's stripped:
+    whitespace around generated text is not the client's) and tool calls, the ids that pair
+    calls with results aside."""
+    content = m.get("content") or ""
+    if m["role"] == "assistant":
+        content = content.strip()
+    return m["role"], content, without_ids(m).get("tool_calls") or []
+
+
 def same(a: dict, b: dict) -> bool:
-    """Whether two messages are the same in the session's form: content (an assistant's
-    stripped: whitespace around generated text is not the client's) and tool calls, the
-    ids that pair calls with results aside."""
-    if a["role"] != b["role"]:
-        return False
-    ca, cb = a.get("content") or "", b.get("content") or ""
-    if a["role"] == "assistant":
-        ca, cb = ca.strip(), cb.strip()
-    return ca == cb and (without_ids(a).get("tool_calls") or []) == (
-        without_ids(b).get("tool_calls") or [])
+    """Whether two messages are the same in the session's form (`_canonical`)."""
+    return _canonical(a) == _canonical(b)
+
+
+def message_key(m: dict) -> bytes:
+    """A message's bytes for hashing: equal exactly where `same` holds."""
+    return json.dumps(_canonical(m), sort_keys=True, ensure_ascii=False).encode()
 
 
 def extends(history: Sequence[dict], msgs: Sequence[dict]) -> int:

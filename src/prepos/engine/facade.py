@@ -174,6 +174,11 @@ class Engine:
         s = self.sessions.get(sid)
         return {**s.info(), "kv": self.pool.tier(s.id), "relaxed": self.relaxed.info(s)}
 
+    def kv_kept(self, sid: str) -> bool:
+        """Whether a session's KV is held, resident or in a tier (or not built yet): False
+        once the tiers dropped it, when it would be recomputed from its tokens."""
+        return self.pool.find(sid) is None or self.pool.tier(sid) != "none"
+
     # == mutations =========================================================================
     def append(self, sid: str, text: str, wait: bool = True) -> int:
         """Streaming: commit a data message (shifting the window when the context is full);

@@ -251,10 +251,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-origins", default="",
                    help="CORS: comma-separated browser origins allowed to call the API "
                    "('*' for any; default: none, no CORS headers)")
-    p.add_argument("--implicit-sessions", type=int, default=ServerConfig.implicit_sessions,
-                   help="stateless chat conversations kept as implicit sessions, so a stock "
-                   "client's next turn pays only its new messages (0: none; default "
-                   "%(default)s)")
+    p.add_argument("--implicit-memory", type=size, default=ServerConfig.implicit_memory,
+                   help="bytes of bookkeeping (tokens, text, messages; their KV is the "
+                   "tiers') for stateless chat conversations kept as implicit sessions, so a "
+                   "stock client's next turn pays only its new messages; a kept one whose KV "
+                   "the tiers dropped is closed (K/M/G; 0: none kept; default 1G)")
+    p.add_argument("--implicit-sessions", type=int, default=None,
+                   help="at most this many implicit sessions too (default: no count, only "
+                   "--implicit-memory; 0: none kept)")
     p.add_argument("--response-sessions", type=int, default=ServerConfig.response_sessions,
                    help="stored Responses API chains kept as sessions, least recently used "
                    "closed first (their responses stay stored; 0: none; default %(default)s)")
@@ -272,9 +276,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from prepos.server.auth import load_keys
 
-    for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions",
+    for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions", "implicit_memory",
                  "response_sessions", "ready_logits_memory"):
-        if getattr(args, flag) < 0:
+        if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
     if args.journal is None:
@@ -312,6 +316,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         api_keys=load_keys(args.api_key, args.api_keys_file),
                         served_model_name=args.served_model_name, limits=limits,
                         allowed_origins=origins, request_timeout=args.request_timeout,
+                        implicit_memory=args.implicit_memory,
                         implicit_sessions=args.implicit_sessions,
                         response_sessions=args.response_sessions,
                         lease=LeaseConfig(args.node_id, args.lease_seconds, args.renew_seconds,

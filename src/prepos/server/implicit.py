@@ -6,118 +6,213 @@ with every request and never names a session. After a stateless chat answer, the
 session that answered it is kept here instead of closed: the conversation it committed
 (the client's messages and the answer) with its KV and its pre-position (the next user or
 tool-result envelope). The next request whose conversation extends one of them, for the same
-API key, system message and tools, continues that session as if it had named it: only the
-delta is committed and prefilled, the rest is found in the KV.
+API key and tools, continues that session as if it had named it: only the delta is
+committed and prefilled, the rest is found in the KV.
+
+Found by hash, not by a scan: each kept conversation is indexed under the chain hash of (API
+key, tools, its messages in the session's form, `conversation.message_key`); a request
+hashes the prefixes of its own messages and takes the longest one indexed, so finding a
+conversation costs the same with ten kept as with ten thousand. `resume` then checks the
+match message by message, as on a named session.
+
+Kept by memory, not by a count: a kept session's KV is a cache like any other session's, so
+under pressure it moves down the KV tiers (RAM, then disk) and comes back when continued; one
+whose KV no tier holds any more saves nothing and is closed. What bounds the rest is the bytes
+of their bookkeeping (tokens, rendered text, messages: `footprint`, an estimate) against
+`memory`, and, where one is given, a count; least recently used goes first.
 
 The sessions are ephemeral (never journalled, listed or reachable by id) and implicit to the
 engine (`SessionSpec.implicit`: their KV counts for no budget and a foreground request may
-reclaim it whole; a reclaimed one is re-prefilled if it is continued). At most `capacity` are
-kept, least recently used first to go. A kept session serves one request at a time (a lease);
-a request that finds every match busy starts a new one. Never across API keys: a session is
-found only for the key that made it, so no key's answer time depends on another key's text.
+move it down or reclaim it). A kept session serves one request at a time (a lease); a
+request that finds its match busy starts a new one. Never across API keys: the key seeds the
+hash, so a conversation is found only for the key that made it and no key's answer time
+depends on another key's text.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from prepos.chat.conversation import ConversationError, resume
+from prepos.chat.conversation import ConversationError, message_key, resume
 from prepos.engine import Engine
+from prepos.engine.session import Snapshot
 from prepos.errors import PreposError
 
 
+def conversation_keys(owner: str | None, tools: Sequence[dict],
+                      msgs: Sequence[dict]) -> list[bytes]:
+    """The chain hash of each prefix of `msgs` (key i covers msgs[:i + 1]), seeded by the
+    API key and the tools."""
+    h = hashlib.blake2b(json.dumps([owner, list(tools)], sort_keys=True).encode(),
+                        digest_size=16).digest()
+    keys = []
+    for m in msgs:
+        h = hashlib.blake2b(h + message_key(m), digest_size=16).digest()
+        keys.append(h)
+    return keys
+
+
+def footprint(snap: Snapshot) -> int:
+    """Bytes a kept session's bookkeeping holds, estimated: its token tuple (small ints
+    are shared), rendered text and messages, and a fixed cost for the session's objects."""
+    return (sys.getsizeof(snap.tokens) + 28 * len(snap.tokens) + sys.getsizeof(snap.text)
+            + sum(len(json.dumps(m)) for m in snap.messages) + 4096)
+
+
+@dataclass
+class Kept:
+    owner: str | None
+    key: bytes | None = None  # the hash its conversation is indexed under (None: not yet)
+    bytes: int = 0
+
+
 class ImplicitSessions:
-    def __init__(self, capacity: int, close: Callable[[str], None],
+    def __init__(self, loaded: Callable[[], Engine | None], close: Callable[[str], None],
+                 memory: int | None, sessions: int | None = None,
                  count: Callable[[str], None] = lambda outcome: None):
-        self.capacity = capacity
-        self._close = close  # closes an ephemeral session (the server's, which counts them)
+        self.memory = memory  # bookkeeping bytes of the kept sessions (None: no bound)
+        self.sessions = sessions  # and how many (None: no bound)
+        self._loaded = loaded
+        self._close = close  # closes a kept session (the server's, which counts them)
         self._count = count  # "continued", "started", "evicted"
-        self._kept: OrderedDict[str, str | None] = OrderedDict()  # sid -> owner, LRU first
+        self._kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
+        self._index: dict[bytes, dict[str, None]] = {}  # conversation hash -> sids
         self._leased: set[str] = set()
+        self.used = 0  # bytes of the kept sessions' bookkeeping
         self._lock = threading.Lock()
+
+    @property
+    def keeps(self) -> bool:
+        """Whether conversations are kept at all."""
+        return self.memory != 0 and self.sessions != 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def find(self, eng: Engine, owner: str | None, tools: Sequence[dict],
              msgs: list[dict]) -> str | None:
-        """The kept session of this key, system message and tools whose conversation `msgs`
-        extends by the most messages, leased to the caller (release it when its answer is
-        done); None if there is none free."""
-        system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
-        best, held = None, -1
-        with self._lock:
-            candidates = [sid for sid, o in reversed(self._kept.items())
-                          if o == owner and sid not in self._leased]
-        for sid in candidates:
-            try:
-                s = eng.session(sid)
-                snap = eng.snapshot(sid)
-            except PreposError:  # closed meanwhile
-                continue
-            if s.spec.system != system or s.spec.tools != tuple(tools):
-                continue
-            try:
-                n = len(resume(sid, snap.version, snap.messages, msgs).held)
-            except ConversationError:
-                continue
-            if n > held:
-                best, held = sid, n
-        with self._lock:
-            if best is None or best not in self._kept or best in self._leased:
-                return None
-            self._leased.add(best)
-            self._kept.move_to_end(best)
-        self._count("continued")
-        return best
+        """The kept session of this key and tools whose conversation `msgs` extends by the
+        most messages, leased to the caller (release it when its answer is done); None if
+        there is none free."""
+        keys = conversation_keys(owner, tools, msgs)
+        for n in range(len(keys), 0, -1):
+            with self._lock:
+                sids = [s for s in reversed(self._index.get(keys[n - 1], {}))
+                        if s not in self._leased]
+                if not sids:
+                    continue
+                sid = sids[0]
+                self._leased.add(sid)
+                self._kept.move_to_end(sid)
+            if self._extends(eng, sid, msgs):
+                self._count("continued")
+                return sid
+            self.release(sid)  # indexed under a stale hash: re-indexed from its snapshot
+        return None
+
+    @staticmethod
+    def _extends(eng: Engine, sid: str, msgs: list[dict]) -> bool:
+        try:
+            snap = eng.snapshot(sid)
+            resume(sid, snap.version, snap.messages, msgs)
+        except (PreposError, ConversationError):  # closed meanwhile, or not a prefix
+            return False
+        return True
 
     def keep(self, sid: str, owner: str | None) -> None:
-        """Keep a new implicit session, leased to the request that made it; the least
-        recently used free ones beyond the capacity are closed."""
+        """Keep a new session, leased to the request that made it (indexed once released)."""
         with self._lock:
-            self._kept[sid] = owner
+            self._kept[sid] = Kept(owner)
             self._leased.add(sid)
         self._count("started")
-        self._trim(self.capacity)
+        self._trim()
 
     def release(self, sid: str) -> None:
+        """The session's request is done: it is indexed under its conversation as committed
+        now, and the kept sessions trimmed to their bounds."""
+        eng = self._loaded()
+        try:
+            snap = eng.snapshot(sid) if eng is not None else None
+            spec = eng.session(sid).spec if eng is not None else None
+        except PreposError:  # closed meanwhile
+            snap = spec = None
         with self._lock:
             self._leased.discard(sid)
+            kept = self._kept.get(sid)
+            if kept is None:
+                return
+            self._unindex(sid, kept)
+            if snap is not None and snap.messages:
+                kept.key = conversation_keys(kept.owner, spec.tools, snap.messages)[-1]
+                self._index.setdefault(kept.key, {})[sid] = None
+                kept.bytes = footprint(snap)
+                self.used += kept.bytes
+        self._trim()
 
     def evict_one(self, owner: str | None | object = ...) -> bool:
         """Close the least recently used free session (to make room), of `owner` where one
         is given; False if none is."""
-        if owner is ...:
-            return self._trim(len(self._kept) - 1)
         with self._lock:
-            sid = next((s for s, o in self._kept.items()
-                        if o == owner and s not in self._leased), None)
+            sid = next((s for s, k in self._kept.items()
+                        if s not in self._leased and (owner is ... or k.owner == owner)), None)
             if sid is not None:
-                del self._kept[sid]
+                self._drop(sid)
         if sid is None:
             return False
-        self._close(sid)
-        self._count("evicted")
+        self._evicted([sid])
         return True
 
-    def _trim(self, bound: int) -> bool:
-        gone = []
+    def _trim(self) -> None:
+        """Close the least recently used free sessions whose KV no tier holds any more (the
+        tiers drop their oldest first, so the walk stops at the first one still held), then
+        the least recently used beyond the bounds."""
+        eng = self._loaded()
+        gone: list[str] = []
         with self._lock:
-            for sid in list(self._kept):
-                if len(self._kept) <= max(bound, 0):
+            for sid in [s for s in self._kept if s not in self._leased]:
+                if eng is None or eng.kv_kept(sid):
                     break
-                if sid not in self._leased:
-                    del self._kept[sid]
-                    gone.append(sid)
-        for sid in gone:
+                self._drop(sid)
+                gone.append(sid)
+            for sid in [s for s in self._kept if s not in self._leased]:
+                if not self._over():
+                    break
+                self._drop(sid)
+                gone.append(sid)
+        self._evicted(gone)
+
+    def _over(self) -> bool:
+        return ((self.memory is not None and self.used > self.memory)
+                or (self.sessions is not None and len(self._kept) > self.sessions))
+
+    def _evicted(self, sids: list[str]) -> None:
+        for sid in sids:
             self._close(sid)
             self._count("evicted")
-        return bool(gone)
+
+    def _drop(self, sid: str) -> None:  # under the lock
+        kept = self._kept.pop(sid)
+        self._unindex(sid, kept)
+        self._leased.discard(sid)
+
+    def _unindex(self, sid: str, kept: Kept) -> None:  # under the lock
+        if kept.key is not None:
+            sids = self._index.get(kept.key, {})
+            sids.pop(sid, None)
+            if not sids:
+                self._index.pop(kept.key, None)
+            kept.key = None
+        self.used -= kept.bytes
+        kept.bytes = 0
 
     def forget(self, sid: str) -> None:
         """A kept session was closed elsewhere (its answer failed)."""
         with self._lock:
-            self._kept.pop(sid, None)
-            self._leased.discard(sid)
+            if sid in self._kept:
+                self._drop(sid)

@@ -103,7 +103,7 @@ class ChatCall:
         check_order([], msgs, 0, continue_final=True)
         if self.choice == "none":
             tools = []  # the model is not told of them, and nothing is parsed as a call
-        kept = self.n == 1 and self.state.places.implicit.capacity > 0
+        kept = self.n == 1 and self.state.places.implicit.keeps
         forced = self.choice not in ("auto", "none")
         if continued or forced and not (kept and self.constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)

@@ -30,17 +30,19 @@ class Places:
     loaded (else None); `run`, its coroutine running blocking work off the event loop."""
 
     def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
-                 run: Callable, implicit_sessions: int, response_sessions: int):
+                 run: Callable, implicit_memory: int, implicit_sessions: int | None,
+                 response_sessions: int):
         self.limits, self.metrics, self.loaded, self.run = limits, metrics, loaded, run
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         self.ephemeral = 0  # live sessions made for stateless requests, implicit ones too
-        self.implicit = ImplicitSessions(implicit_sessions, self.close_ephemeral,
+        self.implicit = ImplicitSessions(loaded, self.close_ephemeral, implicit_memory,
+                                         implicit_sessions,
                                          lambda outcome: metrics.implicit.labels(
                                              outcome).inc())
         # Responses chain sessions (`responses_api.py`): persistent, but kept on a client's
         # behalf, so they give way to any other session at a limit
-        self.chains = ImplicitSessions(response_sessions, self._close_chain)
+        self.chains = ImplicitSessions(loaded, self._close_chain, None, response_sessions)
 
     def persistent_sessions(self, engine: Engine) -> int:
         return engine.session_count() - self.ephemeral

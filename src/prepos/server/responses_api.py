@@ -213,8 +213,8 @@ async def _create(c, request: Request, rename: Renamer):
 
     reply.save = save
     on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
-    if not store or not on_session or not api.chains.capacity:
-        reply.kept = on_session and state.places.implicit.capacity > 0
+    if not store or not on_session or not api.chains.keeps:
+        reply.kept = on_session and state.places.implicit.keeps
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
 

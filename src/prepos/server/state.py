@@ -52,7 +52,10 @@ class ServerConfig:
     cpu_threads: int = 2  # threads that tokenize and parse large inputs off the event loop
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
-    implicit_sessions: int = 64  # stateless conversations kept as sessions (0: none)
+    # stateless conversations kept as sessions: the bytes of their bookkeeping (0: none kept;
+    # their KV is the tiers'), and at most this many (None: no count)
+    implicit_memory: int = 1 << 30
+    implicit_sessions: int | None = None
     response_sessions: int = 64  # stored response chains kept as sessions (0: none)
     lease: LeaseConfig = field(default_factory=LeaseConfig)  # with a shared store
     advertise_url: str | None = None  # where other nodes forward to (default: bound address)
@@ -94,7 +97,8 @@ class ServerState:
         self.error: str | None = None
         self.restored = 0
         self.places = Places(self.limits, self.metrics, lambda: self.loaded, self.run,
-                             config.implicit_sessions, config.response_sessions)
+                             config.implicit_memory, config.implicit_sessions,
+                             config.response_sessions)
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
