@@ -169,20 +169,13 @@ class ImplicitSessions:
         return True
 
     def _trim(self) -> None:
-        """Close the least recently used free sessions whose KV no tier holds any more (the
-        tiers drop their oldest first, so the walk stops at the first one still held), then
-        the least recently used beyond the bounds."""
+        """Close the least recently used free session while its KV is gone from every tier
+        (the tiers drop their oldest first) or the kept ones are over their bounds."""
         eng = self._loaded()
         gone: list[str] = []
         with self._lock:
-            for sid in [s for s in self._kept if s not in self._leased]:
-                if eng is None or eng.kv_kept(sid):
-                    break
-                self._drop(sid)
-                gone.append(sid)
-            for sid in [s for s in self._kept if s not in self._leased]:
-                if not self._over():
-                    break
+            while (sid := next((s for s in self._kept if s not in self._leased), None)) and (
+                    self._over() or (eng is not None and not eng.kv_kept(sid))):
                 self._drop(sid)
                 gone.append(sid)
         self._evicted(gone)

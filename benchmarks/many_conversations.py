@@ -1,0 +1,260 @@
+"""Stock clients by the hundred: many conversations asked round robin, each turn resending the
+whole conversation and naming no session, as the OpenAI SDK does.
+
+Each conversation has a system prompt of about --system-tokens tokens of its own (its first
+line names it, its rules are shuffled by its index, so no two share more than a few tokens),
+then --turns user turns; the conversations are asked in turn (turn 1 of every conversation,
+then turn 2 of every one, ...), greedy, --max-tokens tokens an answer, one request at a time.
+A cache that keeps fewer conversations than are asked round robin keeps none of them.
+
+  prepos        `prepos serve --model MODEL` with its defaults but --kv-ram, --journal none
+  llama_server  llama-server on the same GGUF, the same threads, one slot (-np 1), its prompt
+                cache in RAM of the same size (--cache-ram = prepos's --kv-ram), --jinja
+
+One server is alive at a time (prepos first). Reported per arm: turn latency (client side,
+median and P99 with n, first turns and later turns apart), cached prompt tokens over the
+later turns' prompt tokens (`cached_fraction_after_first`) beside the ceiling any cache could
+reach (each later turn's prompt less its new user message's tokens), errors, and
+for prepos the server's RSS against the bound its options set (RSS after load plus --kv-ram,
+--implicit-memory and --ready-logits-memory) and its implicit-session counters.
+`turn_ratio_vs_llama_server`: prepos's median later turn over llama-server's.
+
+`lookup_us_1000_over_10`: in process, the time to find a kept conversation (`ImplicitSessions
+.find` and its release) with 1,000 kept against 10, on the bundled model's engine (no model
+forward runs in it), median of --lookups finds each.
+
+The JSON summary is the last line of stdout (and results/many_conversations.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, machine, summarize, write  # noqa: E402
+from many_sessions import long_system_prompt  # noqa: E402
+from stock_clients import metrics, resolve, start_prepos, stop  # noqa: E402
+
+from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
+
+KEY = "stock-client"  # stock_clients.start_prepos's first key
+
+
+def system_prompt(fmt, i: int, target: int) -> str:
+    rules = long_system_prompt(fmt, target).split(" Rule ")
+    random.Random(i).shuffle(rules)
+    return f"You are analyst number {i} of desk {i * 7919 % 10007}. " + " Rule ".join(rules)
+
+
+def question(i: int, t: int) -> str:
+    tickers = ("ACME", "BOLT", "CRUX", "DYNA", "EQTY", "FLUX")
+    return f"Turn {t + 1}: which way is {tickers[(i + t) % len(tickers)]} moving, and why?"
+
+
+def ask(http: httpx.Client, url: str, model: str, key: str | None, msgs: list[dict],
+        max_tokens: int) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    t0 = time.perf_counter()
+    try:
+        r = http.post(url + "/v1/chat/completions", headers=headers, json={
+            "model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0})
+    except httpx.HTTPError as exc:
+        return {"ok": False, "error": type(exc).__name__, "s": time.perf_counter() - t0}
+    dt = time.perf_counter() - t0
+    if r.status_code != 200:
+        return {"ok": False, "status": r.status_code, "s": dt}
+    body = r.json()
+    usage = body.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:  # llama-server's own count
+        cached = (body.get("timings") or {}).get("cache_n")
+    return {"ok": True, "s": dt, "prompt": usage.get("prompt_tokens", 0),
+            "completion": usage.get("completion_tokens", 0), "cached": cached or 0,
+            "content": body["choices"][0]["message"].get("content") or ""}
+
+
+def run_arm(url: str, model: str, key: str | None, systems: list[str], turns: int,
+            max_tokens: int, count) -> dict:
+    convs = [[{"role": "system", "content": s}] for s in systems]
+    first, later, errors = [], [], 0
+    prompt = cached = ceiling = 0
+    last: list[dict | None] = [None] * len(convs)
+    with httpx.Client(timeout=900) as http:
+        for t in range(turns):
+            for i, msgs in enumerate(convs):
+                msgs.append({"role": "user", "content": question(i, t)})
+                r = ask(http, url, model, key, msgs, max_tokens)
+                if not r["ok"]:
+                    errors += 1
+                    msgs.pop()
+                    continue
+                msgs.append({"role": "assistant", "content": r["content"]})
+                (first if t == 0 else later).append(r["s"])
+                if t and last[i] is not None:
+                    prompt += r["prompt"]
+                    cached += min(r["cached"], r["prompt"])
+                    ceiling += max(0, r["prompt"] - count(msgs[-2]["content"]))
+                last[i] = r
+    return {"first_turn": summarize(first) if first else None,
+            "later_turns": summarize(later) if later else None,
+            "errors": errors, "later_prompt_tokens": prompt, "later_cached_tokens": cached,
+            "ceiling_tokens": ceiling,
+            "cached_fraction_after_first": round(cached / prompt, 4) if prompt else None,
+            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None}
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def lookup_cost(sizes: tuple[int, ...], lookups: int) -> dict:
+    from prepos.config import EngineConfig
+    from prepos.engine import Engine
+    from prepos.engine.session import SessionSpec
+    from prepos.paths import DEFAULT_MODEL
+    from prepos.server.implicit import ImplicitSessions
+
+    eng = Engine.from_pretrained(DEFAULT_MODEL, EngineConfig(preposition=False, threads=1))
+    out = {}
+    try:
+        for n in sizes:
+            kept = ImplicitSessions(lambda: eng, eng.close_session, memory=None)
+            convs = []
+            for i in range(n):
+                msgs = [{"role": "system", "content": "Live prices."},
+                        {"role": "user", "content": f"ACME {i} {i + 1}. Up or down?"},
+                        {"role": "assistant", "content": "up"}]
+                sid = f"lookup-{n}-{i}"
+                eng.restore_session(sid, SessionSpec("agentic", "Live prices.", owner="k",
+                                                     implicit=True), [(0, msgs)])
+                kept.keep(sid, "k")
+                kept.release(sid)
+                convs.append([*msgs, {"role": "user", "content": "And now?"}])
+            rng, times = random.Random(n), []
+            for _ in range(lookups):
+                msgs = convs[rng.randrange(n)]
+                t0 = time.perf_counter()
+                sid = kept.find(eng, "k", [], msgs)
+                kept.release(sid)
+                times.append(time.perf_counter() - t0)
+                assert sid is not None
+            out[n] = statistics.median(times) * 1e6
+            for i in range(n):
+                eng.close_session(f"lookup-{n}-{i}")
+    finally:
+        eng.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--conversations", type=int, default=1000)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-ram", default="2G", help="prepos's --kv-ram; llama-server's "
+                    "--cache-ram the same (in MiB)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `prepos serve` argument (repeatable)")
+    ap.add_argument("--lookups", type=int, default=500)
+    ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "many_conversations.json")
+    args = ap.parse_args(argv)
+
+    from prepos.chat.format import ChatFormat
+    from prepos.engine.loading import load_tokenizer, resolve_model
+    from prepos.server.app import size
+
+    ram = size(args.kv_ram)
+    served, gguf, label = resolve(args.model)
+    fmt = ChatFormat(load_tokenizer(resolve_model(args.model)))
+    systems = [system_prompt(fmt, i, args.system_tokens) for i in range(args.conversations)]
+    def count(text: str) -> int:
+        return len(fmt.encode(text))
+
+    system_tokens = statistics.median(len(fmt.encode(s)) for s in systems[:50])
+    work = Path(tempfile.mkdtemp(prefix="many-conversations-"))
+    out: dict = {"benchmark": "many_conversations", "model": label, "machine": machine(),
+                 "conversations": args.conversations, "turns": args.turns,
+                 "system_tokens_p50": system_tokens, "max_tokens": args.max_tokens,
+                 "kv_ram_bytes": ram, "server_args": args.server_arg}
+
+    lookups = lookup_cost((10, 1000), args.lookups)
+    out["lookup_us"] = {str(k): round(v, 1) for k, v in lookups.items()}
+    out["lookup_us_1000_over_10"] = round(lookups[1000] / lookups[10], 3)
+
+    extra = ["--kv-ram", str(ram), *args.server_arg]
+    proc, url = start_prepos(served, work / "prepos.log", args.threads, extra)
+    try:
+        rss_start = rss_bytes(proc.pid)
+        model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30).json()["data"][0]["id"]
+        t0 = time.perf_counter()
+        ours = run_arm(url, model, KEY, systems, args.turns, args.max_tokens, count)
+        ours["wall_s"] = round(time.perf_counter() - t0, 1)
+        m = metrics(url)
+        ours["implicit_sessions"] = {k.split('"')[1]: v for k, v in m.items()
+                                     if k.startswith("prepos:implicit_sessions_total{")}
+        ours["kv_tier_moves"] = {k.split('"')[1]: v for k, v in m.items()
+                                 if k.startswith("prepos:kv_tier_moves_total{")}
+        health = httpx.get(url + "/health", timeout=30).json()
+        bound = rss_start + ram + (1 << 30) + (512 << 20)  # --implicit-memory, ready logits
+        ours["rss_gb"] = round(rss_bytes(proc.pid) / 1e9, 3)
+        ours["rss_hwm_gb"] = round(rss_bytes(proc.pid, "VmHWM") / 1e9, 3)
+        ours["rss_start_gb"] = round(rss_start / 1e9, 3)
+        ours["rss_bound_gb"] = round(bound / 1e9, 3)
+        ours["rss_within_bound"] = rss_bytes(proc.pid, "VmHWM") <= bound
+        ours["health_kv"] = health.get("kv")
+    finally:
+        stop(proc)
+    out["prepos"] = ours
+
+    binary = None if args.skip_llama_server else find_binary()
+    if binary is not None:
+        llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
+                            extra=("--jinja", "--cache-ram", str(ram >> 20)),
+                            log=work / "llama-server.log")
+        llama.start(wait=300)
+        try:
+            t0 = time.perf_counter()
+            theirs = run_arm(llama.url, "model", None, systems, args.turns, args.max_tokens,
+                             count)
+            theirs["wall_s"] = round(time.perf_counter() - t0, 1)
+        finally:
+            llama.stop()
+        out["llama_server"] = theirs
+        a, b = ours["later_turns"], theirs["later_turns"]
+        if a and b:
+            out["turn_ratio_vs_llama_server"] = round(a["p50_ms"] / b["p50_ms"], 3)
+        out["cached_fraction_vs_llama_server"] = {
+            "prepos": ours["cached_fraction_after_first"],
+            "llama_server": theirs["cached_fraction_after_first"]}
+    else:
+        out["llama_server"] = {"skipped": "no llama-server binary" if not
+                               args.skip_llama_server else "--skip-llama-server"}
+    if ours["ceiling_tokens"]:
+        out["cached_over_ceiling"] = round(ours["later_cached_tokens"] /
+                                           ours["ceiling_tokens"], 4)
+    write(args.out, out)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
