@@ -162,21 +162,17 @@ class Engine:
         return self.sessions.new_id()
 
     @property
-    def session_limit(self) -> int:
-        """The sessions the engine holds at most (the back end's bound, where it has one)."""
+    def session_limit(self) -> int:  # the sessions it holds at most (the back end's bound)
         return self.sessions.max_sessions
 
-    def limit_sessions(self, n: int) -> None:
-        """Hold at most `n` sessions (at most the back end's bound)."""
+    def limit_sessions(self, n: int) -> None:  # at most the back end's bound
         self.sessions.max_sessions = min(n, self.sessions.max_sessions)
 
     def info(self, sid: str) -> dict:
         s = self.sessions.get(sid)
         return {**s.info(), "kv": self.pool.tier(s.id), "relaxed": self.relaxed.info(s)}
 
-    def kv_kept(self, sid: str) -> bool:
-        """Whether a session's KV is held, resident or in a tier (or not built yet): False
-        once the tiers dropped it, when it would be recomputed from its tokens."""
+    def kv_kept(self, sid: str) -> bool:  # False once the tiers dropped it (unbuilt: True)
         return self.pool.find(sid) is None or self.pool.tier(sid) != "none"
 
     # == mutations =========================================================================
@@ -441,9 +437,7 @@ class Engine:
     def close(self) -> None:
         self.scheduler.close()
         self.pool.close()
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        getattr(self.backend, "close", lambda: None)()
 
     def __enter__(self) -> Engine:
         return self

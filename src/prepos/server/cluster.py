@@ -186,6 +186,7 @@ class Cluster:
         self._locks: dict[str, asyncio.Lock] = {}
         self._dropping: set[str] = set()  # copies being closed here, their lease kept
         self._client = None
+        self.directory = None  # the stateless conversations' (server/conversations.py)
         journal.fence = self.leases.fence
         engine.listeners.append(self._on_event)
 
@@ -332,8 +333,7 @@ class Cluster:
         import httpx
 
         claim: Claim = scope["prepos.owner"]
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
+        client = self.client()
         body = scope.get("prepos.body")
         while body is None:
             message = await receive()
@@ -349,9 +349,8 @@ class Cluster:
             target += "?" + scope["query_string"].decode("latin-1")
         self.forwarded += 1
         try:
-            req = self._client.build_request(scope["method"], target, headers=headers,
-                                             content=body)
-            upstream = await self._client.send(req, stream=True)
+            req = client.build_request(scope["method"], target, headers=headers, content=body)
+            upstream = await client.send(req, stream=True)
         except httpx.ConnectError:
             log.info("session %s: its owner %s refused the connection; waiting its lease out",
                      sid, claim.node)
@@ -374,11 +373,21 @@ class Cluster:
             await upstream.aclose()
         return True
 
+    def client(self):
+        """The HTTP client requests are forwarded to other nodes with."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
+        return self._client
+
     def health(self) -> dict:
         leases = self.leases
         return {"node": leases.node, "epoch": leases.epoch, "serving": leases.serving(),
                 "owned": len(leases.owned), "takeovers": self.takeovers,
-                "forwarded": self.forwarded, "lapses": leases.lapses}
+                "forwarded": self.forwarded, "lapses": leases.lapses,
+                "conversation_hops": self.directory.hops if self.directory else 0,
+                "conversations_published": self.directory.published if self.directory else 0}
 
 
 def check_new_id(state, engine, sid: str) -> None:

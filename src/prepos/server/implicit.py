@@ -85,6 +85,9 @@ class ImplicitSessions:
         self._index: dict[bytes, dict[str, None]] = {}  # conversation hash -> sids
         self._leased: set[str] = set()
         self.used = 0  # bytes of the kept sessions' bookkeeping
+        # told of every change of what a kept session is indexed under (sid, its hash, None
+        # once it is gone): the cluster's directory (`server/conversations.py`)
+        self.publish: Callable[[str, bytes | None], None] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -94,6 +97,11 @@ class ImplicitSessions:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def holds(self, owner: str | None, tools: Sequence[dict], msgs: list[dict]) -> bool:
+        """Whether a kept session, leased or not, holds a conversation `msgs` extends."""
+        with self._lock:
+            return any(k in self._index for k in conversation_keys(owner, tools, msgs))
 
     def find(self, eng: Engine, owner: str | None, tools: Sequence[dict],
              msgs: list[dict]) -> str | None:
@@ -153,6 +161,9 @@ class ImplicitSessions:
                 self._index.setdefault(kept.key, {})[sid] = None
                 kept.bytes = footprint(snap)
                 self.used += kept.bytes
+            key = kept.key
+        if self.publish is not None:
+            self.publish(sid, key)
         self._trim()
 
     def evict_one(self, owner: str | None | object = ...) -> bool:
@@ -188,6 +199,8 @@ class ImplicitSessions:
         for sid in sids:
             self._close(sid)
             self._count("evicted")
+            if self.publish is not None:
+                self.publish(sid, None)
 
     def _drop(self, sid: str) -> None:  # under the lock
         kept = self._kept.pop(sid)
@@ -207,5 +220,8 @@ class ImplicitSessions:
     def forget(self, sid: str) -> None:
         """A kept session was closed elsewhere (its answer failed)."""
         with self._lock:
-            if sid in self._kept:
-                self._drop(sid)
+            if sid not in self._kept:
+                return
+            self._drop(sid)
+        if self.publish is not None:
+            self.publish(sid, None)

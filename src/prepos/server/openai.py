@@ -38,6 +38,7 @@ from prepos.chat.conversation import session_messages
 from prepos.engine.session import STREAMING
 from prepos.errors import PreposError
 from prepos.server import responses as R
+from prepos.server.conversations import hop
 from prepos.server.errors import ApiError
 from prepos.server.journal import EPHEMERAL
 from prepos.server.openai_checks import chat_sampling, completion_input, tool_specs
@@ -110,6 +111,9 @@ async def chat_completions(request: Request):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(body)
     if body.session_id is None:
+        kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
+        if kept_elsewhere is not None:
+            return kept_elsewhere
         return await ChatCall(state, body, sampling, request.receive).stateless(
             eng, owner, msgs, tools)
     s = state.session(eng, body.session_id, owner, "session_id")

