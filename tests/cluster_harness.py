@@ -88,10 +88,13 @@ def missing_router() -> str | None:
 
 
 class Router:
-    """vllm-router in front of `workers`, hashing `x-session-id` (consistent_hash)."""
+    """vllm-router in front of `workers`, hashing `x-session-id` (consistent_hash), or with
+    another of its policies."""
 
-    def __init__(self, workers: list[str], workdir: Path, port: int | None = None):
+    def __init__(self, workers: list[str], workdir: Path, port: int | None = None,
+                 policy: str = "consistent_hash"):
         self.workers = workers
+        self.policy = policy
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(workdir) / "router.log"
@@ -99,7 +102,7 @@ class Router:
 
     def command(self) -> list[str]:
         return [*router_command(), "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *self.workers, "--policy", "consistent_hash",
+                "--worker-urls", *self.workers, "--policy", self.policy,
                 *ROUTER_HEALTH, "--log-level", "warning"]
 
     def start(self, timeout: float = 60.0) -> Router:

@@ -1,8 +1,9 @@
 """Implicit sessions: a stock OpenAI client that resends its whole conversation and names no
 session pays, from its second turn on, only its new messages (the rest is found in the KV
 of the implicit session its previous turn left), never across API keys, kept while the KV
-tiers hold them and within the bytes given for their bookkeeping, found by hash. Through the real server with the OpenAI SDK, on the chatml
-tiny model; API behaviour, not the model's wording."""
+tiers hold them and within the bytes given for their bookkeeping, found by hash. Through
+the real server with the OpenAI SDK, on the chatml tiny model; API behaviour, not the
+model's wording."""
 
 from __future__ import annotations
 
