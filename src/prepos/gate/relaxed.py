@@ -16,12 +16,11 @@ token, decided from verified evidence, within a risk budget.
   (`Relaxed.shadow`). A disagreement about a served answer is a false accept: the engine
   emits a `correction` event carrying the answer id.
 
-Evidence is its owner's (the API key whose sessions asked; one model, one gate, pooled over
-that owner's sessions like the calibration's decision points): one key's questions, answers
-and verdicts never change what another key is served, nor show in its views, and the engine's
-metrics hold counts, never a class's wording. A session owns only its options (declared
-patterns, its `r_max`). All of it is bounded: classes per owner (least recently asked
-forgotten), outcomes per class, verifications queued per session and per owner.
+Evidence is its owner's (an API key's, pooled over its sessions like the calibration's
+decision points): another key's questions and verdicts never change what it is served nor show
+in its views; the metrics count classes, never name one. A session owns only its options
+(declared patterns, its `r_max`). All of it is bounded: classes per owner (least recently
+asked forgotten), outcomes per class, verifications queued per session and per owner.
 """
 
 from __future__ import annotations
@@ -131,17 +130,15 @@ class ClassGate:
         self._pending: Counter[str] = Counter()  # sid -> verifications booked, not settled
         self._owner_pending: Counter[str | None] = Counter()  # the same, per owner
         self.counters: Counter[str] = Counter()
-        self._ids = itertools.count()
-        self._salt = uuid.uuid4().hex[:6]
+        self._ids, self._salt = itertools.count(), uuid.uuid4().hex[:6]  # answer ids
 
     # -- decisions -----------------------------------------------------------------------
     def decide(self, sid: str, cls: str | None, r_max: float | None, token: int,
                owner: str | None = None) -> Decision:
-        """The gate fired on the header record (its argmax `token`) for a question of class
-        `cls` from session `sid` of `owner`: serve it relaxed iff the token is in the owner's
-        class's answer set and the class is promoted, or on probation under start "serve"
-        with a verification booked; a served answer books a verification when there is
-        room."""
+        """The gate fired on the header record (its argmax `token`) for a question of
+        `owner`'s class `cls`: serve it relaxed iff the token is in the class's answer set
+        and the class is promoted, or on probation under start "serve" with a verification
+        booked; a served answer books a verification when there is room."""
         c = self.config
         r_max = r_max or c.r_max
         with self._lock:
@@ -223,10 +220,9 @@ class ClassGate:
         `outcome` (stale, budget)."""
         with self._lock:
             for pending, key in ((self._pending, sid), (self._owner_pending, owner)):
-                if pending[key] > 1:
-                    pending[key] -= 1
-                else:
-                    pending.pop(key, None)
+                pending[key] -= 1  # a Counter: a key at 0 goes
+                if pending[key] <= 0:
+                    del pending[key]
             if outcome is not None:
                 self.counters[f"dropped_{outcome}"] += 1
                 st = self._stats(owner, cls)
@@ -246,9 +242,8 @@ class ClassGate:
     def status(self, cls: str, r_max: float | None = None, owner: str | None = None) -> str:
         with self._lock:
             st = self._stats(owner, cls)
-            if st is None:
-                return PROBATION
-            return st.status(r_max or self.config.r_max, self.config.min_verified)
+            r = r_max or self.config.r_max
+            return PROBATION if st is None else st.status(r, self.config.min_verified)
 
     def info(self, sid: str, declared: Sequence[str], r_max: float | None,
              owner: str | None = None) -> dict:
@@ -257,10 +252,9 @@ class ClassGate:
         c = self.config
         r = r_max or c.r_max
         with self._lock:
-            asked = list(self._asked.get(sid, ()))
             own = self._classes.get(owner, {})
-            classes = {k: own[k].view(r, c.min_verified, self.decode) for k in asked
-                       if k in own}
+            classes = {k: own[k].view(r, c.min_verified, self.decode)
+                       for k in self._asked.get(sid, ()) if k in own}
             pending = self._pending.get(sid, 0)
         return {"r_max": r, "start": c.start, "min_verified": c.min_verified,
                 "verify": c.verify, "declared": list(declared), "pending_verifications": pending,
@@ -270,22 +264,16 @@ class ClassGate:
         """Counts over every owner, no class named: classes by status, how many are served
         relaxed, the highest false-accept upper bound among those (None: none served)."""
         c = self.config
-        statuses: Counter[str] = Counter()
-        served, upper = 0, None
         with self._lock:
-            for classes in self._classes.values():
-                for st in classes.values():
-                    status = st.status(c.r_max, c.min_verified)
-                    statuses[status] += 1
-                    if status == PROMOTED or (status == PROBATION and c.start == "serve"):
-                        served += 1
-                        upper = max(upper or 0.0, st.bound()[1])
-            counters = dict(self.counters)
-            pending = sum(self._pending.values())
-        return {"counters": counters, "pending": pending,
-                "classes": {s: statuses[s] for s in (PROMOTED, PROBATION, DEMOTED)},
-                "classes_served": served, "served_upper_max": upper,
-                "r_max": c.r_max, "start": c.start}
+            views = [(st.status(c.r_max, c.min_verified), st.bound()[1])
+                     for classes in self._classes.values() for st in classes.values()]
+            counters, pending = dict(self.counters), sum(self._pending.values())
+        served = [hi for status, hi in views
+                  if status == PROMOTED or (status == PROBATION and c.start == "serve")]
+        return {"counters": counters, "pending": pending, "r_max": c.r_max, "start": c.start,
+                "classes": {s: sum(status == s for status, _ in views)
+                            for s in (PROMOTED, PROBATION, DEMOTED)},
+                "classes_served": len(served), "served_upper_max": max(served, default=None)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,16 +304,11 @@ class Relaxed:
                  chunk_tokens: int, max_yields: int, session_cells: int,
                  prepositions_pending: Callable[[], int],
                  on_correction: Callable[[object, dict], None]):
-        self.config = config
+        self.config, self.fmt, self.pool = config, fmt, pool
         self.gate = ClassGate(config, lambda t: fmt.decode([t]))
-        self.fmt = fmt
-        self.pool = pool
         self.submit = submit  # the scheduler's
-        self.chunk = chunk_tokens
-        self.max_yields = max_yields
-        self.session_cells = session_cells
-        self.prepositions_pending = prepositions_pending
-        self.on_correction = on_correction
+        self.chunk, self.max_yields, self.session_cells = chunk_tokens, max_yields, session_cells
+        self.prepositions_pending, self.on_correction = prepositions_pending, on_correction
         self._lock = threading.Lock()
         self._queues: dict[str, deque[Verification]] = {}  # sid -> verifications to run
 
@@ -368,8 +351,7 @@ class Relaxed:
         token is the full path's; an answer that ended at once disagrees."""
         def observe(res) -> None:
             if res.tokens:
-                self.gate.evidence(cls, res.tokens[0] != served_token, res.tokens[0],
-                                   owner=owner)
+                self.gate.evidence(cls, res.tokens[0] != served_token, res.tokens[0], False, owner)
             elif res.finish_reason == "stop":
                 self.gate.evidence(cls, True, None, owner=owner)
 
