@@ -5,6 +5,8 @@ by type, and an open server on a non-loopback address says what it shares."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 
@@ -31,6 +33,9 @@ def test_class_evidence_and_its_bounds_are_each_owner_s():
     assert not gate.decide("b1", "c", None, UP, owner="B").serve  # B's answer set is empty
     assert gate.decide("a1", "c", None, UP, owner="A").verify  # served: a check booked
     gate.settle("a1", owner="A")
+    ids = [gate.decide("a3", "c", None, UP, owner="A").answer_id for _ in range(2)]
+    assert len(os.path.commonprefix(ids)) < 10  # random: a sequence counts others' answers
+    gate.settle("a3", owner="A")  # the first booked a check; A's budget (1) left none
     for cls in ("x", "y", "z"):  # B's classes fill B's room, never A's
         gate.decide("b1", cls, None, UP, owner="B")
     assert gate.status("c", owner="A") == PROMOTED

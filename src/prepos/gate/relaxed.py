@@ -26,7 +26,6 @@ asked forgotten), outcomes per class, verifications queued per session and per o
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import uuid
 from collections import Counter, OrderedDict, deque
@@ -130,7 +129,6 @@ class ClassGate:
         self._pending: Counter[str] = Counter()  # sid -> verifications booked, not settled
         self._owner_pending: Counter[str | None] = Counter()  # the same, per owner
         self.counters: Counter[str] = Counter()
-        self._ids, self._salt = itertools.count(), uuid.uuid4().hex[:6]  # answer ids
 
     # -- decisions -----------------------------------------------------------------------
     def decide(self, sid: str, cls: str | None, r_max: float | None, token: int,
@@ -166,7 +164,8 @@ class ClassGate:
         self.counters["served"] += 1
         if not verify:
             self.counters["unverified_capped" if self.config.verify else "unverified_off"] += 1
-        return Decision(cls, True, verify, f"ra-{self._salt}-{next(self._ids)}", probe)
+        # a random id: a sequence would tell any key how many answers others were served
+        return Decision(cls, True, verify, f"ra-{uuid.uuid4().hex[:16]}", probe)
 
     def _touch(self, sid: str, owner: str | None, cls: str) -> ClassStats:
         classes = self._classes.setdefault(owner, OrderedDict())
