@@ -233,7 +233,7 @@ class ClassGate:
             self.counters["corrections"] += 1
 
     def forget(self, sid: str) -> None:
-        """A session closed: its view goes (its evidence stays the engine's)."""
+        """A session closed: its view goes (its evidence stays its owner's)."""
         with self._lock:
             self._asked.pop(sid, None)
 
