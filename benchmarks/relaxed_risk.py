@@ -128,7 +128,9 @@ def run(model: str, verify: bool, args) -> dict:
                         demoted_at[cls] = len(log)
         eng.wait_idle()
         seconds = time.perf_counter() - t_start
-        rx = eng.metrics()["relaxed"]
+        rx = eng.metrics()["relaxed"]  # its classes by status; each one's view, a session's:
+        rx["classes"] = {k: v for sid, _ in sessions.values()
+                         for k, v in eng.info(sid)["relaxed"]["classes"].items()}
     finally:
         eng.close()
     return {"backend": backend, **report(log, corrections, demoted_at, rx, args, seconds)}

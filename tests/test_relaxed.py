@@ -133,7 +133,7 @@ def test_cold_start_the_default_serves_nothing_until_promoted():
 def test_a_class_is_served_only_the_answers_its_full_path_gave(start):
     """A polar class verified only yes / no is never served a trend token: not on probation,
     not once promoted; a token of its answer set is."""
-    gate = ClassGate(RelaxedConfig(start=start, session_pending=64, engine_pending=64))
+    gate = ClassGate(RelaxedConfig(start=start, session_pending=64, owner_pending=64))
     for token in (YES, NO):  # a new class: its set is empty, the full path answers
         assert not gate.decide("s", "polar", None, token).serve
         gate.evidence("polar", False, token)
@@ -144,7 +144,8 @@ def test_a_class_is_served_only_the_answers_its_full_path_gave(start):
     assert gate.status("polar") == PROMOTED and gate.decide("s", "polar", None, NO).serve
     assert not any(gate.decide("s", "polar", None, t).serve for t in (UP, DOWN))
     assert gate.counters["outside_answers"] == 5
-    assert gate.metrics()["classes"]["polar"]["answers"] == sorted([str(YES), str(NO)])
+    assert gate.info("s", (), None)["classes"]["polar"]["answers"] == sorted([str(YES),
+                                                                             str(NO)])
 
 
 def test_the_answer_set_is_the_evidence_windows():
@@ -313,7 +314,7 @@ def test_a_verification_for_a_superseded_version_is_dropped(engine):
 
 def test_verifications_are_capped_per_session():
     gate = ClassGate(RelaxedConfig(start="serve", min_verified=4, r_max=0.6, session_pending=1,
-                                   engine_pending=8))
+                                   owner_pending=8))
     gate.decide("s", "c", None, UP)  # withheld (its answer set is empty): free evidence
     gate.evidence("c", False, UP)
     first = gate.decide("s", "c", None, UP)

@@ -88,9 +88,9 @@ class RelaxedConfig:
     start: str = "cold"
     verify: bool = True  # shadow-verify served relaxed answers at idle priority
     window: int = 512  # the latest verified outcomes a class's estimate rests on
-    max_classes: int = 256  # classes tracked per engine (least recently asked forgotten)
+    max_classes: int = 256  # classes tracked per owner (least recently asked forgotten)
     session_pending: int = 4  # verifications queued per session at once; beyond: unverified
-    engine_pending: int = 64  # the same, across the engine
+    owner_pending: int = 64  # the same, across one owner's (API key's) sessions
 
     def __post_init__(self) -> None:
         if not 0.0 < self.r_max < 1.0:
@@ -98,7 +98,7 @@ class RelaxedConfig:
         if self.start not in ("serve", "cold"):
             raise ValueError(f"relaxed start must be serve or cold, got {self.start!r}")
         if min(self.min_verified, self.window, self.max_classes, self.session_pending,
-               self.engine_pending) < 1:
+               self.owner_pending) < 1:
             raise ValueError("relaxed counts and caps must be >= 1")
 
 

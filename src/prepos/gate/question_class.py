@@ -71,8 +71,8 @@ class Pattern:
 
 
 @functools.lru_cache(maxsize=1024)
-def patterns(wordings: tuple[str, ...]) -> tuple[Pattern, ...]:
-    """The compiled `relaxed_queries` of a session (cached by their text)."""
+def patterns(wordings: tuple[str, ...], owner: str | None = None) -> tuple[Pattern, ...]:
+    """The compiled `relaxed_queries` of a session (cached by their text and owner)."""
     out = []
     for w in wordings:
         key = masked_wording(w, wildcards=True)
@@ -97,22 +97,26 @@ def check_options(relaxed_queries: Sequence[str], r_max: float | None) -> None:
         raise InvalidInput(f"r_max must be a number in (0, 1), got {r_max!r}")
 
 
-def classify(question: str, declared: Sequence[str] = ()) -> str | None:
+def classify(question: str, declared: Sequence[str] = (), owner: str | None = None
+             ) -> str | None:
     """The question's class key; None when it has none (too long, or matching none of the
     declared wordings of a session that declares some): it is never served relaxed. A
-    question asked before is a lookup (the relaxed fast path asks this on every answer)."""
+    question `owner` (an API key's id) asked before is a lookup (the relaxed fast path asks
+    this on every answer): the cache is keyed by owner too, so a lookup is quicker only for
+    the owner's own questions, never for another key's."""
     if len(question) > 4 * MAX_CLASS_CHARS:  # never cached: it could hold long keys
-        return _classify(question, tuple(declared))
-    return _classify_cached(question, tuple(declared))
+        return _classify(question, tuple(declared), owner)
+    return _classify_cached(question, tuple(declared), owner)
 
 
-def _classify(question: str, declared: tuple[str, ...]) -> str | None:
+def _classify(question: str, declared: tuple[str, ...], owner: str | None = None
+              ) -> str | None:  # owner: the caches' key only
     cls = masked_wording(question)
     if not cls or len(cls) > MAX_CLASS_CHARS:
         return None
     if not declared:
         return cls
-    return next((p.key for p in patterns(tuple(declared)) if p.matches(cls)), None)
+    return next((p.key for p in patterns(declared, owner) if p.matches(cls)), None)
 
 
 _classify_cached = functools.lru_cache(maxsize=4096)(_classify)

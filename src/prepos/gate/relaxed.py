@@ -16,16 +16,16 @@ token, decided from verified evidence, within a risk budget.
   (`Relaxed.shadow`). A disagreement about a served answer is a false accept: the engine
   emits a `correction` event carrying the answer id.
 
-Evidence is the engine's (one model, one gate, pooled over sessions like the calibration's
-decision points); a session owns only its options (declared patterns, its `r_max`). All of it
-is bounded: classes (least recently asked forgotten), outcomes per class, verifications
-queued per session and per engine.
+Evidence is its owner's (an API key's, pooled over its sessions like the calibration's
+decision points): another key's questions and verdicts never change what it is served nor show
+in its views; the metrics count classes, never name one. A session owns only its options
+(declared patterns, its `r_max`). All of it is bounded: classes per owner (least recently
+asked forgotten), outcomes per class, verifications queued per session and per owner.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 import uuid
 from collections import Counter, OrderedDict, deque
@@ -114,7 +114,8 @@ class Decision:
 
 
 class ClassGate:
-    """The engine's per-class evidence and the decisions made from it; thread-safe."""
+    """Per owner, its per-class evidence and the decisions made from it; thread-safe. An
+    owner is an API key's id (None: the server's one owner when it has no keys)."""
 
     ASKED_PER_SESSION = 32  # classes a session's info lists (the ones it asked last)
 
@@ -123,34 +124,34 @@ class ClassGate:
         # a token's text, for the views: cached, as they are built under the lock below
         self.decode = functools.lru_cache(maxsize=4096)(decode)
         self._lock = threading.Lock()
-        self._classes: OrderedDict[str, ClassStats] = OrderedDict()
+        self._classes: dict[str | None, OrderedDict[str, ClassStats]] = {}  # owner -> its
         self._asked: dict[str, OrderedDict[str, None]] = {}
         self._pending: Counter[str] = Counter()  # sid -> verifications booked, not settled
+        self._owner_pending: Counter[str | None] = Counter()  # the same, per owner
         self.counters: Counter[str] = Counter()
-        self._ids = itertools.count()
-        self._salt = uuid.uuid4().hex[:6]
 
     # -- decisions -----------------------------------------------------------------------
-    def decide(self, sid: str, cls: str | None, r_max: float | None, token: int) -> Decision:
-        """The gate fired on the header record (its argmax `token`) for a question of class
-        `cls`: serve it relaxed iff the token is in the class's answer set and the class is
-        promoted, or on probation under start "serve" with a verification booked; a served
-        answer books a verification when there is room."""
+    def decide(self, sid: str, cls: str | None, r_max: float | None, token: int,
+               owner: str | None = None) -> Decision:
+        """The gate fired on the header record (its argmax `token`) for a question of
+        `owner`'s class `cls`: serve it relaxed iff the token is in the class's answer set
+        and the class is promoted, or on probation under start "serve" with a verification
+        booked; a served answer books a verification when there is room."""
         c = self.config
         r_max = r_max or c.r_max
         with self._lock:
             if cls is None:
                 self.counters["no_class"] += 1
                 return Decision(None, False)
-            st = self._touch(sid, cls)
+            st = self._touch(sid, owner, cls)
             if token not in st.answers:  # no verified answer of the class used it: full path
                 self.counters["outside_answers"] += 1
             elif (status := st.status(r_max, c.min_verified)) == PROMOTED:
-                verify = c.verify and self._book(sid)
+                verify = c.verify and self._book(sid, owner)
                 return self._serve(st, cls, verify)
             elif status == PROBATION and c.start == "serve" and \
                     st.probing < c.session_pending and \
-                    st.probation_served < c.min_verified and self._book(sid):
+                    st.probation_served < c.min_verified and self._book(sid, owner):
                 st.probing += 1  # unverified exposure on probation: at most min_verified
                 st.probation_served += 1
                 return self._serve(st, cls, True, probe=True)
@@ -163,16 +164,18 @@ class ClassGate:
         self.counters["served"] += 1
         if not verify:
             self.counters["unverified_capped" if self.config.verify else "unverified_off"] += 1
-        return Decision(cls, True, verify, f"ra-{self._salt}-{next(self._ids)}", probe)
+        # a random id: a sequence would tell any key how many answers others were served
+        return Decision(cls, True, verify, f"ra-{uuid.uuid4().hex[:16]}", probe)
 
-    def _touch(self, sid: str, cls: str) -> ClassStats:
-        st = self._classes.get(cls)
+    def _touch(self, sid: str, owner: str | None, cls: str) -> ClassStats:
+        classes = self._classes.setdefault(owner, OrderedDict())
+        st = classes.get(cls)
         if st is None:
-            st = self._classes[cls] = ClassStats(self.config.window)
-            while len(self._classes) > self.config.max_classes:
-                self._classes.popitem(last=False)  # forgotten: it starts over, unpromoted
+            st = classes[cls] = ClassStats(self.config.window)
+            while len(classes) > self.config.max_classes:
+                classes.popitem(last=False)  # forgotten: it starts over, unpromoted
                 self.counters["classes_forgotten"] += 1
-        self._classes.move_to_end(cls)
+        classes.move_to_end(cls)
         asked = self._asked.setdefault(sid, OrderedDict())
         asked[cls] = None
         asked.move_to_end(cls)
@@ -180,26 +183,30 @@ class ClassGate:
             asked.popitem(last=False)
         return st
 
-    def book_evidence(self, sid: str) -> bool:
+    def book_evidence(self, sid: str, owner: str | None = None) -> bool:
         """Room for a verification of an answer not served relaxed (evidence only)?"""
         with self._lock:
-            return self._book(sid)
+            return self._book(sid, owner)
 
-    def _book(self, sid: str) -> bool:
+    def _book(self, sid: str, owner: str | None) -> bool:
         c = self.config
         if self._pending[sid] >= c.session_pending or \
-                sum(self._pending.values()) >= c.engine_pending:
+                self._owner_pending[owner] >= c.owner_pending:
             return False
         self._pending[sid] += 1
+        self._owner_pending[owner] += 1
         return True
 
+    def _stats(self, owner: str | None, cls: str | None) -> ClassStats | None:
+        return self._classes.get(owner, {}).get(cls) if cls is not None else None
+
     # -- evidence ------------------------------------------------------------------------
-    def evidence(self, cls: str, disagree: bool, full: int | None,
-                 probe: bool = False) -> None:
-        """A verified outcome for class `cls`, `full` the full path's token (None: its answer
-        ended at once); a forgotten class is not revived."""
+    def evidence(self, cls: str, disagree: bool, full: int | None, probe: bool = False,
+                 owner: str | None = None) -> None:
+        """A verified outcome for `owner`'s class `cls`, `full` the full path's token (None:
+        its answer ended at once); a forgotten class is not revived."""
         with self._lock:
-            st = self._classes.get(cls)
+            st = self._stats(owner, cls)
             if st is not None:
                 st.add(disagree, full)
                 if probe:
@@ -207,17 +214,17 @@ class ClassGate:
             self.counters["disagree" if disagree else "agree"] += 1
 
     def settle(self, sid: str, cls: str | None = None, outcome: str | None = None,
-               probe: bool = False) -> None:
+               probe: bool = False, owner: str | None = None) -> None:
         """A booked verification is over: verified (its evidence given), or dropped for
         `outcome` (stale, budget)."""
         with self._lock:
-            if self._pending[sid] > 0:
-                self._pending[sid] -= 1
-            if self._pending[sid] == 0:
-                del self._pending[sid]
+            for pending, key in ((self._pending, sid), (self._owner_pending, owner)):
+                pending[key] -= 1  # a Counter: a key at 0 goes
+                if pending[key] <= 0:
+                    del pending[key]
             if outcome is not None:
                 self.counters[f"dropped_{outcome}"] += 1
-                st = self._classes.get(cls) if cls is not None else None
+                st = self._stats(owner, cls)
                 if probe and st is not None:
                     st.probing = max(0, st.probing - 1)
 
@@ -226,40 +233,46 @@ class ClassGate:
             self.counters["corrections"] += 1
 
     def forget(self, sid: str) -> None:
-        """A session closed: its view goes (its evidence stays the engine's)."""
+        """A session closed: its view goes (its evidence stays its owner's)."""
         with self._lock:
             self._asked.pop(sid, None)
 
     # -- views ---------------------------------------------------------------------------
-    def status(self, cls: str, r_max: float | None = None) -> str:
+    def status(self, cls: str, r_max: float | None = None, owner: str | None = None) -> str:
         with self._lock:
-            st = self._classes.get(cls)
-            if st is None:
-                return PROBATION
-            return st.status(r_max or self.config.r_max, self.config.min_verified)
+            st = self._stats(owner, cls)
+            r = r_max or self.config.r_max
+            return PROBATION if st is None else st.status(r, self.config.min_verified)
 
-    def info(self, sid: str, declared: Sequence[str], r_max: float | None) -> dict:
-        """A session's view: its options and the classes it asked last, under its r_max."""
+    def info(self, sid: str, declared: Sequence[str], r_max: float | None,
+             owner: str | None = None) -> dict:
+        """A session's view: its options and the classes it asked last, under its r_max,
+        with its owner's evidence."""
         c = self.config
         r = r_max or c.r_max
         with self._lock:
-            asked = list(self._asked.get(sid, ()))
-            classes = {k: self._classes[k].view(r, c.min_verified, self.decode) for k in asked
-                       if k in self._classes}
+            own = self._classes.get(owner, {})
+            classes = {k: own[k].view(r, c.min_verified, self.decode)
+                       for k in self._asked.get(sid, ()) if k in own}
             pending = self._pending.get(sid, 0)
         return {"r_max": r, "start": c.start, "min_verified": c.min_verified,
                 "verify": c.verify, "declared": list(declared), "pending_verifications": pending,
                 "classes": classes}
 
     def metrics(self) -> dict:
+        """Counts over every owner, no class named: classes by status, how many are served
+        relaxed, the highest false-accept upper bound among those (None: none served)."""
         c = self.config
         with self._lock:
-            classes = {k: st.view(c.r_max, c.min_verified, self.decode)
-                       for k, st in self._classes.items()}
-            counters = dict(self.counters)
-            pending = sum(self._pending.values())
-        return {"counters": counters, "pending": pending, "classes": classes,
-                "r_max": c.r_max, "start": c.start}
+            views = [(st.status(c.r_max, c.min_verified), st.bound()[1])
+                     for classes in self._classes.values() for st in classes.values()]
+            counters, pending = dict(self.counters), sum(self._pending.values())
+        served = [hi for status, hi in views
+                  if status == PROMOTED or (status == PROBATION and c.start == "serve")]
+        return {"counters": counters, "pending": pending, "r_max": c.r_max, "start": c.start,
+                "classes": {s: sum(status == s for status, _ in views)
+                            for s in (PROMOTED, PROBATION, DEMOTED)},
+                "classes_served": len(served), "served_upper_max": max(served, default=None)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,6 +284,7 @@ class Verification:
     """One booked check: the question's real entry at the version its answer came from."""
 
     sid: str
+    owner: str | None  # the session's: whose evidence the verdict is
     version: int
     cls: str
     tokens: tuple[int, ...]  # the version's committed tokens
@@ -289,23 +303,19 @@ class Relaxed:
                  chunk_tokens: int, max_yields: int, session_cells: int,
                  prepositions_pending: Callable[[], int],
                  on_correction: Callable[[object, dict], None]):
-        self.config = config
+        self.config, self.fmt, self.pool = config, fmt, pool
         self.gate = ClassGate(config, lambda t: fmt.decode([t]))
-        self.fmt = fmt
-        self.pool = pool
         self.submit = submit  # the scheduler's
-        self.chunk = chunk_tokens
-        self.max_yields = max_yields
-        self.session_cells = session_cells
-        self.prepositions_pending = prepositions_pending
-        self.on_correction = on_correction
+        self.chunk, self.max_yields, self.session_cells = chunk_tokens, max_yields, session_cells
+        self.prepositions_pending, self.on_correction = prepositions_pending, on_correction
         self._lock = threading.Lock()
         self._queues: dict[str, deque[Verification]] = {}  # sid -> verifications to run
 
     def decide(self, s, question: str, header) -> Decision:
         """The header record fired the gate for this question: may it be served relaxed?"""
-        return self.gate.decide(s.id, classify(question, s.spec.relaxed_queries),
-                                s.spec.r_max, header.argmax)
+        owner = s.spec.owner
+        return self.gate.decide(s.id, classify(question, s.spec.relaxed_queries, owner),
+                                s.spec.r_max, header.argmax, owner)
 
     def served(self, s, snap, question: str, header, d: Decision) -> None:
         """After a relaxed answer: its shadow verification, when one was booked."""
@@ -320,29 +330,29 @@ class Relaxed:
         if d.cls is None:
             return None
         if greedy:
-            return self.from_answer(d.cls, header.argmax)
-        if self.gate.book_evidence(s.id):
+            return self.from_answer(s.spec.owner, d.cls, header.argmax)
+        if self.gate.book_evidence(s.id, s.spec.owner):
             self.book(s, self._check(s, snap, question, header, d))
         return None
 
     def _check(self, s, snap, question: str, header, d: Decision) -> Verification:
         """A check to book: no tokenizing here (this runs on a relaxed answer's path); the
         question's entry is tokenized when the check runs, at idle priority."""
-        return Verification(s.id, snap.version, d.cls, snap.tokens, s.entries(snap).user,
-                            header.argmax, d.answer_id, question, d.probe)
+        return Verification(s.id, s.spec.owner, snap.version, d.cls, snap.tokens,
+                            s.entries(snap).user, header.argmax, d.answer_id, question, d.probe)
 
     def info(self, s) -> dict:
-        return self.gate.info(s.id, s.spec.relaxed_queries, s.spec.r_max)
+        return self.gate.info(s.id, s.spec.relaxed_queries, s.spec.r_max, s.spec.owner)
 
     # -- free evidence -------------------------------------------------------------------
-    def from_answer(self, cls: str, served_token: int) -> Callable:
-        """An on_finish for the full answer to a withheld question: its greedy first
+    def from_answer(self, owner: str | None, cls: str, served_token: int) -> Callable:
+        """An on_finish for the full answer to `owner`'s withheld question: its greedy first
         token is the full path's; an answer that ended at once disagrees."""
         def observe(res) -> None:
             if res.tokens:
-                self.gate.evidence(cls, res.tokens[0] != served_token, res.tokens[0])
+                self.gate.evidence(cls, res.tokens[0] != served_token, res.tokens[0], False, owner)
             elif res.finish_reason == "stop":
-                self.gate.evidence(cls, True, None)
+                self.gate.evidence(cls, True, None, owner=owner)
 
         return observe
 
@@ -422,14 +432,14 @@ class Relaxed:
         self._verdict(s, v, step.logits)
 
     def _drop(self, v: Verification, why: str) -> None:
-        self.gate.settle(v.sid, v.cls, why, v.probe)
+        self.gate.settle(v.sid, v.cls, why, v.probe, v.owner)
 
     def _verdict(self, s, v: Verification, logits) -> None:
         dist = logits if isinstance(logits, Dist) else Dist.from_logits(logits)
         full = dist.top_ids[0]
         disagree = full != v.served_token
-        self.gate.evidence(v.cls, disagree, full, v.probe)
-        self.gate.settle(v.sid)
+        self.gate.evidence(v.cls, disagree, full, v.probe, v.owner)
+        self.gate.settle(v.sid, owner=v.owner)
         if disagree and v.answer_id is not None:
             self.gate.corrected()
             self.on_correction(s, {

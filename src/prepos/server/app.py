@@ -36,6 +36,7 @@ from prepos.config import (
 from prepos.paths import DEFAULT_MODEL
 from prepos.server import errors, openapi, results
 from prepos.server import responses as R
+from prepos.server.auth import Keys, load_keys, open_warning
 from prepos.server.cluster import Front, default_url
 from prepos.server.fast import App, StraightLine
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
@@ -100,9 +101,12 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
             body["journal_path"] = redacted(config.journal)
         return JSONBody(body)
 
+    scrapers = Keys(config.metrics_keys, "metrics key")  # none: /metrics is public
+
     @own.add("GET", "/metrics", 70, summary="Prometheus metrics", response={"type": "string"},
-             media="text/plain", public=True)
+             media="text/plain", public=True, errors=(401,))
     async def metrics(request: Request):
+        scrapers.owner(request)  # 401 without a metrics key, where there are some
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     api = Routes()
@@ -192,6 +196,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="accept this Bearer key (repeatable; also PREPOS_API_KEYS, comma-"
                    "separated); with none given the server is open")
     p.add_argument("--api-keys-file", help="file of keys, one a line")
+    p.add_argument("--metrics-key", action="append", default=[],
+                   help="GET /metrics needs this Bearer key (repeatable; also "
+                   "PREPOS_METRICS_KEYS; give an API key here to let its holder scrape); "
+                   "with none given /metrics is public")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=int, default=default_threads(),
@@ -274,8 +282,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from prepos.server.auth import load_keys
-
     for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions", "implicit_memory",
                  "response_sessions", "ready_logits_memory"):
         if (getattr(args, flag) or 0) < 0:
@@ -314,6 +320,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerConfig(model=args.model, engine=engine, journal=journal,
                         api_keys=load_keys(args.api_key, args.api_keys_file),
+                        metrics_keys=load_keys(args.metrics_key, env="PREPOS_METRICS_KEYS"),
                         served_model_name=args.served_model_name, limits=limits,
                         allowed_origins=origins, request_timeout=args.request_timeout,
                         implicit_memory=args.implicit_memory,
@@ -350,6 +357,8 @@ def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None 
     # GIL up to the switch interval (5 ms by default): keep that wait well under the fast
     # path's budget
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if (warning := open_warning(args.host, config.api_keys)) is not None:
+        log.warning(warning)
     app = create_app(config)
     state: ServerState = app.state.prepos
     # h11 (not httptools): it bounds a request's head, and the guard adds a deadline for

@@ -1,10 +1,14 @@
 """Optional API keys (Bearer). A key's owner id tags every session it creates; the engine
 shows a session only to its owner, so another key's request gets 404, never a hint that the
-session exists. Keys are kept as SHA-256 digests; the raw key is never stored or logged."""
+session exists. Keys are kept as SHA-256 digests; the raw key is never stored or logged.
+Without keys the server is open: every client is the one owner (None), sharing its sessions,
+caches, implicit sessions and stored responses (`open_warning` says so at startup).
+The same check guards `/metrics` with its own keys (`--metrics-key`), where given."""
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,9 +36,30 @@ def load_keys(keys: Iterable[str] = (), keys_file: str | None = None,
     return tuple(dict.fromkeys(out))
 
 
+def open_warning(host: str, keys: Iterable[str]) -> str | None:
+    """The startup warning for a server with no keys that binds a non-loopback address
+    (None where it has keys, or listens on loopback only)."""
+    if any(keys) or _loopback(host):
+        return None
+    return (f"no API keys and listening on {host}: every client that reaches it is the same "
+            "owner, sharing all sessions (listed, read, written and closed by anyone), "
+            "caches, implicit sessions and stored responses; pass --api-key (or "
+            "PREPOS_API_KEYS) to give each client its own")
+
+
+def _loopback(host: str) -> bool:
+    if host.strip().lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 class Keys:
-    def __init__(self, keys: Iterable[str] = ()):
+    def __init__(self, keys: Iterable[str] = (), what: str = "API key"):
         self._owners = {hashlib.sha256(k.encode()).digest(): owner_id(k) for k in keys}
+        self.what = what  # as errors name it
 
     def owner(self, request: Request) -> str | None:
         """The owner id of the request's key; None when keys are off. 401 otherwise."""
@@ -46,7 +71,8 @@ class Keys:
             return None
         if not header:
             raise ApiError(401, "missing_api_key",
-                           "this server needs an API key: send 'Authorization: Bearer <key>'",
+                           f"this needs a key ({self.what}): send 'Authorization: Bearer "
+                           "<key>'",
                            headers={"WWW-Authenticate": "Bearer"})
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -56,7 +82,7 @@ class Keys:
         digest = hashlib.sha256(key.strip().encode()).digest()
         owner = self._owners.get(digest)  # keyed by digest: timing says nothing of the key
         if owner is None:
-            raise ApiError(401, "invalid_api_key", "the API key is not valid",
+            raise ApiError(401, "invalid_api_key", f"the {self.what} is not valid",
                            headers={"WWW-Authenticate": "Bearer"})
         return owner
 

@@ -236,8 +236,9 @@ def _tiers(t: dict):
 
 def _relaxed(rx: dict):
     """The relaxed path's online risk gate: verifications by outcome, the unverified by
-    reason, corrections, and per class (at most the engine's max_classes) its live
-    false-accept estimate, Wilson 95% upper bound and whether it is served relaxed."""
+    reason, corrections, and its question classes counted by status, with the highest
+    false-accept upper bound among those served. No label carries a class's wording (a
+    question's text): classes are counted over every API key, never named."""
     c = rx["counters"]
     fam = CounterMetricFamily("prepos:relaxed_verified", "Relaxed-path verifications (the "
                               "full path's first token at the real entry) by outcome",
@@ -260,17 +261,14 @@ def _relaxed(rx: dict):
                               "served relaxed (a full answer instead)", c.get("withheld", 0))
     yield GaugeMetricFamily("prepos:relaxed_verifications_pending", "Verifications queued",
                             rx["pending"])
-    risk = GaugeMetricFamily("prepos:relaxed_class_false_accept", "Live false-accept "
-                             "estimate per question class", labels=["class", "bound"])
-    serving = GaugeMetricFamily("prepos:relaxed_class_served", "1 while a question class "
-                                "is served relaxed (promoted or on probation)",
-                                labels=["class", "status"])
-    for cls, v in rx["classes"].items():
-        rate = v["false_accept"]
-        risk.add_metric([cls, "estimate"], math.nan if rate is None else rate)
-        risk.add_metric([cls, "upper"], v["false_accept_ci"][1])
-        served = v["status"] == "promoted" or (v["status"] == "probation"
-                                               and rx["start"] == "serve")
-        serving.add_metric([cls, v["status"]], 1.0 if served else 0.0)
-    yield risk
-    yield serving
+    fam = GaugeMetricFamily("prepos:relaxed_classes", "Question classes tracked (per API "
+                            "key, counted together) by status", labels=["status"])
+    for status, n in rx["classes"].items():
+        fam.add_metric([status], n)
+    yield fam
+    yield GaugeMetricFamily("prepos:relaxed_classes_served", "Question classes served relaxed "
+                            "(promoted, or on probation with start serve)", rx["classes_served"])
+    upper = rx["served_upper_max"]
+    yield GaugeMetricFamily("prepos:relaxed_served_false_accept_upper", "The highest Wilson "
+                            "95% upper bound of the false-accept rate among the classes served "
+                            "relaxed; NaN when none is", math.nan if upper is None else upper)

@@ -54,8 +54,10 @@ routes = Routes()
 
 
 def _model(state) -> dict:
+    """The served model by its name (`id`, as OpenAI and vLLM answer; `root` the same):
+    never the path it was loaded from."""
     return {"id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "prepos", "root": str(state.config.model),
+            "owned_by": "prepos", "root": state.model_name,
             "max_model_len": state.engine.max_context}
 
 

@@ -193,7 +193,8 @@ def input_messages(raw: str | list[dict], calls: set[str]) -> tuple[list[dict], 
         kind = item.get("type", "message")
         n = len(out)
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None  # a list: unhashable
             if role is None:
                 raise bad(f"{at}.role must be user, assistant, system or developer, got "
                           f"{item.get('role')!r}", at + ".role")

@@ -46,6 +46,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     journal: Path | None = None  # None: no persistence
     api_keys: tuple[str, ...] = ()
+    metrics_keys: tuple[str, ...] = ()  # GET /metrics needs one of these (none: public)
     served_model_name: str | None = None
     limits: Limits = field(default_factory=Limits)
     threads: int = 256  # threads that wait on engine work for the event loop
