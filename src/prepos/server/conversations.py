@@ -38,6 +38,7 @@ class Directory:
 
     def __init__(self, db: Database, node: str):
         self.db, self.node = db, node
+        db.q("DELETE FROM conversations WHERE node=?", (node,))  # an earlier run's: gone
         self.hops = 0  # requests answered by the node keeping their conversation
         self.published = 0
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,6 +80,7 @@ class Directory:
     def close(self) -> None:
         self._writes.put(None)
         self._thread.join(timeout=5)
+        self.db.close()
 
 
 async def hop(state, request: Request, owner: str | None, tools: list[dict],
