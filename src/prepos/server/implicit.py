@@ -59,10 +59,12 @@ def conversation_keys(owner: str | None, tools: Sequence[dict],
 
 
 def footprint(snap: Snapshot) -> int:
-    """Bytes a kept session's bookkeeping holds, estimated: its token tuple (small ints
-    are shared), rendered text and messages, and a fixed cost for the session's objects."""
-    return (sys.getsizeof(snap.tokens) + 28 * len(snap.tokens) + sys.getsizeof(snap.text)
-            + sum(len(json.dumps(m)) for m in snap.messages) + 4096)
+    """Bytes a kept session's bookkeeping holds, estimated: its token tuple (and each id
+    Python does not share), rendered text and messages, and a fixed cost for the session's
+    objects."""
+    return (sys.getsizeof(snap.tokens) + 32 * sum(1 for t in snap.tokens if t > 256)
+            + sys.getsizeof(snap.text) + sum(len(json.dumps(m)) for m in snap.messages)
+            + 4096)
 
 
 @dataclass
