@@ -9,17 +9,26 @@ also decides who serves the request:
 - the session is free or its owner dead: claimed (`Leases.claim`), loaded from the store
   where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
 - another node owns it: the request is forwarded to it, once (a forwarded request that
-  finds another owner again gets 409 `session_moved` naming it); an owner that does not
-  answer is waited out until its lease expires, then taken over; meanwhile the session is
-  loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
+  finds another owner again gets 409 `session_moved` naming the node, never its URL); an
+  owner that does not answer is waited out until its lease expires, then taken over;
+  meanwhile the session is loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the
+  takeover finds it ready.
+Nothing of that runs for a request whose API key is missing or not valid (401 first), nor for
+one of a key the store's session is not owned by (the app answers 404). A forwarded request
+carries `x-prepos-forwarded`, signed with the cluster's secret (kept in the store, so every
+node has it and no client does); one that does not verify is dropped at the edge. A forwarded
+body is read up to the server's body limit (413 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import re
+import secrets
 import socket
 import time
 
@@ -84,8 +93,11 @@ class Front:
             if scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY and (
                     from_header or cluster is not None) and self.small(scope):
                 sid, receive = await with_body_session(sid, receive)
+            if cluster is not None:
+                cluster.check_forwarded(scope, sid)
             if cluster is not None and sid is not None and not (
-                    scope["method"] == "POST" and scope["path"] == "/sessions"):
+                    scope["method"] == "POST" and scope["path"] == "/sessions") and \
+                    await cluster.may_claim(sid, scope):
                 while not await cluster.serve_here(sid, scope):
                     if await cluster.forward(sid, scope, receive, send):
                         slow(scope, sid, t0, "forwarded")
@@ -181,6 +193,7 @@ class Cluster:
         self.journal = journal
         self.leases = Leases(db, config, on_lapse=self._give_up)
         self.config = config
+        self.secret = shared_secret(db)
         self.takeovers = 0
         self.forwarded = 0
         self._locks: dict[str, asyncio.Lock] = {}
@@ -194,6 +207,43 @@ class Cluster:
 
     def stop(self) -> None:
         self.leases.stop()
+
+    def sign(self, node: str, scope, sid: str) -> str:
+        msg = "\n".join((node, scope["method"], scope["path"], sid)).encode()
+        return hmac.new(self.secret, msg, hashlib.sha256).hexdigest()
+
+    def check_forwarded(self, scope, sid: str | None) -> None:
+        """`prepos.forwarded`: whether another node of this cluster forwarded the request
+        (its header verifies); a header that does not is dropped, as if never sent."""
+        value = dict(scope["headers"]).get(FORWARDED)
+        if value is None:
+            return
+        node, _, mac = value.decode("latin-1").rpartition(":")
+        ok = sid is not None and bool(node) and hmac.compare_digest(
+            mac.encode(), self.sign(node, scope, sid).encode())
+        scope["prepos.forwarded"] = ok
+        if not ok:
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != FORWARDED]
+            log.warning("a request for session %s came with an %s header that does not "
+                        "verify: dropped", sid, FORWARDED.decode())
+
+    async def may_claim(self, sid: str, scope) -> bool:
+        """Whether the request may make this node claim or take `sid` over: a valid key
+        (401 otherwise, before any lease or store work) of the session's owner where the
+        store has the session (else no lease is touched: the app answers 404)."""
+        owner = self.state.keys.owner_of(dict(scope["headers"]).get(
+            b"authorization", b"").decode("latin-1") or None)
+        if owner is None or self.leases.owns(sid):
+            return True
+        row = await self.state.run(lambda: self.leases.db.q(
+            "SELECT spec FROM sessions WHERE id=?", (sid,)).fetchone())
+        if row is None:
+            return True  # not stored (yet): the lease says who makes it
+        try:
+            stored = json.loads(row[0]).get("owner")
+        except (ValueError, AttributeError):
+            return True
+        return stored == owner
 
     async def serve_here(self, sid: str, scope) -> bool:
         """Whether this node serves `sid` now: owned, or claimed (and loaded) now. While a
@@ -218,15 +268,15 @@ class Cluster:
                         warming = None
                         return True
                     dead = scope.setdefault("prepos.dead", set())
-                    forwarded = dict(scope["headers"]).get(FORWARDED) is not None
+                    forwarded = scope.get("prepos.forwarded", False)
                     if not forwarded and claim.url and claim.url not in dead:
                         scope["prepos.owner"] = claim
                         return False
                     if forwarded and claim.url not in dead or \
                             asyncio.get_running_loop().time() > deadline:
                         raise ApiError(409, "session_moved", f"session {sid} is owned by node "
-                                       f"{claim.node} at {claim.url}",
-                                       headers={"x-prepos-owner": claim.url or ""})
+                                       f"{claim.node}, which did not take this request; retry",
+                                       headers={"Retry-After": "1"})
                     if warming is None:
                         mark(sid, f"waiting (owner {claim.node}, {claim.expires_in:.3f} s left)")
                         warming = asyncio.ensure_future(self.state.run(self.warm, sid))
@@ -335,15 +385,22 @@ class Cluster:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
         body = scope.get("prepos.body")
-        while body is None:
+        limit = self.state.config.limits.max_body_bytes
+        chunks = scope.setdefault("prepos.chunks", [])
+        while body is None:  # kept whole: served here after all if the owner refuses
             message = await receive()
             if message["type"] != "http.request":
                 return True  # the client left
-            scope["prepos.chunks"] = scope.get("prepos.chunks", b"") + message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            scope["prepos.read"] = scope.get("prepos.read", 0) + len(chunks[-1])
+            if scope["prepos.read"] > limit:
+                raise ApiError(413, "body_too_large", f"the body is over this server's "
+                               f"limit of {limit} bytes")
             if not message.get("more_body", False):
-                body = scope["prepos.body"] = scope["prepos.chunks"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP]
-        headers.append((FORWARDED, self.leases.node.encode()))
+                body = scope["prepos.body"] = b"".join(chunks)
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP and k != FORWARDED]
+        node = self.leases.node
+        headers.append((FORWARDED, f"{node}:{self.sign(node, scope, sid)}".encode()))
         target = claim.url.rstrip("/") + scope["path"]
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
@@ -360,7 +417,7 @@ class Cluster:
         except httpx.TransportError as exc:
             log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
             raise ApiError(503, "owner_unreachable", f"session {sid}'s owner node "
-                           f"{claim.node} did not answer ({exc}); retry",
+                           f"{claim.node} did not answer; retry",
                            headers={"Retry-After": "1"}) from None
         try:
             out = [(k.encode("latin-1"), v.encode("latin-1"))
@@ -392,6 +449,15 @@ def check_new_id(state, engine, sid: str) -> None:
         taken = not state.cluster.leases.claim(sid).ours or state.journal.exists(sid)
     if taken:
         raise ApiError(409, "session_exists", f"a session {sid!r} exists already")
+
+
+def shared_secret(db: Database) -> bytes:
+    """The key every node of the store signs forwarded requests with: made by the first
+    node, kept in the store's `meta` table."""
+    db.q("INSERT INTO meta VALUES ('cluster_secret', ?) ON CONFLICT (key) DO NOTHING",
+         (secrets.token_hex(32),))
+    return bytes.fromhex(db.q("SELECT value FROM meta WHERE key='cluster_secret'"
+                              ).fetchone()[0])
 
 
 def join(state, engine, journal: Journal) -> Cluster:
