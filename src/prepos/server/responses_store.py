@@ -39,7 +39,7 @@ MAX_BYTES = 256 << 20  # bytes of stored responses per API key
 TTL_S = 30 * 86400.0  # how long a stored response is kept
 RETIRED = "null"  # the body of a response gone whose messages its children still use
 LIVE = f"body <> '{RETIRED}'"
-RESYNC = 256  # puts of one key between recounts of its rows (other nodes write them too)
+RESYNC = 256  # puts of one key between recounts of its rows on a store other nodes write
 BATCH = 64
 
 
@@ -61,6 +61,8 @@ class ResponseStore:
         self.keep, self.max_bytes, self.ttl = keep, max_bytes, ttl
         self.clock = clock
         self._db = Database(target)  # the table is the store's migrations'
+        # a column's bytes: PostgreSQL's from the value's header, never reading it
+        self._len = "octet_length({})".format if self._db.shared else "LENGTH({})".format
         self._lock = threading.Lock()
         # per owner: [bytes of its rows, its live responses, puts since they were counted]
         self._usage: dict[str | None, list[int]] = {}
@@ -77,8 +79,8 @@ class ResponseStore:
                 return False
             now = self.clock()
             usage = self._count(row.owner)
-            old = self._db.q(f"SELECT LENGTH(messages) + LENGTH(body), {LIVE} FROM responses "
-                             "WHERE id=?", (row.id,)).fetchone()
+            old = self._db.q(f"SELECT {self._size()}, {LIVE} FROM responses WHERE id=?",
+                             (row.id,)).fetchone()
             if old is not None:
                 usage[0] -= old[0]
                 usage[1] -= bool(old[1])
@@ -143,15 +145,20 @@ class ResponseStore:
             self._usage.clear()
             raise
 
+    def _size(self) -> str:
+        return f"{self._len('messages')} + {self._len('body')}"
+
     def _count(self, owner: str | None) -> list[int]:
+        """`owner`'s usage: counted once (and, where other nodes write, every RESYNC puts),
+        kept up by every change since."""
         usage = self._usage.get(owner)
-        if usage is None or usage[2] >= RESYNC:
+        if usage is None or (self._db.shared and usage[2] >= RESYNC):
             usage = self._usage[owner] = [*self._recount(owner), 0]
         usage[2] += 1
         return usage
 
     def _recount(self, owner: str | None) -> tuple[int, int]:
-        n, live = self._db.q("SELECT COALESCE(SUM(LENGTH(messages) + LENGTH(body)), 0), "
+        n, live = self._db.q(f"SELECT COALESCE(SUM({self._size()}), 0), "
                              f"COALESCE(SUM(CASE WHEN {LIVE} THEN 1 ELSE 0 END), 0) FROM "
                              f"responses WHERE {SAME_OWNER}", (owner,)).fetchone()
         return int(n), int(live)
@@ -162,9 +169,10 @@ class ResponseStore:
         if parent is None:
             return 0
         return int(self._db.q(
-            "WITH RECURSIVE up(id, parent, n) AS (SELECT id, parent, LENGTH(messages) FROM "
-            "responses WHERE id = ? UNION ALL SELECT r.id, r.parent, LENGTH(r.messages) FROM "
-            "responses r JOIN up ON r.id = up.parent) SELECT COALESCE(SUM(n + ?), 0) FROM up",
+            f"WITH RECURSIVE up(id, parent, n) AS (SELECT id, parent, {self._len('messages')} "
+            f"FROM responses WHERE id = ? UNION ALL SELECT r.id, r.parent, "
+            f"{self._len('r.messages')} FROM responses r JOIN up ON r.id = up.parent) "
+            "SELECT COALESCE(SUM(n + ?), 0) FROM up",
             (parent, len(RETIRED))).fetchone()[0])
 
     def _evict(self, owner: str | None, new: str) -> None:
@@ -202,7 +210,8 @@ class ResponseStore:
         (their conversation still reads its messages); retired ancestors it was the last to
         continue go with it."""
         usage = self._usage.get(owner, [0, 0, 0])
-        body = self._db.q("SELECT LENGTH(body) FROM responses WHERE id=?", (rid,)).fetchone()[0]
+        body = self._db.q(f"SELECT {self._len('body')} FROM responses WHERE id=?",
+                          (rid,)).fetchone()[0]
         if self._db.q("SELECT 1 FROM responses WHERE parent=? LIMIT 1", (rid,)).fetchone():
             self._db.q("UPDATE responses SET body=?, sid=NULL, version=NULL WHERE id=?",
                        (RETIRED, rid))
@@ -215,8 +224,8 @@ class ResponseStore:
     def _delete_up(self, rid: str | None, usage: list[int]) -> None:
         """Delete `rid`'s row, then its retired ancestors that nothing continues now."""
         while rid is not None:
-            parent, n = self._db.q("SELECT parent, LENGTH(messages) + LENGTH(body) FROM "
-                                   "responses WHERE id=?", (rid,)).fetchone()
+            parent, n = self._db.q(f"SELECT parent, {self._size()} FROM responses WHERE id=?",
+                                   (rid,)).fetchone()
             self._db.q("DELETE FROM responses WHERE id=?", (rid,))
             usage[0] -= n
             if parent is None or self._db.q(
