@@ -14,26 +14,22 @@ also decides who serves the request:
   meanwhile the session is loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the
   takeover finds it ready.
 Nothing of that runs for a request whose API key is missing or not valid (401 first), nor for
-one of a key the store's session is not owned by (the app answers 404). A forwarded request
-carries `x-prepos-forwarded`, signed with the cluster's secret (kept in the store, so every
-node has it and no client does); one that does not verify is dropped at the edge. A forwarded
-body is read up to the server's body limit (413 beyond).
+one of a key the store's session is not owned by (the app answers 404). Forwarding, and which
+requests count as forwarded: `forwarding.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import re
-import secrets
 import socket
 import time
 
 from prepos.errors import PreposError
 from prepos.server.errors import ApiError
+from prepos.server.forwarding import Forwarder, shared_secret
 from prepos.server.journal import Journal, is_ephemeral
 from prepos.server.lease import Claim, LeaseConfig, Leases
 from prepos.server.store import Database
@@ -41,11 +37,8 @@ from prepos.server.store import Database
 log = logging.getLogger("prepos.server.cluster")
 HEADER = b"x-session-id"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-FORWARDED = b"x-prepos-forwarded"
 SLOW_S = 5.0  # a request on a session slower than this is logged
 NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
-HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
-       b"proxy-connection", b"content-length"}
 
 
 def named_session(scope) -> tuple[str | None, bool]:
@@ -94,7 +87,7 @@ class Front:
                     from_header or cluster is not None) and self.small(scope):
                 sid, receive = await with_body_session(sid, receive)
             if cluster is not None:
-                cluster.check_forwarded(scope, sid)
+                cluster.forwarder.verify(scope, sid)
             if cluster is not None and sid is not None and not (
                     scope["method"] == "POST" and scope["path"] == "/sessions") and \
                     await cluster.may_claim(sid, scope):
@@ -193,12 +186,11 @@ class Cluster:
         self.journal = journal
         self.leases = Leases(db, config, on_lapse=self._give_up)
         self.config = config
-        self.secret = shared_secret(db)
+        self.forwarder = Forwarder(shared_secret(db), self.leases.node,
+                                   state.config.limits.max_body_bytes)
         self.takeovers = 0
-        self.forwarded = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._dropping: set[str] = set()  # copies being closed here, their lease kept
-        self._client = None
         journal.fence = self.leases.fence
         engine.listeners.append(self._on_event)
 
@@ -207,25 +199,6 @@ class Cluster:
 
     def stop(self) -> None:
         self.leases.stop()
-
-    def sign(self, node: str, scope, sid: str) -> str:
-        msg = "\n".join((node, scope["method"], scope["path"], sid)).encode()
-        return hmac.new(self.secret, msg, hashlib.sha256).hexdigest()
-
-    def check_forwarded(self, scope, sid: str | None) -> None:
-        """`prepos.forwarded`: whether another node of this cluster forwarded the request
-        (its header verifies); a header that does not is dropped, as if never sent."""
-        value = dict(scope["headers"]).get(FORWARDED)
-        if value is None:
-            return
-        node, _, mac = value.decode("latin-1").rpartition(":")
-        ok = sid is not None and bool(node) and hmac.compare_digest(
-            mac.encode(), self.sign(node, scope, sid).encode())
-        scope["prepos.forwarded"] = ok
-        if not ok:
-            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != FORWARDED]
-            log.warning("a request for session %s came with an %s header that does not "
-                        "verify: dropped", sid, FORWARDED.decode())
 
     async def may_claim(self, sid: str, scope) -> bool:
         """Whether the request may make this node claim or take `sid` over: a valid key
@@ -377,65 +350,14 @@ class Cluster:
                 log.warning("lease of closed session %s not released: %s", s.id, exc)
 
     async def forward(self, sid: str, scope, receive, send) -> bool:
-        """The request, answered by the owner's node; False where that node refused the
-        connection (nothing was sent: the caller waits its lease out and takes over)."""
-        import httpx
-
-        claim: Claim = scope["prepos.owner"]
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
-        body = scope.get("prepos.body")
-        limit = self.state.config.limits.max_body_bytes
-        chunks = scope.setdefault("prepos.chunks", [])
-        while body is None:  # kept whole: served here after all if the owner refuses
-            message = await receive()
-            if message["type"] != "http.request":
-                return True  # the client left
-            chunks.append(message.get("body", b""))
-            scope["prepos.read"] = scope.get("prepos.read", 0) + len(chunks[-1])
-            if scope["prepos.read"] > limit:
-                raise ApiError(413, "body_too_large", f"the body is over this server's "
-                               f"limit of {limit} bytes")
-            if not message.get("more_body", False):
-                body = scope["prepos.body"] = b"".join(chunks)
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP and k != FORWARDED]
-        node = self.leases.node
-        headers.append((FORWARDED, f"{node}:{self.sign(node, scope, sid)}".encode()))
-        target = claim.url.rstrip("/") + scope["path"]
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
-        self.forwarded += 1
-        try:
-            req = self._client.build_request(scope["method"], target, headers=headers,
-                                             content=body)
-            upstream = await self._client.send(req, stream=True)
-        except httpx.ConnectError:
-            log.info("session %s: its owner %s refused the connection; waiting its lease out",
-                     sid, claim.node)
-            scope["prepos.dead"].add(claim.url)
-            return False
-        except httpx.TransportError as exc:
-            log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
-            raise ApiError(503, "owner_unreachable", f"session {sid}'s owner node "
-                           f"{claim.node} did not answer; retry",
-                           headers={"Retry-After": "1"}) from None
-        try:
-            out = [(k.encode("latin-1"), v.encode("latin-1"))
-                   for k, v in upstream.headers.multi_items() if k.encode() not in HOP]
-            await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": out})
-            async for chunk in upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await upstream.aclose()
-        return True
+        """The request, answered by the owner's node (`Forwarder.forward`)."""
+        return await self.forwarder.forward(scope["prepos.owner"], sid, scope, receive, send)
 
     def health(self) -> dict:
         leases = self.leases
         return {"node": leases.node, "epoch": leases.epoch, "serving": leases.serving(),
                 "owned": len(leases.owned), "takeovers": self.takeovers,
-                "forwarded": self.forwarded, "lapses": leases.lapses}
+                "forwarded": self.forwarder.count, "lapses": leases.lapses}
 
 
 def check_new_id(state, engine, sid: str) -> None:
@@ -449,15 +371,6 @@ def check_new_id(state, engine, sid: str) -> None:
         taken = not state.cluster.leases.claim(sid).ours or state.journal.exists(sid)
     if taken:
         raise ApiError(409, "session_exists", f"a session {sid!r} exists already")
-
-
-def shared_secret(db: Database) -> bytes:
-    """The key every node of the store signs forwarded requests with: made by the first
-    node, kept in the store's `meta` table."""
-    db.q("INSERT INTO meta VALUES ('cluster_secret', ?) ON CONFLICT (key) DO NOTHING",
-         (secrets.token_hex(32),))
-    return bytes.fromhex(db.q("SELECT value FROM meta WHERE key='cluster_secret'"
-                              ).fetchone()[0])
 
 
 def join(state, engine, journal: Journal) -> Cluster:
