@@ -321,6 +321,9 @@ BAD = [  # body, status, param
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
     ({"input": "x", "stream_options": {}}, 400, "stream_options"),
     ({"input": "x" * 40000}, 413, "input"),
+    ({"input": "x", "user": "u" * 1_000_000}, 400, "user"),  # stored with the response
+    ({"input": "x", "prompt_cache_key": "k" * 257}, 400, "prompt_cache_key"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
 ]
 
 
@@ -517,3 +520,47 @@ def test_chain_sessions_give_way_to_every_other_request(model_dirs, tmp_path):
         r = b.chat.completions.create(model=model, max_tokens=3, messages=[
             {"role": "user", "content": "Still served?" + " word" * 60}])
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(model_dirs,
+                                                                           tmp_path):
+    """With --responses-bytes, the oldest responses go first (404 by id), the stored rows
+    stay within the bound, and a chain whose first response went still continues from its
+    whole conversation: the evicted one's messages are kept once, by reference, never
+    copied into the responses that continue it."""
+    from prepos.server.responses_store import ResponseStore
+
+    journal = tmp_path / "journal.sqlite3"
+    bound = 40_000
+    srv = ServerProc(model_dirs["chatml"], tmp_path, "--response-sessions", "0",
+                     "--responses-bytes", str(bound), journal=journal)
+    model = model_dirs["chatml"].name
+    with srv, sdk(srv, "unused") as c:
+        chain = [c.responses.create(model=model, input="Turn 0?", instructions=INSTR,
+                                    max_output_tokens=2)]
+        for i in range(1, 4):
+            chain.append(c.responses.create(model=model, input=f"Turn {i}?",
+                                            previous_response_id=chain[-1].id,
+                                            instructions=INSTR, max_output_tokens=2))
+        store = ResponseStore(journal)
+        others = []
+        while store.get(None, chain[0].id) is not None:
+            assert len(others) < 100
+            others.append(c.responses.create(model=model, input="Other? " + "pad " * 200,
+                                             instructions=INSTR, max_output_tokens=2))
+            assert store.used(None)[0] <= bound
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(chain[0].id)
+        last = store.get(None, chain[3].id)
+        assert last is not None and c.responses.retrieve(chain[3].id).id == chain[3].id
+        assert [m["content"] for m in last.messages if m["role"] == "user"] == ["Turn 3?"]
+        users = [m["content"] for m in store.conversation(last) if m["role"] == "user"]
+        assert users == [f"Turn {i}?" for i in range(4)]
+        nxt = c.responses.create(model=model, input="Turn 4?", instructions=INSTR,
+                                 previous_response_id=chain[3].id, max_output_tokens=2)
+        assert nxt.usage.input_tokens > chain[3].usage.input_tokens
+        for _ in range(len(others) + 4):  # as many again: the oldest keep going
+            c.responses.create(model=model, input="Other? " + "pad " * 200,
+                               instructions=INSTR, max_output_tokens=2)
+        used, live = store.used(None)
+        assert used <= bound and store.get(None, others[0].id) is None

@@ -241,3 +241,149 @@ def test_idle_kvs_leave_the_scanned_cells_while_a_request_runs(make_engine, idle
         eng.wait_idle()
         assert (eng.info(asked)["kv"], eng.info(other)["kv"]) == ("resident", idle)
     assert (eng.metrics()["kv_tiers"]["restores"] > 0) == moves
+
+
+def _spilled_to_disk(make_engine):
+    """An engine with sessions a and b, a's KV on disk (RAM holds nothing), b resident, and
+    room for a to come back without moving anyone."""
+    eng = small(make_engine, TierConfig(ram_bytes=1, disk_bytes=1 << 30))
+    sids = fill(eng, 3)
+    assert eng.wait_idle(60)
+    where = {sid: eng.info(sid)["kv"] for sid in sids}
+    a = next(sid for sid in sids if where[sid] == "disk")
+    b, c = (sid for sid in sids if where[sid] == "resident")
+    eng.close_session(c)
+    assert eng.wait_idle(60) and eng.info(b)["kv"] == "resident"
+    return eng, a, b
+
+
+@pytest.mark.parametrize("damage", ["gone", "unreadable", "garbage"])
+def test_a_lost_disk_state_is_recomputed_and_moves_nobody(make_engine, damage):
+    """A session whose disk-tier file is gone, cannot be read (a directory in its place) or
+    holds no state is recomputed from its tokens: its answers are the cold ones, now and
+    after, and no other session moves for it."""
+    eng, a, b = _spilled_to_disk(make_engine)
+    path = eng.pool.tiers.dir / f"{a}.kv"
+    path.unlink()
+    if damage == "unreadable":
+        path.mkdir()
+    elif damage == "garbage":
+        path.write_bytes(b"not a KV state" * 64)
+    before = eng.metrics()["kv_tiers"]
+    for question in ("Which way is ACME moving?", "Is BOLT up?"):
+        seq = entry(eng, a, question)
+        assert answers_as_cold(eng, seq, eng.query(a, question, GREEDY).result())
+    m = eng.metrics()["kv_tiers"]
+    assert m["spills"] == before["spills"] and eng.info(b)["kv"] == "resident"
+    assert m["recomputed_tokens"] > before["recomputed_tokens"]
+    assert m["disk"]["sessions"] == 0 and m["disk"]["bytes"] == 0
+    if damage != "garbage":  # read back as bytes, which the back end refused
+        assert m["moves"]["unreadable"] == before["moves"]["unreadable"] + 1
+    eng.append(a, "ACME 50 51")  # the session goes on
+    seq = entry(eng, a, "Is BOLT up?")
+    assert answers_as_cold(eng, seq, eng.query(a, "Is BOLT up?", GREEDY).result())
+
+
+def test_a_lost_donor_state_is_skipped_and_moves_nobody(make_engine):
+    """A new session whose prefix only a session on disk holds, that state's file gone: the
+    new one is prefilled whole, nobody moves for it, and the donor is recomputed when
+    asked."""
+    eng = small(make_engine, TierConfig(ram_bytes=1, disk_bytes=1 << 30))
+    if eng.pool.index is None:
+        pytest.skip("the back end shares no prefixes")
+    data = "NOVA " + " ".join(str(100 + 7 * i) for i in range(10))
+    d = eng.create_session("streaming", system=SYSTEM, preposition=False)
+    eng.append(d, data)
+    c0, b = fill(eng, 2)
+    assert eng.wait_idle(60) and eng.info(d)["kv"] == "disk"
+    eng.close_session(c0)
+    assert eng.wait_idle(60)
+    (eng.pool.tiers.dir / f"{d}.kv").unlink()
+    before = eng.metrics()["kv_tiers"]
+    c = eng.create_session("streaming", system=SYSTEM, preposition=False)
+    eng.append(c, data)  # d's tokens: only d holds their second block
+    m = eng.metrics()["kv_tiers"]
+    assert m["moves"]["unreadable"] == before["moves"]["unreadable"] + 1
+    assert m["spills"] == before["spills"] and m["prefix_loads"] == before["prefix_loads"]
+    assert eng.info(b)["kv"] == "resident" and eng.info(d)["kv"] == "none"
+    seq = entry(eng, d, "Is NOVA up?")
+    assert answers_as_cold(eng, seq, eng.query(d, "Is NOVA up?", GREEDY).result())
+
+
+def test_a_killed_process_kv_directory_is_removed_at_start(tmp_path):
+    """KV directories left by processes that are gone (no lock held; an older one without a
+    lock, its pid no process's) are removed and counted when tiers start in the same
+    place; a living one's (its lock held) stays."""
+    import subprocess
+    import sys
+
+    from prepos.worker.tiers import Tiers
+
+    live = Tiers(1, 1 << 20, tmp_path)
+    live.put("s", b"x" * 100)
+    live.put("t", b"y" * 10)  # RAM holds one byte: both on disk
+    assert live.sizes()["disk"]["sessions"] == 2
+    code = ("import os, sys; sys.path.insert(0, sys.argv[2]); from prepos.worker.tiers import "
+            "Tiers; t = Tiers(1, 1 << 20, sys.argv[1]); t.put('k', b'z' * 1000); "
+            "t.put('l', b'w' * 20); os._exit(9)")  # killed: nothing cleaned up
+    src = str(__import__("prepos").__path__[0].rsplit("/prepos", 1)[0])
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path), src]).returncode == 9
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = tmp_path / f"prepos-kv-{dead.pid}-abc"  # an older prepos's: no lock, its pid gone
+    old.mkdir()
+    (old / "m.kv").write_bytes(b"v" * 50)
+    before = {p.name for p in tmp_path.iterdir()}
+    assert len(before) == 3
+    fresh = Tiers(1, 1 << 20, tmp_path)
+    assert fresh.sizes()["disk"]["reclaimed"] == {"dirs": 2, "bytes": 1020 + 50}
+    assert {p.name for p in tmp_path.iterdir()} == {live.dir.name, fresh.dir.name}
+    assert live.peek("s") == b"x" * 100
+    fresh.close()
+    live.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_500_body_names_no_path_nor_the_exception(caplog):
+    """An unexpected failure is a 500 whose body names a reference into the log, never the
+    exception's text or a file path (the log has them)."""
+    from prepos.server.errors import as_api_error
+
+    err = as_api_error(FileNotFoundError(2, "No such file or directory", "/var/kv/s-1.kv"))
+    assert err.status == 500 and err.code == "internal_error"
+    assert "/var/kv" not in err.message and "FileNotFoundError" not in err.message
+    assert "No such file" not in err.message and "reference" in err.message
+    ref = err.message.split("reference ", 1)[1].split()[0]
+    assert any(ref in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_over_http_a_lost_disk_state_answers_and_the_session_goes_on(model_dirs, tmp_path):
+    """Through the server: a session whose disk-tier file was deleted is answered (200, the
+    answer the same session gave before it moved down) and takes appends."""
+    import httpx
+    from server_harness import ServerProc
+
+    kv_dir = tmp_path / "kv"
+    with ServerProc(model_dirs["chatml"], tmp_path / "srv", "--backend", "torch",
+                    "--kv-ram", "1", "--kv-dir", str(kv_dir), "--max-kv-cells", "160",
+                    "--no-preposition") as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        sids, first = [], {}
+        ask = {"question": "Which way is ACME moving?", "max_tokens": 4}
+        for i in range(3):
+            r = http.post("/sessions", json={"kind": "streaming", "system": SYSTEM})
+            sid = r.json()["id"]
+            sids.append(sid)
+            assert http.post(f"/sessions/{sid}/append",
+                             json={"data": f"ACME {40 + i} {41 + i} BOLT {9 - i}"}).is_success
+            first[sid] = http.post(f"/sessions/{sid}/query", json=ask).json()["text"]
+        on_disk = [s for s in sids if http.get(f"/sessions/{s}").json()["kv"] == "disk"]
+        assert on_disk, [http.get(f"/sessions/{s}").json()["kv"] for s in sids]
+        for path in kv_dir.glob("prepos-kv-*/*.kv"):
+            path.unlink()
+        for sid in on_disk:
+            r = http.post(f"/sessions/{sid}/query", json=ask)
+            assert r.status_code == 200 and r.json()["text"] == first[sid], r.text
+            r = http.post(f"/sessions/{sid}/append", json={"data": "ACME 50"})
+            assert r.status_code == 200, r.text
+            assert http.post(f"/sessions/{sid}/query", json=ask).status_code == 200

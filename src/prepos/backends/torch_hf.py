@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from prepos.backends.base import Backend, Preempted, check_preempt
 from prepos.backends.hf_cache import CacheAdapter
 
+log = logging.getLogger("prepos.backends.torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -70,7 +72,11 @@ class TorchBackend(Backend):
         return self.cache.save(kv)
 
     def load(self, data: bytes, key: str | None = None) -> Any:
-        return self.cache.load(data)
+        try:
+            return self.cache.load(data)
+        except Exception as exc:  # not a state `save` wrote (a damaged file): recomputed
+            log.warning("a KV state did not load: %s", exc)
+            return None
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | tuple:

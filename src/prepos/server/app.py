@@ -270,6 +270,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--response-sessions", type=int, default=ServerConfig.response_sessions,
                    help="stored Responses API chains kept as sessions, least recently used "
                    "closed first (their responses stay stored; 0: none; default %(default)s)")
+    p.add_argument("--responses-bytes", type=size, default=ServerConfig.responses_bytes,
+                   help="bytes of stored responses per API key (K/M/G suffixes; default "
+                   "256M), the oldest evicted first")
+    p.add_argument("--responses-ttl", type=float, default=ServerConfig.responses_ttl,
+                   help="seconds a stored response is kept (default 30 days)")
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a client may take to send one whole request (headers and "
                    "body); slower ones are closed (default %(default)s)")
@@ -287,6 +292,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
+    if not 0 < args.responses_ttl < float("inf"):
+        raise ValueError(f"--responses-ttl must be a number of seconds > 0, got "
+                         f"{args.responses_ttl}")
     if args.journal is None:
         journal: Path | str | None = default_journal(args.model)
     elif is_url(args.journal):
@@ -326,6 +334,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         implicit_memory=args.implicit_memory,
                         implicit_sessions=args.implicit_sessions,
                         response_sessions=args.response_sessions,
+                        responses_bytes=args.responses_bytes, responses_ttl=args.responses_ttl,
                         lease=LeaseConfig(args.node_id, args.lease_seconds, args.renew_seconds,
                                           min(1.0, args.lease_seconds / 4)),
                         advertise_url=args.advertise_url)

@@ -9,9 +9,13 @@ also decides who serves the request:
 - the session is free or its owner dead: claimed (`Leases.claim`), loaded from the store
   where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
 - another node owns it: the request is forwarded to it, once (a forwarded request that
-  finds another owner again gets 409 `session_moved` naming it); an owner that does not
-  answer is waited out until its lease expires, then taken over; meanwhile the session is
-  loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
+  finds another owner again gets 409 `session_moved` naming the node, never its URL); an
+  owner that does not answer is waited out until its lease expires, then taken over;
+  meanwhile the session is loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the
+  takeover finds it ready.
+Nothing of that runs for a request whose API key is missing or not valid (401 first), nor for
+one of a key the store's session is not owned by (the app answers 404). Forwarding, and which
+requests count as forwarded: `forwarding.py`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 
 from prepos.errors import PreposError
 from prepos.server.errors import ApiError
+from prepos.server.forwarding import Forwarder, shared_secret
 from prepos.server.journal import Journal, is_ephemeral
 from prepos.server.lease import Claim, LeaseConfig, Leases
 from prepos.server.store import Database
@@ -32,11 +37,8 @@ from prepos.server.store import Database
 log = logging.getLogger("prepos.server.cluster")
 HEADER = b"x-session-id"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-FORWARDED = b"x-prepos-forwarded"
 SLOW_S = 5.0  # a request on a session slower than this is logged
 NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
-HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
-       b"proxy-connection", b"content-length"}
 
 
 def named_session(scope) -> tuple[str | None, bool]:
@@ -84,8 +86,11 @@ class Front:
             if scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY and (
                     from_header or cluster is not None) and self.small(scope):
                 sid, receive = await with_body_session(sid, receive)
+            if cluster is not None:
+                cluster.forwarder.verify(scope, sid)
             if cluster is not None and sid is not None and not (
-                    scope["method"] == "POST" and scope["path"] == "/sessions"):
+                    scope["method"] == "POST" and scope["path"] == "/sessions") and \
+                    await cluster.may_claim(sid, scope):
                 while not await cluster.serve_here(sid, scope):
                     if await cluster.forward(sid, scope, receive, send):
                         slow(scope, sid, t0, "forwarded")
@@ -181,11 +186,11 @@ class Cluster:
         self.journal = journal
         self.leases = Leases(db, config, on_lapse=self._give_up)
         self.config = config
+        self.forwarder = Forwarder(shared_secret(db), self.leases.node,
+                                   state.config.limits.max_body_bytes)
         self.takeovers = 0
-        self.forwarded = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._dropping: set[str] = set()  # copies being closed here, their lease kept
-        self._client = None
         self.directory = None  # the stateless conversations' (server/conversations.py)
         journal.fence = self.leases.fence
         engine.listeners.append(self._on_event)
@@ -195,6 +200,24 @@ class Cluster:
 
     def stop(self) -> None:
         self.leases.stop()
+
+    async def may_claim(self, sid: str, scope) -> bool:
+        """Whether the request may make this node claim or take `sid` over: a valid key
+        (401 otherwise, before any lease or store work) of the session's owner where the
+        store has the session (else no lease is touched: the app answers 404)."""
+        owner = self.state.keys.owner_of(dict(scope["headers"]).get(
+            b"authorization", b"").decode("latin-1") or None)
+        if owner is None or self.leases.owns(sid):
+            return True
+        row = await self.state.run(lambda: self.leases.db.q(
+            "SELECT spec FROM sessions WHERE id=?", (sid,)).fetchone())
+        if row is None:
+            return True  # not stored (yet): the lease says who makes it
+        try:
+            stored = json.loads(row[0]).get("owner")
+        except (ValueError, AttributeError):
+            return True
+        return stored == owner
 
     async def serve_here(self, sid: str, scope) -> bool:
         """Whether this node serves `sid` now: owned, or claimed (and loaded) now. While a
@@ -219,15 +242,15 @@ class Cluster:
                         warming = None
                         return True
                     dead = scope.setdefault("prepos.dead", set())
-                    forwarded = dict(scope["headers"]).get(FORWARDED) is not None
+                    forwarded = scope.get("prepos.forwarded", False)
                     if not forwarded and claim.url and claim.url not in dead:
                         scope["prepos.owner"] = claim
                         return False
                     if forwarded and claim.url not in dead or \
                             asyncio.get_running_loop().time() > deadline:
                         raise ApiError(409, "session_moved", f"session {sid} is owned by node "
-                                       f"{claim.node} at {claim.url}",
-                                       headers={"x-prepos-owner": claim.url or ""})
+                                       f"{claim.node}, which did not take this request; retry",
+                                       headers={"Retry-After": "1"})
                     if warming is None:
                         mark(sid, f"waiting (owner {claim.node}, {claim.expires_in:.3f} s left)")
                         warming = asyncio.ensure_future(self.state.run(self.warm, sid))
@@ -328,64 +351,14 @@ class Cluster:
                 log.warning("lease of closed session %s not released: %s", s.id, exc)
 
     async def forward(self, sid: str, scope, receive, send) -> bool:
-        """The request, answered by the owner's node; False where that node refused the
-        connection (nothing was sent: the caller waits its lease out and takes over)."""
-        import httpx
-
-        claim: Claim = scope["prepos.owner"]
-        client = self.client()
-        body = scope.get("prepos.body")
-        while body is None:
-            message = await receive()
-            if message["type"] != "http.request":
-                return True  # the client left
-            scope["prepos.chunks"] = scope.get("prepos.chunks", b"") + message.get("body", b"")
-            if not message.get("more_body", False):
-                body = scope["prepos.body"] = scope["prepos.chunks"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP]
-        headers.append((FORWARDED, self.leases.node.encode()))
-        target = claim.url.rstrip("/") + scope["path"]
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
-        self.forwarded += 1
-        try:
-            req = client.build_request(scope["method"], target, headers=headers, content=body)
-            upstream = await client.send(req, stream=True)
-        except httpx.ConnectError:
-            log.info("session %s: its owner %s refused the connection; waiting its lease out",
-                     sid, claim.node)
-            scope["prepos.dead"].add(claim.url)
-            return False
-        except httpx.TransportError as exc:
-            log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
-            raise ApiError(503, "owner_unreachable", f"session {sid}'s owner node "
-                           f"{claim.node} did not answer ({exc}); retry",
-                           headers={"Retry-After": "1"}) from None
-        try:
-            out = [(k.encode("latin-1"), v.encode("latin-1"))
-                   for k, v in upstream.headers.multi_items() if k.encode() not in HOP]
-            await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": out})
-            async for chunk in upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await upstream.aclose()
-        return True
-
-    def client(self):
-        """The HTTP client requests are forwarded to other nodes with."""
-        import httpx
-
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
-        return self._client
+        """The request, answered by the owner's node (`Forwarder.forward`)."""
+        return await self.forwarder.forward(scope["prepos.owner"], sid, scope, receive, send)
 
     def health(self) -> dict:
         leases = self.leases
         return {"node": leases.node, "epoch": leases.epoch, "serving": leases.serving(),
                 "owned": len(leases.owned), "takeovers": self.takeovers,
-                "forwarded": self.forwarded, "lapses": leases.lapses,
+                "forwarded": self.forwarder.count, "lapses": leases.lapses,
                 "conversation_hops": self.directory.hops if self.directory else 0,
                 "conversations_published": self.directory.published if self.directory else 0}
 

@@ -25,7 +25,7 @@ import threading
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from prepos.server.cluster import FORWARDED, HOP
+from prepos.server.forwarding import FORWARDED, HOP
 from prepos.server.implicit import conversation_keys
 from prepos.server.store import Database
 
@@ -89,7 +89,7 @@ async def hop(state, request: Request, owner: str | None, tools: list[dict],
     node does and no conversation kept here is extended by it; None: answer it here."""
     cluster = state.cluster
     directory = cluster.directory if cluster is not None else None
-    if directory is None or FORWARDED.decode() in request.headers or \
+    if directory is None or request.scope.get("prepos.forwarded") or \
             state.places.implicit.holds(owner, tools, msgs):
         return None
     try:
@@ -101,9 +101,9 @@ async def hop(state, request: Request, owner: str | None, tools: list[dict],
         return None
     import httpx
 
-    client = cluster.client()
-    headers = [(k, v) for k, v in request.headers.raw if k not in HOP]
-    headers.append((FORWARDED, cluster.leases.node.encode()))
+    client = cluster.forwarder.client()
+    headers = [(k, v) for k, v in request.headers.raw if k not in HOP and k != FORWARDED]
+    headers.append(cluster.forwarder.header(request.scope, ""))
     try:
         upstream = await client.send(client.build_request(
             "POST", url.rstrip("/") + request.url.path, headers=headers,

@@ -4,12 +4,15 @@
 
 Engine errors (`PreposError`) carry their own code and HTTP status; the server adds its own
 (`ApiError`) for what it checks before calling the engine: bodies, auth, limits, loading.
+Anything else is a 500 whose body names a reference into the log, never the exception's
+text (a path, a value) that the log has.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -60,8 +63,10 @@ def as_api_error(exc: BaseException) -> ApiError:
         return ApiError(exc.status, exc.code, str(exc), getattr(exc, "param", None))
     if isinstance(exc, ValidationError):
         return validation_error(exc)
-    log.exception("internal error", exc_info=exc)
-    return ApiError(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
+    ref = uuid.uuid4().hex[:12]  # the log has the exception; the client, where to find it
+    log.error("internal error %s", ref, exc_info=exc)
+    return ApiError(500, "internal_error", f"internal error (reference {ref} in the server's "
+                    "log)")
 
 
 def validation_error(exc: ValidationError) -> ApiError:

@@ -15,7 +15,9 @@ Claiming a session (`claim`), each step a conditional statement, first writer wi
 - the owner's epoch dead: `UPDATE leases ... WHERE node = old AND node_epoch = old`.
 
 No split brain: a node serves only while `serving()`, i.e. while its last successful renewal,
-timed from *before* it was sent, plus the lease, minus a margin, is still ahead. The
+timed from *before* it was sent, plus the lease, minus a margin, is still ahead. Once it is
+not (its epoch lapsed, or no renewal got through: the store unreachable, or slow), the
+sessions it owned are given up (`on_lapse`: closed here, their subscriptions ended). The
 database's expiry is later than that, so the node has stopped serving before anyone can
 fence it. And every journal write checks in its own transaction (`fence`, holding the rows
 `FOR SHARE`) that the node still owns the session: a write after a takeover is refused.
@@ -80,6 +82,8 @@ class Leases:
         self.lapses = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch: threading.Thread | None = None
+        self._lapsing = threading.Lock()
 
     # -- liveness ----------------------------------------------------------------------------
     def start(self, url: str) -> None:
@@ -87,6 +91,9 @@ class Leases:
         self.register()
         self._thread = threading.Thread(target=self._beat, name="prepos-lease", daemon=True)
         self._thread.start()
+        self._watch = threading.Thread(target=self._watching, name="prepos-lease-watch",
+                                       daemon=True)
+        self._watch.start()
 
     def register(self) -> None:
         """A new epoch for this node: it owns nothing yet."""
@@ -107,15 +114,22 @@ class Leases:
         if n == 1:
             self.valid_until = t + self.config.lease_s
             return True
-        lost = sorted(self.owned)
-        self.owned.clear()
-        self.valid_until = 0.0
-        self.lapses += 1
-        log.error("node %s: epoch %d lapsed; its %d sessions are given up", self.node,
-                  self.epoch, len(lost))
-        self.on_lapse(lost)
+        self.lapse("lapsed")
         self.register()
         return False
+
+    def lapse(self, why: str) -> None:
+        """This node stopped serving: the sessions it owned are given up (`on_lapse`)."""
+        with self._lapsing:
+            lost = sorted(self.owned)
+            self.owned.clear()
+            if not lost and not self.valid_until:
+                return  # given up already
+            self.valid_until = 0.0
+            self.lapses += 1
+        log.error("node %s: epoch %d %s; its %d sessions are given up", self.node, self.epoch,
+                  why, len(lost))
+        self.on_lapse(lost)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.config.renew_s):
@@ -123,6 +137,14 @@ class Leases:
                 self.renew()
             except Exception as exc:  # the store is unreachable: serving stops as time runs
                 log.error("node %s: lease not renewed: %s", self.node, exc)
+
+    def _watching(self) -> None:
+        """Past its serving time without a renewal (one failing, or one that hangs), the
+        node gives its sessions up at once, so their subscribers are not left on a node that
+        no longer serves them."""
+        while not self._stop.wait(self.config.margin_s / 2):
+            if self.owned and not self.serving():
+                self.lapse("was not renewed in time")
 
     def serving(self) -> bool:
         return time.monotonic() < self.valid_until - self.config.margin_s
@@ -133,8 +155,9 @@ class Leases:
     def stop(self) -> None:
         """Stop renewing and let the node's lease expire (a clean stop: no waiting for it)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._watch):
+            if thread is not None:
+                thread.join(timeout=5)
         try:
             self.db.q("UPDATE nodes SET expires = NOW WHERE node=? AND epoch=?",
                       (self.node, self.epoch))

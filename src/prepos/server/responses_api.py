@@ -69,7 +69,9 @@ class ResponsesApi:
     def __init__(self, state: ServerState, eng: Engine):
         self.state = state
         self.engine = eng
-        self.store = ResponseStore(state.config.journal if state.journal is not None else None)
+        config = state.config
+        self.store = ResponseStore(config.journal if state.journal is not None else None,
+                                   max_bytes=config.responses_bytes, ttl=config.responses_ttl)
         self.chains = state.places.chains
         eng.listeners.append(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
@@ -88,8 +90,8 @@ class ResponsesApi:
         if event == "close":  # closed by its owner through the session API, or by us
             self.chains.forget(s.id)
 
-    def stored(self, owner, rid: str, param: str | None) -> Stored:
-        row = self.store.get(owner, rid)
+    async def stored(self, owner, rid: str, param: str | None) -> Stored:
+        row = await self.state.run(self.store.get, owner, rid)
         if row is None:
             raise ApiError(404, "response_not_found", f"no response {rid!r}", param)
         return row
@@ -158,6 +160,7 @@ async def _create(c, request: Request, rename: Renamer):
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
     api = ResponsesApi.of(state, eng)
     refuse_unsupported(body)
+    check_sizes(body)
     tools, echo_tools = function_tools(body)
     choice, echo_choice = tool_choice(body)
     fmt, echo_text = text_format(body)
@@ -169,8 +172,8 @@ async def _create(c, request: Request, rename: Renamer):
     sampling = chat_sampling(state, chat)
     prev, history, calls = None, [], set()
     if body.previous_response_id is not None:
-        prev = api.stored(owner, body.previous_response_id, "previous_response_id")
-        history = api.store.conversation(prev)
+        prev = await api.stored(owner, body.previous_response_id, "previous_response_id")
+        history = await state.run(api.store.conversation, prev)
         calls = output_calls(prev.body["output"])
     new, where = input_messages(body.input, calls)
     system = body.instructions if body.instructions and body.instructions.strip() else None
@@ -199,15 +202,20 @@ async def _create(c, request: Request, rename: Renamer):
     call = ResponsesCall(state, chat, sampling, request.receive, reply)
     forced = call.choice not in ("auto", "none")
 
-    def save(obj: dict, res) -> None:
+    async def save(obj: dict, res) -> None:
+        """Stored off the event loop, before the client has the response (so its next
+        request finds it)."""
         if not store or res.finish_reason == "cancelled":
             return
         answer = output_message(obj["output"])
         sid = reply.sid
+        row = Stored(obj["id"], owner, prev.id if prev else None, sid,
+                     res.version + 1 if sid else None, new + ([answer] if answer else []), obj)
         try:
-            api.store.put(Stored(obj["id"], owner, prev.id if prev else None, sid,
-                                 res.version + 1 if sid else None,
-                                 new + ([answer] if answer else []), obj))
+            if not await state.run(api.store.put, row):
+                log.warning("response %s not stored: its conversation is over the stored "
+                            "responses' limit of %d bytes per key", obj["id"],
+                            api.store.max_bytes)
         except Exception as exc:  # the answer stands; only its retrieval by id is lost
             log.error("response %s not stored: %s", obj["id"], exc)
 
@@ -217,6 +225,20 @@ async def _create(c, request: Request, rename: Renamer):
         reply.kept = on_session and state.places.implicit.keeps
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
+
+
+# the longest string fields a response stores besides its conversation (metadata's bounds
+# are OpenAI's: responses_input.refuse_unsupported)
+MAX_CHARS = {"user": 256, "prompt_cache_key": 256}
+
+
+def check_sizes(body: CreateResponse) -> None:
+    """400 naming the field where a string the response stores is over its bound."""
+    for name, most in MAX_CHARS.items():
+        value = getattr(body, name)
+        if value is not None and len(value) > most:
+            raise ApiError(400, "string_too_long", f"{name} is {len(value)} characters, over "
+                           f"the limit of {most}", name)
 
 
 async def _api(request: Request):
@@ -237,7 +259,7 @@ async def retrieve_response(request: Request, response_id: str):
     if raw == "true":
         raise ApiError(400, "unsupported", "streaming a stored response is not supported: "
                        "prepos has no background responses", "stream")
-    return JSONBody(api.stored(owner, response_id, "response_id").body)
+    return JSONBody((await api.stored(owner, response_id, "response_id")).body)
 
 
 @routes.add("DELETE", "/v1/responses/{response_id}", 60, summary="Delete a response",
@@ -246,7 +268,7 @@ async def delete_response(request: Request, response_id: str):
     """Forget a stored response. Its session is not closed, and the responses that continue
     it keep their conversation."""
     api, owner = await _api(request)
-    if not api.store.delete(owner, response_id):
+    if not await api.state.run(api.store.delete, owner, response_id):
         raise ApiError(404, "response_not_found", f"no response {response_id!r}",
                        "response_id")
     return JSONBody({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from starlette.responses import Response
@@ -41,7 +41,7 @@ class Reply:
     state: object
     echo: dict  # the request's settings as the response object carries them
     stream: bool
-    save: Callable[[dict, Result], None] = lambda obj, res: None
+    save: Callable[[dict, Result], Awaitable[None]] | None = None  # stored off the loop
     kept: bool = True  # the prompt stays in a kept session's KV (cache_write_tokens)
     id: str = field(default_factory=lambda: new_id("resp_"))
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -102,11 +102,12 @@ class Reply:
                 "call_id": call["id"], "name": call["function"]["name"],
                 "arguments": call["function"]["arguments"]}
 
-    def finished(self, res: Result) -> dict:
+    async def finished(self, res: Result) -> dict:
         status, text, calls = self.output(res)
         items = ([self.message_item(text, status)] if text is not None else []) + calls
         obj = self.body(status, items, res)
-        self.save(obj, res)
+        if self.save is not None:
+            await self.save(obj, res)
         return obj
 
     # -- the HTTP answer -----------------------------------------------------------------
@@ -121,7 +122,7 @@ class Reply:
             finally:
                 if cleanup is not None:
                     cleanup()
-            return results.JSONBody(self.finished(res),
+            return results.JSONBody(await self.finished(res),
                                          headers=results.headers(res, self.sid))
         return await streaming.stream_response(stream, self._guarded(stream, cleanup),
                                                self.sid)
@@ -201,7 +202,8 @@ class Reply:
                 yield ev.emit("response.output_item.done", output_index=len(items), item=call)
                 items.append(call)
             obj = self.body(status, items, res)
-            self.save(obj, res)
+            if self.save is not None:
+                await self.save(obj, res)
             yield ev.emit("response.completed" if status == "completed"
                           else "response.incomplete", response=obj)
 

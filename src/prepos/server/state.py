@@ -25,6 +25,7 @@ from prepos.decode.stream import Stream
 from prepos.engine import Engine
 from prepos.engine.session import Session
 from prepos.errors import PreposError, SessionNotFound
+from prepos.server import responses_store
 from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
 from prepos.server.journal import Journal, is_ephemeral
@@ -58,6 +59,8 @@ class ServerConfig:
     implicit_memory: int = 1 << 30
     implicit_sessions: int | None = None
     response_sessions: int = 64  # stored response chains kept as sessions (0: none)
+    responses_bytes: int = responses_store.MAX_BYTES  # stored responses' bytes per key
+    responses_ttl: float = responses_store.TTL_S  # seconds a stored response is kept
     lease: LeaseConfig = field(default_factory=LeaseConfig)  # with a shared store
     advertise_url: str | None = None  # where other nodes forward to (default: bound address)
 

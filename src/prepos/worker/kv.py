@@ -197,8 +197,8 @@ class KVPool:
                                       f"sessions' KV at once")
             raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells "
                              f"cannot hold session {sid}'s {len(kv.tokens)} tokens")
-        handle = self.backend.load(data, sid) if data is not None else self.backend.new_kv(sid)
-        if handle is None:  # the state would not load: recompute it
+        handle = self.backend.load(data, sid) if data is not None else None
+        if handle is None:  # no tier held it, or it would not load: recompute it
             handle, data = self.backend.new_kv(sid), None
         if data is None:
             self.counts["recomputed_tokens"] += len(kv.tokens)
@@ -217,13 +217,27 @@ class KVPool:
         room made for all of its cells on top of `extra` (`_room`); None where that cannot
         be had. The caller crops it to the prefix it takes."""
         cells = self._saved.get(donor.key)
-        if cells is None or not self._room(extra + cells, True, keep, spare, moves):
+        if cells is None:
             return None
-        data = self.tiers.peek(donor.key)  # None if room-making moved it out of every tier
-        handle = self.backend.load(data, None) if data is not None else None
-        if handle is not None:
-            self.counts["prefix_loads"] += 1
+        data = self.tiers.peek(donor.key)  # read first: nobody moves for a state that is lost
+        if data is None:
+            self._lost(donor)
+            return None
+        if not self._room(extra + cells, True, keep, spare, moves):
+            return None
+        handle = self.backend.load(data, None)
+        if handle is None:
+            self._lost(donor)
+            return None
+        self.counts["prefix_loads"] += 1
         return handle
+
+    def _lost(self, kv: KVSequence) -> None:
+        """`kv`'s state could not be read back from its tier: it is out of the tiers and
+        the index, recomputed from its tokens when next needed."""
+        self._saved.pop(kv.key, None)
+        self.tiers.discard(kv.key)
+        kv._unindex(0)
 
     def _room(self, cells: int, handle: bool, keep: set[str], spare: Sequence[KVSequence],
               moves: bool) -> bool:
