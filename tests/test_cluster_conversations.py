@@ -86,7 +86,8 @@ def test_a_conversation_is_continued_by_its_node_through_another(nodes):
     msgs.append({"role": "user", "content": "And BOLT?"})
     before = hops(b)
     other = ask(b, [dict(m) for m in msgs[:-1]] + [msgs[-1]], key=KEYS[1])  # another key
-    assert hops(b) == before and cached(other) == 0  # never found for key B, on any node
+    assert hops(b) == before  # never found for key B, on any node: at most the system
+    assert cached(other) < first.usage.prompt_tokens  # prompt its own new session holds
     second = ask(b, msgs)
     assert hops(b) == before + 1  # answered by a, which keeps it
     assert cached(second) >= first.usage.prompt_tokens
