@@ -1,6 +1,9 @@
 """Sessions and their store. A session owns its committed conversation, its version and its
 ready records; every mutation swaps the committed snapshot, bumps the version and clears the
-ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md). KV
+ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md),
+once `persist` (the journal's write-ahead) has taken the new version: a write that fails
+changes nothing. A turn is admitted under the session's lease (`claim`): one turn in flight,
+any other mutation meanwhile refused (SessionBusy, 409) before it changes anything. KV
 caches are not here: the model worker owns them (kv.py)."""
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from prepos.chat.conversation import awaits_tool, pending_calls
 from prepos.chat.format import ChatFormat, Split
@@ -22,6 +25,7 @@ from prepos.errors import (
     InvalidInput,
     NoToolResultAwaited,
     OverBudget,
+    SessionBusy,
     SessionNotFound,
     ToolResultAwaited,
     TooManySessions,
@@ -37,6 +41,10 @@ KINDS = (STREAMING, AGENTIC)
 HEADER = ("header",)  # the question-independent assistant header (streaming, relaxed match)
 TURN = ("turn",)  # the generation prompt of an agentic session (exact match)
 ENVELOPE = ("envelope",)  # the tool-result envelope of a session awaiting a tool result
+
+
+T = TypeVar("T")
+CLAIMED = object()  # a session's lease, claimed by a turn not yet started
 
 
 def query_key(question: str) -> tuple:
@@ -115,12 +123,15 @@ class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
                  max_versions: int, shift_keep: float, reserve: int,
                  history: Sequence[tuple[int, Sequence[dict]]] = (),
-                 admit: Callable[[Session, int], None] | None = None, said_tokens: int = 0):
+                 admit: Callable[[Session, int], None] | None = None, said_tokens: int = 0,
+                 persist: Callable[[Session, Snapshot], None] | None = None):
         """A new session, or with `history` ((version, messages) pairs, oldest first, the
         last being current) one restored from a journal. `admit(session, n)` may refuse, by
         raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
-        how many tokens of its latest answers it keeps as draft material (`said`)."""
+        how many tokens of its latest answers it keeps as draft material (`said`).
+        `persist(session, snap)` writes a version before it is committed (raising: not)."""
         self.admit = admit
+        self.persist = persist
         self.id = sid
         self.spec = spec
         self.fmt = fmt
@@ -131,6 +142,7 @@ class Session:
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
+        self._turn: object = None  # the lease: CLAIMED, or the stream of the turn in flight
         # committed versions for rollback, as messages (rendered when rolled back to or read)
         self.history = History(max_versions)
         self._entries: tuple[int, Entries] | None = None
@@ -248,12 +260,42 @@ class Session:
     def budget(self, engine_default: int) -> int:
         return self.spec.budget_cells or engine_default
 
+    # -- the lease -----------------------------------------------------------------------
+    def leased(self, start: Callable[[], T]) -> T:
+        """`start()` a turn under the lease (SessionBusy while another turn is in flight),
+        held until the stream it returns has ended."""
+        with self.lock:
+            self._check_free()
+            self._turn = CLAIMED
+        try:
+            stream = start()
+        except BaseException:
+            with self.lock:
+                self._turn = None
+            raise
+        with self.lock:
+            self._turn = stream
+        return stream
+
+    def _check_free(self) -> None:
+        turn = self._turn
+        if turn is CLAIMED or turn is not None and not turn.done:
+            raise SessionBusy(f"session {self.id} has a turn in flight; retry once it has "
+                              "answered")
+
+    def _admit(self, leased: bool) -> None:
+        """A mutation by anyone but the lease's holder is refused while a turn is in flight."""
+        if not leased:
+            with self.lock:
+                self._check_free()
+
     # -- mutations -----------------------------------------------------------------------
     def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
         """Streaming: commit a data message; shift the window first if the context is full."""
         self.require(STREAMING)
         _check_text(text, "data")
         with self.mutex:
+            self._admit(False)
             msgs = [*self.snap.messages, {"role": "user", "content": text}]
             snap = self._render(msgs, check=False)
             if len(snap[1]) + self.reserve > self.max_context:
@@ -268,6 +310,7 @@ class Session:
         keeping the system region; positions are recomputed from the new sequence."""
         self.require(STREAMING)
         with self.mutex:
+            self._admit(False)
             first = self._first_data()
             data = len(self.snap.messages) - first
             if data < 1:
@@ -282,6 +325,7 @@ class Session:
 
     def rollback(self, version: int) -> tuple[Snapshot, ReadySet | None]:
         with self.mutex:
+            self._admit(False)
             if not isinstance(version, int) or version not in self.history:
                 kept = f"{min(self.history)}..{max(self.history)}"
                 raise VersionNotFound(f"session {self.id} has no version {version!r} "
@@ -294,11 +338,12 @@ class Session:
             return self._commit(list(old.messages), old.text, old.tokens)
 
     def add_message(self, message: dict, expected_version: int | None = None,
-                    check: Callable[[int], None] | None = None, turn: bool = False
-                    ) -> tuple[Snapshot, ReadySet | None]:
+                    check: Callable[[int], None] | None = None, turn: bool = False,
+                    leased: bool = False) -> tuple[Snapshot, ReadySet | None]:
         """Agentic: commit a user, assistant or tool message. `check` sees the new length
         before anything changes and may refuse by raising. With `turn` (the message starts
-        an assistant turn), a tool result is refused while other calls await theirs."""
+        an assistant turn), a tool result is refused while other calls await theirs.
+        `leased`: the caller holds the lease (the turn's own commits)."""
         self.require(AGENTIC)
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool"):  # system: where the template
@@ -306,6 +351,7 @@ class Session:
                                f"{role!r}")  # allows it (it refuses when rendering)
         _check_text(message.get("content", ""), role, allow_empty=role == "assistant")
         with self.mutex:
+            self._admit(leased)
             if expected_version is not None and self.snap.version != expected_version:
                 raise Conflict(f"session {self.id} changed (version {self.snap.version}, "
                                f"expected {expected_version})")
@@ -364,10 +410,13 @@ class Session:
             self.admit(self, n)
 
     def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
-        """Swap the snapshot, bump the version, clear the ready records: one critical
-        section. Returns the new snapshot and the ready set it invalidated."""
+        """Persist the next version (the caller holds `mutex`), then swap the snapshot, bump
+        the version, clear the ready records: one critical section. Returns the new snapshot
+        and the ready set it invalidated."""
+        snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
+        if self.persist is not None:
+            self.persist(self, snap)
         with self.lock:
-            snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
             dropped = self.ready
             if dropped is not None:
                 dropped.invalidate()
