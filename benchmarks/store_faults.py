@@ -4,7 +4,8 @@ event loop never waiting on the store.
 A real `prepos serve` (the tiny chatml model our own code builds, on the CPU) with a SQLite
 journal and `--store-timeout 0.5`. Each of `--sessions` agentic sessions has one client
 thread that commits in a loop (a user message, then a turn: its answer pre-positioned at
-idle, an exact fast-path turn where the pre-position was done in time), and a poller times `GET /health` every 10 ms. Phases, `--phase-s` seconds each:
+idle, an exact fast-path turn where the pre-position was done in time), and a poller times
+`GET /health` every 10 ms. Phases, `--phase-s` seconds each:
 
 - healthy: the store as it is;
 - locked: a second SQLite connection holds `BEGIN EXCLUSIVE` on the journal the whole phase
@@ -72,14 +73,15 @@ def client(url: str, sid: str, phase: Phase, ledger: dict, turns: dict) -> None:
         while not phase.stop.is_set():
             before = state(c, sid)
             user = {"role": "user", "content": f"{sid} message {i}"}
-            name, t0 = phase.name, time.perf_counter()
-            if i % 2:  # the answer, pre-positioned at idle: an exact fast-path turn
+            t0 = time.perf_counter()
+            if before[1][-1]["role"] == "user":  # the answer, pre-positioned: an exact turn
                 r = c.post(f"/sessions/{sid}/turn", json={"max_tokens": 1})
             else:
                 r = c.post(f"/sessions/{sid}/messages", json=user)
+            name = phase.name  # the phase it ended in: where its outcome was decided
             turns.setdefault(name, []).append(time.perf_counter() - t0)
             if r.status_code == 200:
-                version, msgs = state(c, sid)
+                msgs = state(c, sid)[1]
                 acked.append({"sid": sid, "n": len(msgs), "last": msgs[-1], "phase": name})
             else:
                 after = state(c, sid)
