@@ -2,7 +2,7 @@
 ready records; every mutation swaps the committed snapshot, bumps the version and clears the
 ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md),
 once `persist` (the journal's write-ahead) has taken the new version: a write that fails
-changes nothing. A turn is admitted under the session's lease (`claim`): one turn in flight,
+changes nothing. A turn is admitted under the session's lease (`leased`): one turn in flight,
 any other mutation meanwhile refused (SessionBusy, 409) before it changes anything. KV
 caches are not here: the model worker owns them (kv.py)."""
 
@@ -265,29 +265,23 @@ class Session:
         """`start()` a turn under the lease (SessionBusy while another turn is in flight),
         held until the stream it returns has ended."""
         with self.lock:
-            self._check_free()
+            self._admit()
             self._turn = CLAIMED
+        stream = None  # where start() raises, the lease is free again
         try:
             stream = start()
-        except BaseException:
+            return stream
+        finally:
             with self.lock:
-                self._turn = None
-            raise
-        with self.lock:
-            self._turn = stream
-        return stream
+                self._turn = stream
 
-    def _check_free(self) -> None:
+    def _admit(self, leased: bool = False) -> None:
+        """Refuse a turn, or a mutation by anyone but the lease's holder (`leased`), while a
+        turn is in flight."""
         turn = self._turn
-        if turn is CLAIMED or turn is not None and not turn.done:
+        if not leased and (turn is CLAIMED or turn is not None and not turn.done):
             raise SessionBusy(f"session {self.id} has a turn in flight; retry once it has "
                               "answered")
-
-    def _admit(self, leased: bool) -> None:
-        """A mutation by anyone but the lease's holder is refused while a turn is in flight."""
-        if not leased:
-            with self.lock:
-                self._check_free()
 
     # -- mutations -----------------------------------------------------------------------
     def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
@@ -295,7 +289,6 @@ class Session:
         self.require(STREAMING)
         _check_text(text, "data")
         with self.mutex:
-            self._admit(False)
             msgs = [*self.snap.messages, {"role": "user", "content": text}]
             snap = self._render(msgs, check=False)
             if len(snap[1]) + self.reserve > self.max_context:
@@ -310,7 +303,6 @@ class Session:
         keeping the system region; positions are recomputed from the new sequence."""
         self.require(STREAMING)
         with self.mutex:
-            self._admit(False)
             first = self._first_data()
             data = len(self.snap.messages) - first
             if data < 1:
@@ -325,7 +317,7 @@ class Session:
 
     def rollback(self, version: int) -> tuple[Snapshot, ReadySet | None]:
         with self.mutex:
-            self._admit(False)
+            self._admit()
             if not isinstance(version, int) or version not in self.history:
                 kept = f"{min(self.history)}..{max(self.history)}"
                 raise VersionNotFound(f"session {self.id} has no version {version!r} "
