@@ -20,8 +20,9 @@ against the ledger and against what the server served before the kill.
 
 Printed last, one JSON line: `lost_acked` (200s whose commit the restored store lacks),
 `acked_not_written` (answers that disagree with the store: a 200 whose commit is missing, a
-failure that changed the session, a failure that was not a 503 `store_unavailable`), `sessions_restored_unlike_served`, `health_p99_ms_during_stall` (the
-locked and slow phases), turn and health latencies per phase, n.
+failure that changed the session, a failure that was not a 503 `store_unavailable`),
+`sessions_restored_unlike_served`, `health_p99_ms_during_stall` (the locked and slow
+phases), turn and health latencies per phase, n.
 
     python benchmarks/store_faults.py [--sessions 4] [--phase-s 4]
 """

@@ -314,7 +314,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if not args.store_timeout > 0:
         raise ValueError(f"--store-timeout must be > 0, got {args.store_timeout}")
     return ServerConfig(model=args.model, engine=engine, journal=journal,
-                        store_timeout=args.store_timeout, api_keys=load_keys(args.api_key, args.api_keys_file),
+                        store_timeout=args.store_timeout,
+                        api_keys=load_keys(args.api_key, args.api_keys_file),
                         served_model_name=args.served_model_name, limits=limits,
                         allowed_origins=origins, request_timeout=args.request_timeout,
                         implicit_sessions=args.implicit_sessions,
