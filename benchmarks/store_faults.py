@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -102,14 +103,17 @@ def poll_health(url: str, phase: Phase, out: dict) -> None:
             time.sleep(0.01)
 
 
-def hold_lock(journal: Path, until: float, duty: tuple[float, float] | None) -> int:
+def hold_lock(journal: Path, until: float, duty: tuple[float, float] | None,
+              held: Callable[[], None]) -> int:
     """Hold the journal's write lock until `until` (monotonic): throughout, or `duty`
-    (held, free) seconds at a time. The times it was taken."""
+    (held, free) seconds at a time; `held()` once it was first taken. The times it was."""
     con = sqlite3.connect(journal, isolation_level=None, timeout=10)
     taken = 0
     try:
         while time.monotonic() < until:
             con.execute("BEGIN EXCLUSIVE")
+            if not taken:
+                held()
             taken += 1
             held = until - time.monotonic() if duty is None else duty[0]
             time.sleep(max(0.0, min(held, until - time.monotonic())))
@@ -147,12 +151,13 @@ def main() -> None:
             t.start()
         locks = {}
         for name in PHASES:
-            phase.name = name
             end = time.monotonic() + args.phase_s
             if name == "healthy":
+                phase.name = name
                 time.sleep(args.phase_s)
-            else:
-                locks[name] = hold_lock(journal, end, None if name == "locked" else (0.3, 0.1))
+            else:  # the phase begins once the lock is held
+                locks[name] = hold_lock(journal, end, None if name == "locked" else (0.3, 0.1),
+                                        lambda name=name: setattr(phase, "name", name))
         phase.name = "after"
         time.sleep(1.0)  # a few turns on the store as it is again
         phase.stop.set()
