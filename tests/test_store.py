@@ -17,7 +17,7 @@ from prepos.engine.session import SessionSpec
 from prepos.server.journal import Journal
 from prepos.server.lease import LeaseConfig, LeaseLost, Leases
 from prepos.server.responses_store import ResponseStore, Stored
-from prepos.server.store import MIGRATIONS, Database, redacted
+from prepos.server.store import MIGRATIONS, Database, StoreUnavailable, redacted
 
 NO_PG = missing_postgres()
 
@@ -89,6 +89,32 @@ def test_the_journal_round_trips_on_both_stores(target):
     assert j2.load_one("s-1")[3] == history and j2.load_one("nope") is None
     j2.closing(s)
     assert j2.load() == [] and not j2.exists("s-1")
+
+
+def test_a_write_the_store_cannot_take_in_time_fails_and_leaves_nothing(target):
+    j = Journal(target, timeout=0.3)
+    s = FakeSession("s-1")
+    j.created(s, Snap(0, []))
+    if isinstance(target, str):  # PostgreSQL: another connection holds the table
+        import psycopg
+
+        other = psycopg.connect(target, autocommit=False)
+        other.execute("LOCK TABLE versions IN EXCLUSIVE MODE")
+    else:  # SQLite: another connection holds the file's write lock
+        other = sqlite3.connect(target, isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailable) as err:
+            j.committed(s, Snap(1, [{"role": "user", "content": "not written"}]))
+        assert str(err.value).startswith("the session store (")
+        assert str(target) not in str(err.value) and "lock" not in str(err.value)
+    finally:
+        other.rollback()
+        other.close()
+    j.committed(s, Snap(1, [{"role": "user", "content": "written"}]))  # the store is back
+    j.close()
+    (_, _, _, history), = Journal(target).load()
+    assert history == [(0, []), (1, [{"role": "user", "content": "written"}])]
 
 
 def test_stored_responses_on_both_stores(target):
