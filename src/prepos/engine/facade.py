@@ -15,7 +15,7 @@ from prepos.config import EngineConfig, GateConfig
 from prepos.core import ReadyRecord, Request, Result
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
-from prepos.engine.admission import Room, check_request, check_session, prompt_ids
+from prepos.engine.admission import Room, check_request, check_session, one_turn, prompt_ids
 from prepos.engine.answers import Answers
 from prepos.engine.loading import load_parts
 from prepos.engine.logits import answers_from, keeps_top
@@ -76,9 +76,6 @@ class Engine:
         # Snapshot), "record" ((key, ReadyRecord)), "predecoded" ((key, Predecoded): a
         # pre-decoded answer ended) and "close"; keep them quick
         self.listeners: list[Callable[[str, Session, object], None]] = []
-        # the write-ahead journal (server/journal.py): `created`, `committed` and `closing`,
-        # called before each change, which is made only if they return
-        self.durable = None
         self.answers = Answers(fmt, backend, self.pool, self.scheduler, self.prepositioner,
                                self.lookup, self.room, self._observe)
         self.relaxed = Relaxed(config.relaxed, fmt, self.pool, self.scheduler.submit,
@@ -120,22 +117,13 @@ class Engine:
         self.pool.claim(sid, spec.owner)
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
                     c.reserve_tokens, history, admit=self.room.admit,
-                    said_tokens=c.lookup_said_tokens if self.lookup.k else 0,
-                    persist=self._persist)
+                    said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s)
-        if self.durable is not None:
-            try:
-                self.durable.created(s, s.snap)
-            except BaseException:
-                self.sessions.remove(sid)
-                raise
         self._emit("create", s, s.snap)
         self._committed(s, s.snap, None, wait=warm)
         return s.id
 
     def close_session(self, sid: str) -> None:
-        if self.durable is not None:
-            self.durable.closing(self.sessions.get(sid))
         s = self.sessions.remove(sid)
         s.invalidate()
         self.relaxed.gate.forget(s.id)
@@ -304,15 +292,11 @@ class Engine:
         pre-positioned envelope."""
         return self._agentic(sid, {"role": "tool", "content": content}, req)
 
-    def _agentic(self, sid: str, message: dict | None, req: Request) -> Stream:
+    @one_turn  # called with the session's id: SessionBusy while another turn runs
+    def _agentic(self, s: Session, message: dict | None, req: Request) -> Stream:
         t0 = time.perf_counter()
         sampling = check_request(req, self.backend, self.config.topk_sampling)
-        s = self.sessions.get(sid)
-        s.require(AGENTIC)  # one turn at a time: under the lease, until its stream ends
-        return s.leased(lambda: self._turn(s, message, req, sampling, t0))
-
-    def _turn(self, s: Session, message: dict | None, req: Request, sampling, t0: float
-              ) -> Stream:
+        s.require(AGENTIC)
         mode = req.fast_path or s.spec.fast_path
         self.prepositioner.asked(s)
         base, ready = s.current()
@@ -334,8 +318,7 @@ class Engine:
             n_header = len(s.entries(base).header)
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, expected_version=req.expected_version,
-                check=lambda n: self.room.check(s, n + n_header, sampling), turn=True,
-                leased=True)
+                check=lambda n: self.room.check(s, n + n_header, sampling), turn=True)
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
@@ -353,7 +336,7 @@ class Engine:
             msg: dict = {"role": "assistant", "content": content}
             if calls:
                 msg["tool_calls"] = calls
-            snap, dropped = s.add_message(msg, expected_version=version, leased=True)
+            snap, dropped = s.add_message(msg, expected_version=version, turn=True)
             self._committed(s, snap, dropped, wait=False)
 
         return commit
@@ -371,10 +354,6 @@ class Engine:
                                     req.logprobs, t0, prompt_logprobs=req.prompt_logprobs)
 
     # == helpers ===========================================================================
-    def _persist(self, s: Session, snap: Snapshot) -> None:
-        if self.durable is not None:
-            self.durable.committed(s, snap)
-
     def _emit(self, event: str, s: Session, payload: object) -> None:
         for fn in self.listeners:
             fn(event, s, payload)

@@ -1,10 +1,7 @@
 """Sessions and their store. A session owns its committed conversation, its version and its
 ready records; every mutation swaps the committed snapshot, bumps the version and clears the
 ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md),
-once `persist` (the journal's write-ahead) has taken the new version: a write that fails
-changes nothing. A turn is admitted under the session's lease (`leased`): one turn in flight,
-any other mutation meanwhile refused (SessionBusy, 409) before it changes anything. KV
-caches are not here: the model worker owns them (kv.py)."""
+once written ahead (`persist`). KV caches are not here: the model worker owns them (kv.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 from prepos.chat.conversation import awaits_tool, pending_calls
 from prepos.chat.format import ChatFormat, Split
@@ -41,10 +38,6 @@ KINDS = (STREAMING, AGENTIC)
 HEADER = ("header",)  # the question-independent assistant header (streaming, relaxed match)
 TURN = ("turn",)  # the generation prompt of an agentic session (exact match)
 ENVELOPE = ("envelope",)  # the tool-result envelope of a session awaiting a tool result
-
-
-T = TypeVar("T")
-CLAIMED = object()  # a session's lease, claimed by a turn not yet started
 
 
 def query_key(question: str) -> tuple:
@@ -111,10 +104,9 @@ class SessionSpec:
         if self.relaxed_queries and self.kind != STREAMING:
             raise WrongSessionKind("relaxed_queries belong to streaming sessions")
         check_options(self.relaxed_queries, self.r_max)
-        if self.answer_tokens is not None and (not isinstance(self.answer_tokens, int)
-                                               or self.answer_tokens < 0):
-            raise InvalidInput(f"answer_tokens must be an integer >= 0, got "
-                               f"{self.answer_tokens!r}")
+        n = self.answer_tokens
+        if n is not None and (not isinstance(n, int) or n < 0):
+            raise InvalidInput(f"answer_tokens must be an integer >= 0, got {n!r}")
         if any(not isinstance(x, str) or not x for x in self.answer_stop):
             raise InvalidInput("answer_stop must be non-empty strings")
 
@@ -123,15 +115,13 @@ class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
                  max_versions: int, shift_keep: float, reserve: int,
                  history: Sequence[tuple[int, Sequence[dict]]] = (),
-                 admit: Callable[[Session, int], None] | None = None, said_tokens: int = 0,
-                 persist: Callable[[Session, Snapshot], None] | None = None):
+                 admit: Callable[[Session, int], None] | None = None, said_tokens: int = 0):
         """A new session, or with `history` ((version, messages) pairs, oldest first, the
         last being current) one restored from a journal. `admit(session, n)` may refuse, by
         raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
-        how many tokens of its latest answers it keeps as draft material (`said`).
-        `persist(session, snap)` writes a version before it is committed (raising: not)."""
+        how many tokens of its latest answers it keeps as draft material (`said`)."""
         self.admit = admit
-        self.persist = persist
+        self.persist: Callable[[Session, Snapshot], None] | None = None  # SessionStore.add
         self.id = sid
         self.spec = spec
         self.fmt = fmt
@@ -142,7 +132,7 @@ class Session:
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
-        self._turn: object = None  # the lease: CLAIMED, or the stream of the turn in flight
+        self._turn: object = None  # the lease: True once claimed, then its turn's stream
         # committed versions for rollback, as messages (rendered when rolled back to or read)
         self.history = History(max_versions)
         self._entries: tuple[int, Entries] | None = None
@@ -183,10 +173,9 @@ class Session:
             return tuple(self._said)
 
     def remember_answer(self, tokens: Sequence[int]) -> None:
-        if self.said_tokens <= 0 or not tokens:
-            return
-        with self.lock:
-            self._said.extend(tokens)
+        if self.said_tokens > 0 and tokens:
+            with self.lock:
+                self._said.extend(tokens)
 
     def at(self, version: int | None) -> Snapshot:
         """A committed version still kept, rendered (the current one otherwise)."""
@@ -260,28 +249,10 @@ class Session:
     def budget(self, engine_default: int) -> int:
         return self.spec.budget_cells or engine_default
 
-    # -- the lease -----------------------------------------------------------------------
-    def leased(self, start: Callable[[], T]) -> T:
-        """`start()` a turn under the lease (SessionBusy while another turn is in flight),
-        held until the stream it returns has ended."""
-        with self.lock:
-            self._admit()
-            self._turn = CLAIMED
-        stream = None  # where start() raises, the lease is free again
-        try:
-            stream = start()
-            return stream
-        finally:
-            with self.lock:
-                self._turn = stream
-
-    def _admit(self, leased: bool = False) -> None:
-        """Refuse a turn, or a mutation by anyone but the lease's holder (`leased`), while a
-        turn is in flight."""
-        turn = self._turn
-        if not leased and (turn is CLAIMED or turn is not None and not turn.done):
-            raise SessionBusy(f"session {self.id} has a turn in flight; retry once it has "
-                              "answered")
+    def _admit(self, turn: bool = False) -> None:
+        held = self._turn  # `turn`: a commit of the turn in flight (it holds the lease)
+        if not turn and (held is True or held is not None and not held.done):
+            raise SessionBusy(f"session {self.id} has a turn in flight; retry after its answer")
 
     # -- mutations -----------------------------------------------------------------------
     def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
@@ -330,12 +301,11 @@ class Session:
             return self._commit(list(old.messages), old.text, old.tokens)
 
     def add_message(self, message: dict, expected_version: int | None = None,
-                    check: Callable[[int], None] | None = None, turn: bool = False,
-                    leased: bool = False) -> tuple[Snapshot, ReadySet | None]:
+                    check: Callable[[int], None] | None = None, turn: bool = False
+                    ) -> tuple[Snapshot, ReadySet | None]:
         """Agentic: commit a user, assistant or tool message. `check` sees the new length
-        before anything changes and may refuse by raising. With `turn` (the message starts
-        an assistant turn), a tool result is refused while other calls await theirs.
-        `leased`: the caller holds the lease (the turn's own commits)."""
+        before anything changes and may refuse by raising. `turn`: a commit of the turn in
+        flight (its message: a tool result is refused while other calls await theirs)."""
         self.require(AGENTIC)
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool"):  # system: where the template
@@ -343,7 +313,7 @@ class Session:
                                f"{role!r}")  # allows it (it refuses when rendering)
         _check_text(message.get("content", ""), role, allow_empty=role == "assistant")
         with self.mutex:
-            self._admit(leased)
+            self._admit(turn)
             if expected_version is not None and self.snap.version != expected_version:
                 raise Conflict(f"session {self.id} changed (version {self.snap.version}, "
                                f"expected {expected_version})")
@@ -402,9 +372,8 @@ class Session:
             self.admit(self, n)
 
     def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
-        """Persist the next version (the caller holds `mutex`), then swap the snapshot, bump
-        the version, clear the ready records: one critical section. Returns the new snapshot
-        and the ready set it invalidated."""
+        """Write the next version ahead, then swap the snapshot, bump the version, clear the
+        ready records: one critical section. The new snapshot and the ready set it dropped."""
         snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
         if self.persist is not None:
             self.persist(self, snap)
@@ -426,7 +395,8 @@ def _check_text(text: object, what: str, allow_empty: bool = False) -> None:
 
 
 class SessionStore:
-    """Owns the sessions: lookup by id, creation, closing."""
+    """Owns the sessions: lookup by id, creation, closing, each written ahead to `durable`
+    (a journal: `created`, `committed`, `closing`; one that raises changed nothing)."""
 
     DEFAULT_MAX = 4096
 
@@ -435,6 +405,7 @@ class SessionStore:
         self._lock = threading.Lock()
         self._counter = itertools.count()
         self.max_sessions = max_sessions
+        self.durable = None
 
     def new_id(self) -> str:
         return f"s-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
@@ -445,6 +416,13 @@ class SessionStore:
                 raise TooManySessions(f"this engine holds its limit of {self.max_sessions} "
                                       "sessions; close one first")
             self._sessions[session.id] = session
+        if self.durable is not None:
+            session.persist = self.durable.committed
+            try:
+                self.durable.created(session, session.snap)
+            except BaseException:
+                self._sessions.pop(session.id, None)
+                raise
 
     def find(self, sid: str) -> Session | None:
         """The session, open or not yet removed, without the access checks of `get`."""
@@ -457,6 +435,8 @@ class SessionStore:
         return s
 
     def remove(self, sid: str) -> Session:
+        if self.durable is not None:
+            self.durable.closing(self.get(sid))
         with self._lock:
             s = self.get(sid)
             s.closed = True

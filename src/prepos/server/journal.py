@@ -106,9 +106,9 @@ class Journal:
         self.errors = 0
 
     def attach(self, engine) -> None:
-        """Journal every session of `engine`: it calls `created`, `committed` and `closing`
-        before each change."""
-        engine.durable = self
+        """Journal every session of `engine`: its store calls `created`, `committed` and
+        `closing` before each change."""
+        engine.sessions.durable = self
 
     # -- meta ------------------------------------------------------------------------------
     def check_model(self, model: str) -> str | None:
