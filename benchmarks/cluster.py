@@ -101,12 +101,12 @@ def store_commits(url: str, tmp: Path, n: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in journals}
     msgs: dict[str, list] = {k: [] for k in journals}
     for k, j in journals.items():
-        j.on_event("create", S(f"bench-{k}"), Snap(0, []))
+        j.created(S(f"bench-{k}"), Snap(0, []))
     for i in range(1, n + 1):
         for k, j in journals.items():
             msgs[k] = [*msgs[k], {"role": "user", "content": f"data point {i}"}]
             t = time.perf_counter()
-            j.on_event("commit", S(f"bench-{k}"), Snap(i, msgs[k]))
+            j.committed(S(f"bench-{k}"), Snap(i, msgs[k]))
             times[k].append(time.perf_counter() - t)
     leases.stop()
     return {k: summarize(v) for k, v in times.items()}

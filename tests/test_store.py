@@ -17,7 +17,7 @@ from prepos.engine.session import SessionSpec
 from prepos.server.journal import Journal
 from prepos.server.lease import LeaseConfig, LeaseLost, Leases
 from prepos.server.responses_store import ResponseStore, Stored
-from prepos.server.store import MIGRATIONS, Database, redacted
+from prepos.server.store import MIGRATIONS, Database, StoreUnavailable, redacted
 
 NO_PG = missing_postgres()
 
@@ -77,18 +77,44 @@ def test_the_journal_round_trips_on_both_stores(target):
     j = Journal(target, max_versions=8, checkpoint_every=3)
     s = FakeSession("s-1")
     msgs: list[dict] = []
-    j.on_event("create", s, Snap(0, msgs))
+    j.created(s, Snap(0, msgs))
     for v in range(1, 8):
         msgs = [*msgs, {"role": "user" if v % 2 else "assistant", "content": f"m{v}"}]
-        j.on_event("commit", s, Snap(v, msgs))
+        j.committed(s, Snap(v, msgs))
     j.close()
     j2 = Journal(target, max_versions=8, checkpoint_every=3)
     (sid, spec, _, history), = j2.load()
     assert sid == "s-1" and spec.system == "be brief"
     assert history[-1] == (7, msgs) and [v for v, _ in history] == list(range(8))
     assert j2.load_one("s-1")[3] == history and j2.load_one("nope") is None
-    j2.on_event("close", s, None)
+    j2.closing(s)
     assert j2.load() == [] and not j2.exists("s-1")
+
+
+def test_a_write_the_store_cannot_take_in_time_fails_and_leaves_nothing(target):
+    j = Journal(target, timeout=0.3)
+    s = FakeSession("s-1")
+    j.created(s, Snap(0, []))
+    if isinstance(target, str):  # PostgreSQL: another connection holds the table
+        import psycopg
+
+        other = psycopg.connect(target, autocommit=False)
+        other.execute("LOCK TABLE versions IN EXCLUSIVE MODE")
+    else:  # SQLite: another connection holds the file's write lock
+        other = sqlite3.connect(target, isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailable) as err:
+            j.committed(s, Snap(1, [{"role": "user", "content": "not written"}]))
+        assert str(err.value).startswith("the session store (")
+        assert str(target) not in str(err.value) and "lock" not in str(err.value)
+    finally:
+        other.rollback()
+        other.close()
+    j.committed(s, Snap(1, [{"role": "user", "content": "written"}]))  # the store is back
+    j.close()
+    (_, _, _, history), = Journal(target).load()
+    assert history == [(0, []), (1, [{"role": "user", "content": "written"}])]
 
 
 def test_stored_responses_on_both_stores(target):
@@ -152,8 +178,8 @@ def test_a_lapsed_owner_stops_serving_before_it_is_taken_over_and_cannot_write(p
     ja, jb = Journal(Database(pg)), Journal(Database(pg))
     ja.fence, jb.fence = a.fence, b.fence
     s = FakeSession("s-move")
-    ja.on_event("create", s, Snap(0, []))
-    ja.on_event("commit", s, Snap(1, [{"role": "user", "content": "acked"}]))
+    ja.created(s, Snap(0, []))
+    ja.committed(s, Snap(1, [{"role": "user", "content": "acked"}]))
     # `a` stops renewing (a pause, a partition): it stops serving first ...
     while a.serving():
         claim = b.claim("s-move")
@@ -167,13 +193,13 @@ def test_a_lapsed_owner_stops_serving_before_it_is_taken_over_and_cannot_write(p
     assert claim.fresh and jb.load_one("s-move")[3][-1][1] == [
         {"role": "user", "content": "acked"}]
     with pytest.raises(LeaseLost):  # the old owner's late write is refused ...
-        ja.on_event("commit", s, Snap(2, [{"role": "user", "content": "late"}]))
+        ja.committed(s, Snap(2, [{"role": "user", "content": "late"}]))
     assert jb.load_one("s-move")[3][-1][0] == 1  # ... and left nothing
     assert not a.renew() and lapsed == ["s-two"]  # it learns what it lost (the session
     assert not a.owned  # refused a write was dropped then) and registers again: epoch 1 its
     assert a.epoch == 3  # first, 2 fenced by the new owner's takeover
     assert not a.claim("s-move").ours  # and the session stays with the new owner
-    jb.on_event("commit", s, Snap(2, [{"role": "user", "content": "acked"},
-                                      {"role": "assistant", "content": "new owner"}]))
+    jb.committed(s, Snap(2, [{"role": "user", "content": "acked"},
+                                   {"role": "assistant", "content": "new owner"}]))
     assert jb.load_one("s-move")[3][-1][0] == 2
     b.stop()

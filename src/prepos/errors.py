@@ -67,6 +67,12 @@ class Conflict(PreposError):
     status = 409
 
 
+class SessionBusy(Conflict):
+    """A turn is in flight on the session (one at a time): this request changed nothing."""
+
+    code = "session_busy"
+
+
 class InvalidResponseFormat(InvalidSampling):
     """A response_format prepos cannot enforce: an unknown type, a schema that is not an
     object, a keyword the grammar library does not implement."""

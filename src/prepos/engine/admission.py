@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat
 from prepos.core import Request, SamplingParams
+from prepos.decode.stream import Stream
 from prepos.engine.session import AGENTIC, Session, SessionSpec, SessionStore
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
@@ -151,3 +152,22 @@ class Room:
         if s is None or (s.spec.implicit and self.pool.tiers is None):
             return 0
         return len(s.snap.tokens)
+
+
+def one_turn(turn: Callable[..., Stream]) -> Callable[..., Stream]:
+    """An engine's `turn(engine, session, ...)`, called as `(engine, sid, ...)`: admitted
+    under the session's lease (SessionBusy while another turn is in flight), held until the
+    stream it returns has ended; any other mutation meanwhile is refused too, before it
+    changes anything (`Session._admit`)."""
+    def leased(engine, sid: str, *args) -> Stream:
+        s = engine.session(sid)
+        with s.lock:
+            s._admit()
+            s._turn = True
+        stream = None  # where the turn does not start, the lease is free again
+        try:
+            stream = turn(engine, s, *args)
+            return stream
+        finally:
+            s._turn = stream
+    return leased

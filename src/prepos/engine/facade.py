@@ -15,7 +15,7 @@ from prepos.config import EngineConfig, GateConfig
 from prepos.core import ReadyRecord, Request, Result
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
-from prepos.engine.admission import Room, check_request, check_session, prompt_ids
+from prepos.engine.admission import Room, check_request, check_session, one_turn, prompt_ids
 from prepos.engine.answers import Answers
 from prepos.engine.loading import load_parts
 from prepos.engine.logits import answers_from, keeps_top
@@ -293,10 +293,10 @@ class Engine:
         pre-positioned envelope."""
         return self._agentic(sid, {"role": "tool", "content": content}, req)
 
-    def _agentic(self, sid: str, message: dict | None, req: Request) -> Stream:
+    @one_turn  # called with the session's id: SessionBusy while another turn runs
+    def _agentic(self, s: Session, message: dict | None, req: Request) -> Stream:
         t0 = time.perf_counter()
         sampling = check_request(req, self.backend, self.config.topk_sampling)
-        s = self.sessions.get(sid)
         s.require(AGENTIC)
         mode = req.fast_path or s.spec.fast_path
         self.prepositioner.asked(s)
@@ -337,7 +337,7 @@ class Engine:
             msg: dict = {"role": "assistant", "content": content}
             if calls:
                 msg["tool_calls"] = calls
-            snap, dropped = s.add_message(msg, expected_version=version)
+            snap, dropped = s.add_message(msg, expected_version=version, turn=True)
             self._committed(s, snap, dropped, wait=False)
 
         return commit

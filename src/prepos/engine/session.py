@@ -1,7 +1,7 @@
 """Sessions and their store. A session owns its committed conversation, its version and its
 ready records; every mutation swaps the committed snapshot, bumps the version and clears the
-ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md). KV
-caches are not here: the model worker owns them (kv.py)."""
+ready records in one critical section (the never-stale invariant, docs/ARCHITECTURE.md),
+once written ahead (`persist`). KV caches are not here: the model worker owns them (kv.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from prepos.errors import (
     InvalidInput,
     NoToolResultAwaited,
     OverBudget,
+    SessionBusy,
     SessionNotFound,
     ToolResultAwaited,
     TooManySessions,
@@ -103,10 +104,9 @@ class SessionSpec:
         if self.relaxed_queries and self.kind != STREAMING:
             raise WrongSessionKind("relaxed_queries belong to streaming sessions")
         check_options(self.relaxed_queries, self.r_max)
-        if self.answer_tokens is not None and (not isinstance(self.answer_tokens, int)
-                                               or self.answer_tokens < 0):
-            raise InvalidInput(f"answer_tokens must be an integer >= 0, got "
-                               f"{self.answer_tokens!r}")
+        n = self.answer_tokens
+        if n is not None and (not isinstance(n, int) or n < 0):
+            raise InvalidInput(f"answer_tokens must be an integer >= 0, got {n!r}")
         if any(not isinstance(x, str) or not x for x in self.answer_stop):
             raise InvalidInput("answer_stop must be non-empty strings")
 
@@ -121,6 +121,7 @@ class Session:
         raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
         how many tokens of its latest answers it keeps as draft material (`said`)."""
         self.admit = admit
+        self.persist: Callable[[Session, Snapshot], None] | None = None  # SessionStore.add
         self.id = sid
         self.spec = spec
         self.fmt = fmt
@@ -131,6 +132,7 @@ class Session:
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
+        self._turn: object = None  # the lease: True once claimed, then its turn's stream
         # committed versions for rollback, as messages (rendered when rolled back to or read)
         self.history = History(max_versions)
         self._entries: tuple[int, Entries] | None = None
@@ -171,10 +173,9 @@ class Session:
             return tuple(self._said)
 
     def remember_answer(self, tokens: Sequence[int]) -> None:
-        if self.said_tokens <= 0 or not tokens:
-            return
-        with self.lock:
-            self._said.extend(tokens)
+        if self.said_tokens > 0 and tokens:
+            with self.lock:
+                self._said.extend(tokens)
 
     def at(self, version: int | None) -> Snapshot:
         """A committed version still kept, rendered (the current one otherwise)."""
@@ -248,6 +249,11 @@ class Session:
     def budget(self, engine_default: int) -> int:
         return self.spec.budget_cells or engine_default
 
+    def _admit(self, turn: bool = False) -> None:
+        held = self._turn  # `turn`: a commit of the turn in flight (it holds the lease)
+        if not turn and (held is True or held is not None and not held.done):
+            raise SessionBusy(f"session {self.id} has a turn in flight; retry after its answer")
+
     # -- mutations -----------------------------------------------------------------------
     def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
         """Streaming: commit a data message; shift the window first if the context is full."""
@@ -282,6 +288,7 @@ class Session:
 
     def rollback(self, version: int) -> tuple[Snapshot, ReadySet | None]:
         with self.mutex:
+            self._admit()
             if not isinstance(version, int) or version not in self.history:
                 kept = f"{min(self.history)}..{max(self.history)}"
                 raise VersionNotFound(f"session {self.id} has no version {version!r} "
@@ -297,8 +304,8 @@ class Session:
                     check: Callable[[int], None] | None = None, turn: bool = False
                     ) -> tuple[Snapshot, ReadySet | None]:
         """Agentic: commit a user, assistant or tool message. `check` sees the new length
-        before anything changes and may refuse by raising. With `turn` (the message starts
-        an assistant turn), a tool result is refused while other calls await theirs."""
+        before anything changes and may refuse by raising. `turn`: a commit of the turn in
+        flight (its message: a tool result is refused while other calls await theirs)."""
         self.require(AGENTIC)
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool"):  # system: where the template
@@ -306,6 +313,7 @@ class Session:
                                f"{role!r}")  # allows it (it refuses when rendering)
         _check_text(message.get("content", ""), role, allow_empty=role == "assistant")
         with self.mutex:
+            self._admit(turn)
             if expected_version is not None and self.snap.version != expected_version:
                 raise Conflict(f"session {self.id} changed (version {self.snap.version}, "
                                f"expected {expected_version})")
@@ -364,10 +372,12 @@ class Session:
             self.admit(self, n)
 
     def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
-        """Swap the snapshot, bump the version, clear the ready records: one critical
-        section. Returns the new snapshot and the ready set it invalidated."""
+        """Write the next version ahead, then swap the snapshot, bump the version, clear the
+        ready records: one critical section. The new snapshot and the ready set it dropped."""
+        snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
+        if self.persist is not None:
+            self.persist(self, snap)
         with self.lock:
-            snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
             dropped = self.ready
             if dropped is not None:
                 dropped.invalidate()
@@ -385,7 +395,8 @@ def _check_text(text: object, what: str, allow_empty: bool = False) -> None:
 
 
 class SessionStore:
-    """Owns the sessions: lookup by id, creation, closing."""
+    """Owns the sessions: lookup by id, creation, closing, each written ahead to `durable`
+    (a journal: `created`, `committed`, `closing`; one that raises changed nothing)."""
 
     DEFAULT_MAX = 4096
 
@@ -394,6 +405,7 @@ class SessionStore:
         self._lock = threading.Lock()
         self._counter = itertools.count()
         self.max_sessions = max_sessions
+        self.durable = None
 
     def new_id(self) -> str:
         return f"s-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
@@ -404,6 +416,13 @@ class SessionStore:
                 raise TooManySessions(f"this engine holds its limit of {self.max_sessions} "
                                       "sessions; close one first")
             self._sessions[session.id] = session
+        if self.durable is not None:
+            session.persist = self.durable.committed
+            try:
+                self.durable.created(session, session.snap)
+            except BaseException:
+                self._sessions.pop(session.id, None)
+                raise
 
     def find(self, sid: str) -> Session | None:
         """The session, open or not yet removed, without the access checks of `get`."""
@@ -416,6 +435,8 @@ class SessionStore:
         return s
 
     def remove(self, sid: str) -> Session:
+        if self.durable is not None:
+            self.durable.closing(self.get(sid))
         with self._lock:
             s = self.get(sid)
             s.closed = True

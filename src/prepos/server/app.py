@@ -49,7 +49,7 @@ from prepos.server.results import JSONBody
 from prepos.server.routing import Routes
 from prepos.server.sessions import routes as sessions_routes
 from prepos.server.state import ServerConfig, ServerState
-from prepos.server.store import is_url, redacted
+from prepos.server.store import StoreHeld, hold, is_url, redacted
 
 log = logging.getLogger("prepos.server")
 
@@ -183,6 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", dest="journal", help="the session store: a SQLite path (as "
                    "--journal) or a postgresql:// URL, shared by several nodes that own "
                    "sessions by lease")
+    p.add_argument("--store-timeout", type=float, default=2.0, help="seconds a write may "
+                   "wait for the store (a locked or slow one); then the request is refused "
+                   "with 503 store_unavailable and nothing is committed (default %(default)s)")
     p.add_argument("--node-id", default="", help="this node's name in a shared store "
                    "(default: a new random one per process)")
     p.add_argument("--advertise-url", help="where the other nodes reach this one (default: "
@@ -326,7 +329,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                     max_input_tokens=args.max_input_tokens, max_queue=args.max_queue,
                     max_header_bytes=args.max_header_bytes)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    if not args.store_timeout > 0:
+        raise ValueError(f"--store-timeout must be > 0, got {args.store_timeout}")
     return ServerConfig(model=args.model, engine=engine, journal=journal,
+                        store_timeout=args.store_timeout,
                         api_keys=load_keys(args.api_key, args.api_keys_file),
                         metrics_keys=load_keys(args.metrics_key, env="PREPOS_METRICS_KEYS"),
                         served_model_name=args.served_model_name, limits=limits,
@@ -362,6 +368,12 @@ def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None 
     except ValueError as exc:  # an option out of its range
         print(f"prepos serve: {exc}", file=sys.stderr)
         return 2
+    if config.journal is not None and not is_url(config.journal):
+        try:  # one server per journal: held until this process ends
+            hold(config.journal)
+        except StoreHeld as exc:
+            print(f"prepos serve: {exc}", file=sys.stderr)
+            return 2
     # the model worker runs Python between its kernels; a request arriving then waits for the
     # GIL up to the switch interval (5 ms by default): keep that wait well under the fast
     # path's budget

@@ -4,17 +4,21 @@ restores them all, or, with a shared store, the node a session moves to loads it
 records and KV caches are never persisted: a restored session's KV is rebuilt lazily by its
 pre-position job at idle priority (a session moving to another node: there, at once).
 
-A row is written in the engine's commit listener, in one transaction of the store, before
-the request that committed it returns: an answered request survives a crash of the server
-process. Rows are deltas against the session's previous version (slices of its messages plus
-new ones), with a full checkpoint every `checkpoint_every` versions; rows older than the
-newest checkpoint that still covers the `max_versions` the engine keeps for rollback are
-pruned. With a shared store every write first checks, in its transaction, that this node
-still owns the session (`fence`, server/lease.py): a write it refuses fails the request.
+Write-ahead: the engine calls the journal (`Engine.durable`) before a session is created, a
+version is committed or a session is closed, and the change is made only once its row is in
+the store (one transaction on the store's writer thread, the caller waiting for it). A write
+that fails raises StoreUnavailable (503) and nothing changed: no one ever sees, in memory or
+over SSE, a version the store does not hold, and an answered request survives a crash.
+Rows are deltas against the session's previous version (slices of its messages plus new
+ones), with a full checkpoint every `checkpoint_every` versions; rows older than the newest
+checkpoint that still covers the `max_versions` the engine keeps for rollback are pruned.
+With a shared store every write first checks, in its transaction, that this node still owns
+the session (`fence`, server/lease.py): a write it refuses fails the request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -24,8 +28,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from prepos.engine.session import Session, SessionSpec, Snapshot
-from prepos.errors import SessionNotFound
-from prepos.server.store import Database
+from prepos.errors import PreposError
+from prepos.server.store import TIMEOUT, Database
 
 log = logging.getLogger("prepos.server.journal")
 Restored = tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]
@@ -85,8 +89,8 @@ def spec_from_json(raw: str) -> SessionSpec:
 
 class Journal:
     def __init__(self, target: str | Path | Database, max_versions: int = 1024,
-                 checkpoint_every: int = 64, metrics=None):
-        self._db = target if isinstance(target, Database) else Database(target)
+                 checkpoint_every: int = 64, metrics=None, timeout: float = TIMEOUT):
+        self._db = target if isinstance(target, Database) else Database(target, timeout=timeout)
         self.shared = self._db.shared
         self.max_versions = max_versions
         self.checkpoint_every = checkpoint_every
@@ -96,17 +100,15 @@ class Journal:
         # transaction); a session closed here because it moved is left in the store
         self.fence: Callable[[Database, str], None] | None = None
         self.moving: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # reads of the store (writes: on its writer thread)
         self._last: dict[str, tuple[int, tuple[dict, ...]]] = {}  # sid -> last row written
         self._since_full: dict[str, int] = {}
-        self._versions: Callable[[str], dict[int, tuple[dict, ...]]] | None = None
         self.errors = 0
 
     def attach(self, engine) -> None:
-        """Journal every session of `engine`: its commit listener, and its view of the
-        versions a session keeps (for commits whose events arrive out of order)."""
-        self._versions = engine.versions
-        engine.listeners.append(self.on_event)
+        """Journal every session of `engine`: its store calls `created`, `committed` and
+        `closing` before each change."""
+        engine.sessions.durable = self
 
     # -- meta ------------------------------------------------------------------------------
     def check_model(self, model: str) -> str | None:
@@ -174,29 +176,66 @@ class Journal:
         with self._lock:
             self._last.pop(sid, None)
 
-    # -- the engine listener -----------------------------------------------------------------
-    def on_event(self, event: str, s: Session, payload: object) -> None:
-        if is_ephemeral(s.id) or event not in ("commit", "create", "close"):
+    # -- write-ahead, called by the engine before each change ------------------------------
+    def created(self, s: Session, snap: Snapshot) -> None:
+        """Before a new session is admitted: its row and first version (none for a session
+        loaded from this store)."""
+        if is_ephemeral(s.id) or s.id in self._last:
             return
-        if event == "create" and s.id in self._last:  # loaded from this store: no write
+        self._write("create", s.id, lambda: self._create(s, snap))
+
+    def committed(self, s: Session, snap: Snapshot) -> None:
+        """Before version `snap` of a journalled session is swapped in: its row."""
+        if not is_ephemeral(s.id):
+            self._write("commit", s.id, lambda: self._commit(s.id, snap))
+
+    def closing(self, s: Session) -> None:
+        """Before a session is closed: its rows deleted (left in the store where the session
+        moved to another node). On the event loop (a session evicted to make room) the
+        delete is not waited for: a failed one leaves rows a restart restores."""
+        if is_ephemeral(s.id):
             return
+        if s.id in self.moving:  # closed here because another node owns it now
+            self.moving.discard(s.id)
+            self._forget(s.id)
+            return
+        if _on_loop():
+            self._db.submit(lambda db: self._job("close", s.id, lambda: self._close(s.id)))
+            return
+        self._write("close", s.id, lambda: self._close(s.id))
+
+    def _write(self, event: str, sid: str, write: Callable[[], None]) -> None:
+        """`write()` in one transaction on the writer thread, waited for; StoreUnavailable
+        (or the fence's refusal) where it was not written."""
+        if _on_loop():
+            log.warning("journal: the %s of session %s waits for the store on the event loop",
+                        event, sid)
         try:
-            with self._lock, self._db.tx():
-                if self.fence is not None and not (event == "close" and s.id in self.moving):
-                    self.fence(self._db, s.id)
-                if event == "commit":
-                    self._commit(s, payload)
-                elif event == "create":
-                    self._create(s, payload)
-                elif event == "close":
-                    self._close(s.id)
-        except Exception as exc:
+            self._db.submit(lambda db: self._job(event, sid, write)).result()
+        except PreposError:
             self.errors += 1
             if self.metrics is not None:
                 self.metrics.journal_errors.inc()
-            log.error("journal: %s of session %s not written: %s", event, s.id, exc)
-            if self.shared and event != "close":  # not in the store: not acknowledged
-                raise
+            raise
+
+    def _job(self, event: str, sid: str, write: Callable[[], None]) -> None:
+        """On the writer thread (the only one that changes the rows and this journal's view
+        of them): the fence, then `write()`, one transaction; the view as before where the
+        transaction failed."""
+        before = self._last.get(sid), self._since_full.get(sid), self.extras.get(sid)
+        try:
+            with self._db.tx():
+                if self.fence is not None:
+                    self.fence(self._db, sid)
+                write()
+        except BaseException as exc:
+            log.error("journal: %s of session %s not written: %s", event, sid, exc)
+            for table, value in zip((self._last, self._since_full, self.extras), before):
+                if value is None:
+                    table.pop(sid, None)
+                else:
+                    table[sid] = value
+            raise
 
     def _create(self, s: Session, snap: Snapshot) -> None:
         extras = self.extras.get(s.id, {})
@@ -204,31 +243,24 @@ class Journal:
                    "spec=excluded.spec, extras=excluded.extras, created=excluded.created",
                    (s.id, spec_to_json(s.spec), json.dumps(extras), time.time()))
         self._db.q("DELETE FROM versions WHERE sid=?", (s.id,))
-        self._write(s.id, snap.version, snap.messages, full=True)
+        self._full(s.id, snap.version, snap.messages)
 
-    def _commit(self, s: Session, snap: Snapshot) -> None:
-        last = self._last.get(s.id)
+    def _commit(self, sid: str, snap: Snapshot) -> None:
+        last = self._last.get(sid)
         if last is None or snap.version <= last[0]:
-            return  # unknown (not journalled) or already written (listeners out of order)
-        # versions committed in between whose events have not come yet
-        try:
-            kept = self._versions(s.id) if self._versions is not None else {}
-        except SessionNotFound:  # closed meanwhile: its rows go with its close event
-            kept = {}
-        between = [(v, m) for v, m in kept.items() if last[0] < v < snap.version]
-        for version, messages in [*between, (snap.version, snap.messages)]:
-            base = self._last[s.id][1]
-            n = self._since_full.get(s.id, 0) + 1
-            if n >= self.checkpoint_every:
-                self._write(s.id, version, messages, full=True)
-                self._prune(s.id, version)
-            else:
-                self._since_full[s.id] = n
-                self._db.q(UPSERT_VERSION, (s.id, version, 0, json.dumps(diff(base, messages))))
-                self._last[s.id] = (version, messages)
-                self._count()
+            return  # not journalled (its create was not), or written already
+        n = self._since_full.get(sid, 0) + 1
+        if n >= self.checkpoint_every:
+            self._full(sid, snap.version, snap.messages)
+            self._prune(sid, snap.version)
+            return
+        self._db.q(UPSERT_VERSION, (sid, snap.version, 0, json.dumps(diff(last[1],
+                                                                           snap.messages))))
+        self._last[sid] = (snap.version, snap.messages)
+        self._since_full[sid] = n
+        self._count()
 
-    def _write(self, sid: str, version: int, messages: Sequence[dict], full: bool) -> None:
+    def _full(self, sid: str, version: int, messages: Sequence[dict]) -> None:
         self._db.q(UPSERT_VERSION, (sid, version, 1, json.dumps([{"m": m} for m in messages])))
         self._last[sid] = (version, tuple(messages))
         self._since_full[sid] = 0
@@ -242,11 +274,11 @@ class Journal:
             self._db.q("DELETE FROM versions WHERE sid=? AND version<?", (sid, row[0]))
 
     def _close(self, sid: str) -> None:
-        if sid in self.moving:  # closed here because another node owns it now
-            self.moving.discard(sid)
-        else:
-            self._db.q("DELETE FROM versions WHERE sid=?", (sid,))
-            self._db.q("DELETE FROM sessions WHERE id=?", (sid,))
+        self._db.q("DELETE FROM versions WHERE sid=?", (sid,))
+        self._db.q("DELETE FROM sessions WHERE id=?", (sid,))
+        self._forget(sid)
+
+    def _forget(self, sid: str) -> None:
         self._last.pop(sid, None)
         self._since_full.pop(sid, None)
         self.extras.pop(sid, None)
@@ -256,5 +288,13 @@ class Journal:
             self.metrics.journal_writes.inc()
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
+
+
+def _on_loop() -> bool:
+    """Whether the caller runs on an event loop (which must never wait for the store)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

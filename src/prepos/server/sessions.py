@@ -214,7 +214,7 @@ async def inspect_session(sid: str, request: Request):
 @routes.add("DELETE", "/sessions/{sid}", 50, summary="Close a session", response=R.Closed)
 async def close_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
-    c.engine.close_session(sid)
+    await c.state.run(c.engine.close_session, sid)  # its rows deleted first
     return JSONBody({"session_id": sid, "closed": True})
 
 
@@ -280,7 +280,8 @@ async def turn(sid: str, request: Request):
     eng, b = c.engine, c.body
     req = _request(c)
     if b.user is None:
-        stream = await c.state.start_exact(eng, sid, TURN, req, lambda: eng.turn(sid, None, req))
+        stream = await c.state.start_exact(eng, sid, TURN, req, lambda: eng.turn(sid, None, req),
+                                           commits=True)
     else:
         stream = await _committing(c, eng.turn, b.user, "user", req)
     return await respond(c, request.receive, stream, agentic=True)

@@ -46,6 +46,7 @@ class ServerConfig:
     model: Path
     engine: EngineConfig = field(default_factory=EngineConfig)
     journal: Path | None = None  # None: no persistence
+    store_timeout: float = 2.0  # seconds a write may wait for the store (then a 503)
     api_keys: tuple[str, ...] = ()
     metrics_keys: tuple[str, ...] = ()  # GET /metrics needs one of these (none: public)
     served_model_name: str | None = None
@@ -136,7 +137,8 @@ class ServerState:
             engine.observers.append(self.metrics.observe)
             if self.config.journal is not None:
                 self.journal = Journal(self.config.journal, engine.config.max_versions,
-                                       metrics=self.metrics)
+                                       metrics=self.metrics,
+                                       timeout=self.config.store_timeout)
                 previous = self.journal.check_model(self.model_name)
                 if previous:
                     log.warning("journal %s was written with model %s; restoring its sessions "
@@ -316,13 +318,16 @@ class ServerState:
         return answer is not None and (answer.finish == "end" or len(answer.tokens) >= n)
 
     async def start_exact(self, engine: Engine, sid: str, key: tuple, req: EngineRequest,
-                          start: Callable[[], Stream], size: int = 0) -> Stream:
+                          start: Callable[[], Stream], size: int = 0,
+                          commits: bool = False) -> Stream:
         """`start()` a request for entry `key`: refused for backpressure unless it needs no
         model work (`will_be_fast`). It runs on the event loop (no thread hop: a fast answer is
-        written at once) unless its text, `size` characters, is long enough that tokenizing
-        it would hold the loop up."""
+        written at once) unless it `commits` (its commit waits for the store) or its text,
+        `size` characters, is long enough that tokenizing it would hold the loop up."""
         if not self.will_be_fast(engine, sid, key, req):
             self.backpressure(engine)
+        if commits:
+            return await self.run(start)
         if size <= INLINE_BYTES:
             return start()
         return await asyncio.get_running_loop().run_in_executor(self.cpu, start)
