@@ -129,9 +129,49 @@ class Grammars:
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
-
-            tok = self._fmt.tokenizer
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                tok, n_vocab=len(tok), eos_token=sorted(self._fmt.end_of_turn))
+            self._tokenizer = llg_tokenizer(self._fmt)
         return self._tokenizer
+
+
+def llg_tokenizer(fmt: ChatFormat):
+    """The model's vocabulary as the grammar library sees it, as prepos tokenizes (about
+    0.5 s at a 49k vocabulary): each token's bytes as the library reads them from the
+    tokenizer (byte-level, byte fallback), every markup token (the tokenizer's added and
+    special tokens: `<|im_end|>`, an added `<tool_call>`) special, so a grammar writes it as
+    a token and text is never one; text tokenized without the markup tokens, as content is
+    (`ChatFormat.encode`). The library's own loader takes added tokens that are not special
+    as text when it tokenizes a grammar's text, yet as special when it checks a token, and
+    refuses the token it chose."""
+    import llguidance
+    import llguidance.hf
+
+    tok = fmt.tokenizer
+    n = len(tok)
+    eos = sorted(fmt.end_of_turn)
+    base = llguidance.hf.from_tokenizer(tok, n_vocab=n, eos_token=eos)
+    markup = set(fmt.markup_ids.values())
+    special = sorted(i for i in range(n) if i in markup or base.is_special_token(i))
+    words = [base.decode_bytes([i]) for i in range(n)]
+    for i in special:
+        if not words[i].startswith(b"\xff"):
+            words[i] = b"\xff" + words[i]
+    plain = fmt.controls.plain
+
+    def encode(text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        if plain is not None:
+            return list(plain.encode(text, add_special_tokens=False).ids)
+        return list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    class Vocabulary:  # what llguidance's TokenizerWrapper reads
+        eos_token_id = eos[0]
+        bos_token_id = None
+        tokens = words
+        special_token_ids = special
+
+        def __call__(self, text):
+            return encode(text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=n,
+                                  eos_token=eos)
