@@ -35,16 +35,17 @@ USER = {"role": "user", "content": "What is ACME doing?"}
 NAMED = {"type": "function", "function": {"name": "get_price"}}
 
 
-def byte_fallback_tokenizer(out: Path):
+def byte_fallback_tokenizer(out: Path, byte_tokens: bool = True):
     """A SentencePiece-style BPE (Metaspace, byte fallback) whose vocabulary lacks the
-    newline, the braces and the quote: the call's markup and JSON go through byte tokens."""
+    newline, the braces and the quote: the call's markup and JSON go through byte tokens
+    (without them, `byte_tokens` False, it cannot write those at all)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from prepos.lab.tiny import CHATML_TEMPLATE
 
     vocab = {"<unk>": 0}
-    for b in range(256):
+    for b in range(256 if byte_tokens else 0):
         vocab[f"<0x{b:02X}>"] = len(vocab)
     for ch in "▁abcdefghijklmnopqrstuvwxyz_ACEMST:,<>/[]0123456789":
         vocab.setdefault(ch, len(vocab))
@@ -52,7 +53,7 @@ def byte_fallback_tokenizer(out: Path):
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
-                               byte_fallback=True))
+                               byte_fallback=byte_tokens))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                      decoders.Fuse()])
@@ -261,3 +262,15 @@ def test_a_cut_forced_call_says_length_and_is_replayed(client, choice, max_token
                    {"role": "user", "content": "again"}]
     again = chat(client, messages=history, tool_choice=choice, max_tokens=4)
     assert again.status_code == 200, again.text
+
+
+def test_a_call_the_vocabulary_cannot_write_is_refused_before_it_starts(tmp_path):
+    """Without byte fallback, a vocabulary lacking the newline and braces cannot write the
+    call's markup: refused when compiled (before anything changes), never a token refused
+    mid-answer."""
+    from prepos.errors import InvalidResponseFormat
+
+    fmt = ChatFormat(byte_fallback_tokenizer(tmp_path, byte_tokens=False))
+    grammar, _ = grammar_of(fmt, "get_price")
+    with pytest.raises(InvalidResponseFormat, match="vocabulary"):
+        Grammars(fmt).constraint(SamplingParams(grammar=grammar))

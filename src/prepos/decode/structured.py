@@ -51,6 +51,9 @@ class Constraint:
         keep = np.zeros(size, dtype=bool)
         n = min(self._n, size)
         keep[:n] = np.unpackbits(bits, bitorder="little")[:n].view(bool)
+        if not keep.any():  # what the grammar needs next, no token of this model writes
+            raise InvalidResponseFormat("the answer cannot go on under its grammar with this "
+                                        "model's vocabulary: no token writes what it needs")
         return keep
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -109,6 +112,11 @@ class Grammars:
             matcher = template.deep_copy()
         return Constraint(matcher, self._tokenizer.vocab_size)
 
+    def check(self, sampling: SamplingParams) -> None:
+        """Compile the request's format or grammar now, before anything changes:
+        InvalidResponseFormat where this model cannot write it."""
+        self.constraint(sampling)
+
     def __len__(self) -> int:
         return len(self._cache)
 
@@ -121,16 +129,33 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 dumps(schema_of(text)), JSON_OPTIONS, STRICT)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        what = "the grammar" if kind == "lark" else "response_format"
         if matcher.is_error():  # checked before; a tokenizer-specific one
-            what = "the grammar" if kind == "lark" else "response_format"
             raise InvalidResponseFormat(f"{what} cannot be compiled for this model: "
                                         f"{matcher.get_error()}")
+        _check_writable(matcher, what)
         return matcher
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
             self._tokenizer = llg_tokenizer(self._fmt)
         return self._tokenizer
+
+
+def _check_writable(matcher, what: str, limit: int = 4096) -> None:
+    """Refuse a grammar whose start, through what it forces (a call's opening, a
+    constant), no token of the model's vocabulary can write (a character it has no token
+    for, without byte fallback)."""
+    probe = matcher.deep_copy()
+    for _ in range(limit):
+        if probe.is_stopped():
+            return
+        forced = probe.compute_ff_tokens()  # the tokenizer's own tokens of what is forced
+        if not any(probe.compute_bitmask()) or forced and not probe.consume_tokens(forced):
+            raise InvalidResponseFormat(f"{what} cannot be written with this model's "
+                                        "vocabulary: it has no token for what it starts with")
+        if not forced:
+            return
 
 
 def llg_tokenizer(fmt: ChatFormat):

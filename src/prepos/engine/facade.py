@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat, normalize_tool_call
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import ReadyRecord, Request, Result
+from prepos.core import ReadyRecord, Request, Result, SamplingParams
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
 from prepos.engine.admission import Room, check_request, check_session, prompt_ids
@@ -238,10 +238,17 @@ class Engine:
 
     # == requests (Algorithm 2) ============================================================
     # Each returns the answer's Stream at once (iterate it, or `.result()` for the Result).
+    def _checked(self, req: Request) -> SamplingParams:
+        """The request's sampling, checked, its format or grammar compiled: before any
+        state changes."""
+        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        self.answers.grammars.check(sampling)
+        return sampling
+
     def query(self, sid: str, question: str, req: Request = DEFAULT) -> Stream:
         """Streaming: answer an ad-hoc or standing query. Never blocks on model work."""
         t0 = time.perf_counter()
-        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        sampling = self._checked(req)
         s = self.sessions.get(sid)
         s.require(STREAMING)
         if not isinstance(question, str) or not question.strip():
@@ -294,7 +301,7 @@ class Engine:
 
     def _agentic(self, sid: str, message: dict | None, req: Request) -> Stream:
         t0 = time.perf_counter()
-        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        sampling = self._checked(req)
         s = self.sessions.get(sid)
         s.require(AGENTIC)
         mode = req.fast_path or s.spec.fast_path
@@ -346,7 +353,7 @@ class Engine:
         template, or token ids taken as they are) on the session's KV, without touching its
         conversation. The stateless /v1/completions."""
         t0 = time.perf_counter()
-        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        sampling = self._checked(req)
         s = self.sessions.get(sid)
         snap, ready = s.current()
         seq = prompt_ids(prompt, self.fmt, self.backend.vocab_size)
