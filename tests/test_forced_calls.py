@@ -168,10 +168,16 @@ def test_a_forced_answer_is_its_calls_alone():
     msg, _ = message(_result(one + "\n" + forced["note"] + "{}}", "stop"), True,
                      forced=forced, parallel=False)
     assert len(msg["tool_calls"]) == 1
-    # cut in the opening: no call (its name may be unwritten), nothing in the content
-    for cut in ("<tool_call>", opening[:-3]):
+    # cut in the opening before the name is whole: no call, nothing in the content
+    for cut in ("<tool_call>", opening[:opening.index("get_pr") + 6]):
         msg, finish = message(_result(cut, "length"), True, forced=forced)
         assert finish == "length" and msg == {"role": "assistant", "content": ""}
+    # past the name: that function's call, its arguments (none yet) as they are
+    for cut in (opening[:opening.index("get_price") + 9], opening[:-3]):
+        msg, finish = message(_result(cut, "length"), True, forced=forced)
+        assert finish == "length" and msg["content"] is None
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in msg["tool_calls"]] == [("get_price", "")]
 
 
 def test_an_answer_cut_inside_a_call_leaves_no_markup_in_the_content():

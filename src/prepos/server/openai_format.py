@@ -67,8 +67,9 @@ def message(res: Result, agentic: bool, prefix: str = "",
 def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
     """The calls of a forced answer: each where a function's opening (as the answer shows
     it) starts, its arguments the JSON object after it, the last one's the text as it is
-    where the turn was cut inside them; a call whose opening was cut is none (its name
-    may be unwritten). What lies between calls (a closing, a separator) is markup."""
+    where the turn was cut inside them (none where it was cut before them); a call whose
+    opening was cut is that function's once its name is written, none before. What lies
+    between calls (a closing, a separator) is markup."""
     calls: list[dict] = []
     at = 0
     dec = json.JSONDecoder()
@@ -76,7 +77,8 @@ def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
         found = [(i, name, op) for name, op in forced.items()
                  if (i := text.find(op.lstrip(), at)) >= 0]
         if not found:
-            return calls
+            cut = _named_opening(text, at, forced)
+            return calls + [cut] if cut else calls
         i, name, opening = min(found)
         at = i + len(opening.lstrip())
         try:
@@ -88,6 +90,19 @@ def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
             return calls
         calls.append({"function": {"name": name, "arguments": args}})
         at = end
+
+
+def _named_opening(text: str, at: int, forced: dict[str, str]) -> dict | None:
+    """The call whose opening `text` ends in, cut past its function's name."""
+    for name, opening in forced.items():
+        opening = opening.lstrip()
+        k = opening.find(json.dumps(name)[1:-1])
+        if k < 0:
+            continue
+        i = text.find(opening[:k + len(json.dumps(name)[1:-1])], at)
+        if i >= 0 and opening.startswith(text[i:]):
+            return {"function": {"name": name, "arguments": ""}}
+    return None
 
 
 def _arguments(args) -> str:
