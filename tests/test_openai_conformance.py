@@ -67,19 +67,20 @@ def test_tool_choice_none_required_named_and_parallel(oai, model):
     assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason != \
         "tool_calls"
     named = oai.chat.completions.create(
-        model=model, messages=user(), tools=TOOLS, max_tokens=8,
+        model=model, messages=user(), tools=TOOLS, max_tokens=19,
         tool_choice={"type": "function", "function": {"name": "get_news"}})
     calls = named.choices[0].message.tool_calls
-    # cut by max_tokens inside the call's markup: that function's call, and "length"
+    # cut by max_tokens inside the call's markup past its name (17 tokens): that
+    # function's call, and "length"
     assert named.choices[0].finish_reason == "length"
     assert [c.function.name for c in calls] == ["get_news"]
     one = [TOOLS[0]]  # required with one tool: that tool is called
     req = oai.chat.completions.create(model=model, messages=user(), tools=one,
-                                      tool_choice="required", max_tokens=12,
+                                      tool_choice="required", max_tokens=24,
                                       parallel_tool_calls=False)
     assert [c.function.name for c in req.choices[0].message.tool_calls] == ["get_price"]
     streamed = list(oai.chat.completions.create(
-        model=model, messages=user(), tools=one, tool_choice="required", max_tokens=12,
+        model=model, messages=user(), tools=one, tool_choice="required", max_tokens=24,
         stream=True))
     deltas = [tc for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
     assert [d.function.name for d in deltas] == ["get_price"]

@@ -199,7 +199,7 @@ def test_the_server_renders_tools_on_a_template_without_tool_support(plain_app):
     assert r.json()["usage"]["prompt_tokens"] == len(want)
     # tool_choice "required" opens the fallback's call markup and reads back the call
     r = client.post("/v1/chat/completions", json={"model": name, "messages": msgs,
-                                                  "tools": [WEATHER], "max_tokens": 8,
+                                                  "tools": [WEATHER], "max_tokens": 60,
                                                   "tool_choice": "required"})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == \

@@ -12,6 +12,7 @@ prompt adds to the committed text.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -60,6 +61,10 @@ class ChatFormat:
         # new ones: ~36 bytes a token, for each of thousands of sessions)
         self._id_objects = list(range(len(tokenizer)))
         self.controls = ControlTokens(tokenizer)
+        # every added or special token, markup wherever the template writes it (`encode`)
+        self.markup_ids = {m: tokenizer.convert_tokens_to_ids(m) for m in self.controls.markup}
+        self._markup_re = re.compile("|".join(map(re.escape, self.controls.markup))
+                                     ) if self.controls.markup else None
         # user text is text: with a tokenizer that tokenizes a rendering piece by piece as
         # it does whole, control-token strings in content are plain characters; otherwise
         # they are refused (check_text)
@@ -136,7 +141,7 @@ class ChatFormat:
         any of them."""
         def lark(text: str) -> str:
             return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p)
-                            for p in self.controls.split_special(text))
+                            for p in self.markup_pieces(text))
 
         rules = [f"start: {' | '.join(f'call_{i}' for i in range(len(calls)))}"]
         if separator is not None:
@@ -147,6 +152,17 @@ class ChatFormat:
             rules.append(f"call_{i}: {lark(markup.opening)} args_{i} {lark(markup.closing)}")
             rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
         return "\n".join(rules) + "\n"
+
+    def markup_pieces(self, text: str) -> list[str | int]:
+        """Template text as `encode` tokenizes it: each markup token (an added or special
+        token: `<|im_end|>`, an added `<tool_call>`) its id, the text between them text."""
+        out: list[str | int] = []
+        at = 0
+        for m in self._markup_re.finditer(text) if self._markup_re else ():
+            out += [text[at:m.start()], self.markup_ids[m.group(0)]]
+            at = m.end()
+        out.append(text[at:])
+        return [p for p in out if p != ""]
 
     # -- rendering -----------------------------------------------------------------------
     def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,

@@ -51,6 +51,9 @@ class Constraint:
         keep = np.zeros(size, dtype=bool)
         n = min(self._n, size)
         keep[:n] = np.unpackbits(bits, bitorder="little")[:n].view(bool)
+        if not keep.any():  # what the grammar needs next, no token of this model writes
+            raise InvalidResponseFormat("the answer cannot go on under its grammar with this "
+                                        "model's vocabulary: no token writes what it needs")
         return keep
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -109,6 +112,11 @@ class Grammars:
             matcher = template.deep_copy()
         return Constraint(matcher, self._tokenizer.vocab_size)
 
+    def check(self, sampling: SamplingParams) -> None:
+        """Compile the request's format or grammar now, before anything changes:
+        InvalidResponseFormat where this model cannot write it."""
+        self.constraint(sampling)
+
     def __len__(self) -> int:
         return len(self._cache)
 
@@ -121,17 +129,74 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 dumps(schema_of(text)), JSON_OPTIONS, STRICT)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        what = "the grammar" if kind == "lark" else "response_format"
         if matcher.is_error():  # checked before; a tokenizer-specific one
-            what = "the grammar" if kind == "lark" else "response_format"
             raise InvalidResponseFormat(f"{what} cannot be compiled for this model: "
                                         f"{matcher.get_error()}")
+        _check_writable(matcher, what)
         return matcher
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
-
-            tok = self._fmt.tokenizer
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                tok, n_vocab=len(tok), eos_token=sorted(self._fmt.end_of_turn))
+            self._tokenizer = llg_tokenizer(self._fmt)
         return self._tokenizer
+
+
+def _check_writable(matcher, what: str, limit: int = 4096) -> None:
+    """Refuse a grammar whose start, through what it forces (a call's opening, a
+    constant), no token of the model's vocabulary can write (a character it has no token
+    for, without byte fallback)."""
+    probe = matcher.deep_copy()
+    for _ in range(limit):
+        if probe.is_stopped():
+            return
+        forced = probe.compute_ff_tokens()  # the tokenizer's own tokens of what is forced
+        if not any(probe.compute_bitmask()) or forced and not probe.consume_tokens(forced):
+            raise InvalidResponseFormat(f"{what} cannot be written with this model's "
+                                        "vocabulary: it has no token for what it starts with")
+        if not forced:
+            return
+
+
+def llg_tokenizer(fmt: ChatFormat):
+    """The model's vocabulary as the grammar library sees it, as prepos tokenizes (about
+    0.5 s at a 49k vocabulary): each token's bytes as the library reads them from the
+    tokenizer (byte-level, byte fallback), every markup token (the tokenizer's added and
+    special tokens: `<|im_end|>`, an added `<tool_call>`) special, so a grammar writes it as
+    a token and text is never one; text tokenized without the markup tokens, as content is
+    (`ChatFormat.encode`). The library's own loader takes added tokens that are not special
+    as text when it tokenizes a grammar's text, yet as special when it checks a token, and
+    refuses the token it chose."""
+    import llguidance
+    import llguidance.hf
+
+    tok = fmt.tokenizer
+    n = len(tok)
+    eos = sorted(fmt.end_of_turn)
+    base = llguidance.hf.from_tokenizer(tok, n_vocab=n, eos_token=eos)
+    markup = set(fmt.markup_ids.values())
+    special = sorted(i for i in range(n) if i in markup or base.is_special_token(i))
+    words = [base.decode_bytes([i]) for i in range(n)]
+    for i in special:
+        if not words[i].startswith(b"\xff"):
+            words[i] = b"\xff" + words[i]
+    plain = fmt.controls.plain
+
+    def encode(text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        if plain is not None:
+            return list(plain.encode(text, add_special_tokens=False).ids)
+        return list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    class Vocabulary:  # what llguidance's TokenizerWrapper reads
+        eos_token_id = eos[0]
+        bos_token_id = None
+        tokens = words
+        special_token_ids = special
+
+        def __call__(self, text):
+            return encode(text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=n,
+                                  eos_token=eos)

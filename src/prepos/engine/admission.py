@@ -19,8 +19,10 @@ from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
 
 
-def check_request(req: Request, backend: Backend, topk_sampling: bool) -> SamplingParams:
-    """The request's sampling, refused where this back end cannot honour it."""
+def check_request(req: Request, backend: Backend, topk_sampling: bool,
+                  grammars=None) -> SamplingParams:
+    """The request's sampling, refused where this back end cannot honour it; its format or
+    grammar compiled by `grammars` (a `Grammars`) where given."""
     if not isinstance(req, Request):
         raise InvalidInput(f"expected a prepos.core.Request, got {type(req).__name__}")
     sampling = req.sampling
@@ -36,6 +38,8 @@ def check_request(req: Request, backend: Backend, topk_sampling: bool) -> Sampli
         raise InvalidSampling(f"the {backend.name} back end returns top-k logprobs only: it "
                               "serves greedy decoding (temperature 0) unless topk_sampling is "
                               "enabled")
+    if grammars is not None:
+        grammars.check(sampling)
     return sampling
 
 

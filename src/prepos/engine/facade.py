@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat, normalize_tool_call
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import ReadyRecord, Request, Result
+from prepos.core import ReadyRecord, Request, Result, SamplingParams
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
 from prepos.engine.admission import Room, check_request, check_session, one_turn, prompt_ids
@@ -136,8 +136,8 @@ class Engine:
         self.scheduler.submit(drop(), key=s.id)
 
     def trim(self, sid: str) -> None:
-        """Drop the session's speculative KV cells (pre-paid entries, past answers), keeping
-        its committed state; its ready records stay valid. Waits until done."""
+        """Drop the session's speculative KV cells (pre-paid entries, past answers), keeping its
+        committed state and ready records. Waits until done."""
         s = self.sessions.get(sid)
 
         def crop():
@@ -239,10 +239,13 @@ class Engine:
 
     # == requests (Algorithm 2) ============================================================
     # Each returns the answer's Stream at once (iterate it, or `.result()` for the Result).
+    def _checked(self, req: Request) -> SamplingParams:  # before any state changes
+        return check_request(req, self.backend, self.config.topk_sampling, self.answers.grammars)
+
     def query(self, sid: str, question: str, req: Request = DEFAULT) -> Stream:
         """Streaming: answer an ad-hoc or standing query. Never blocks on model work."""
         t0 = time.perf_counter()
-        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        sampling = self._checked(req)
         s = self.sessions.get(sid)
         s.require(STREAMING)
         if not isinstance(question, str) or not question.strip():
@@ -296,7 +299,7 @@ class Engine:
     @one_turn  # called with the session's id: SessionBusy while another turn runs
     def _agentic(self, s: Session, message: dict | None, req: Request) -> Stream:
         t0 = time.perf_counter()
-        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        sampling = self._checked(req)
         s.require(AGENTIC)
         mode = req.fast_path or s.spec.fast_path
         self.prepositioner.asked(s)
@@ -347,7 +350,7 @@ class Engine:
         template, or token ids taken as they are) on the session's KV, without touching its
         conversation. The stateless /v1/completions."""
         t0 = time.perf_counter()
-        sampling = check_request(req, self.backend, self.config.topk_sampling)
+        sampling = self._checked(req)
         s = self.sessions.get(sid)
         snap, ready = s.current()
         seq = prompt_ids(prompt, self.fmt, self.backend.vocab_size)
@@ -422,16 +425,14 @@ class Engine:
         s = self.sessions.get(sid)
         return self.prepositioner.predecoder.budget(s, key), s.current()[1].answer(key)
 
-    def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:
-        """A session's committed snapshot and its valid ready records, read together."""
+    def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:  # together
         return self.sessions.get(sid).ready_now()
 
     def snapshot(self, sid: str, version: int | None = None) -> Snapshot:
         """A committed version of a session: `version` while it is kept, else the current."""
         return self.sessions.get(sid).at(version)
 
-    def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:
-        """The messages of every version a session keeps for rollback, oldest first."""
+    def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:  # kept for rollback, oldest first
         return self.sessions.get(sid).versions()
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from prepos.chat.conversation import check_order, resume
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
-from prepos.errors import InvalidInput, PreposError
+from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import forced_call, tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
@@ -82,6 +82,11 @@ class ChatCall:
         grammar, self.forced = forced_call(eng, msgs, tools, self.choice,
                                            parallel=self.body.parallel_tool_calls is not False)
         self.sampling = replace(self.sampling, grammar=grammar)
+        try:  # compiled now: a call this model's vocabulary cannot write is refused by name
+            eng.answers.grammars.check(self.sampling)
+        except InvalidResponseFormat as exc:
+            raise ApiError(400, "unsupported", f"{exc}: tool_choice must be 'auto' or 'none'",
+                           "tool_choice") from None
         return True
 
     def _req(self, sampling: SamplingParams, fast_path: str | None = None) -> EngineRequest:

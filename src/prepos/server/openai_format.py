@@ -9,6 +9,7 @@ import copy
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from starlette.responses import Response
 
@@ -39,16 +40,19 @@ def message(res: Result, agentic: bool, prefix: str = "",
             fmt: ToolFormat = PREPOS) -> tuple[dict, str]:
     """The assistant message of a chat answer, and its finish reason ("length" when cut by
     max_tokens, a call or not, as OpenAI's). `prefix`: the text the answer continued (a
-    tool call's opening); `forced`: the openings of the functions it must call, by name (a
-    call the parser cannot read, cut off or unconstrained, is still that function's call,
-    its arguments the JSON object after the opening, else the text as it is); `fmt`: the
-    tool-call markup of the model's family."""
+    tool call's opening); `forced`: the openings of the functions it must call, by name:
+    the answer is its calls alone (`forced_calls`), content null beside them; `fmt`: the
+    tool-call markup of the model's family. A turn cut inside a call's markup leaves none
+    of it in the content."""
     text = prefix + res.text
-    content, calls = fmt.parse(text) if agentic else (res.text, [])
-    if forced and not calls:
-        cut = _forced_call(text, forced)
-        if cut is not None:
-            content, calls = "", [cut]
+    cut = res.finish_reason == "length"
+    if forced:
+        calls = forced_calls(text, forced)
+        content = ""
+    else:
+        content, calls = fmt.parse(text) if agentic else (res.text, [])
+        if agentic and cut:  # the markup of a call the turn was cut in is no text
+            content = content[:tool_formats.safe_prefix(content, replace(fmt, starts=()))]
     if not parallel:
         calls = calls[:1]
     msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
@@ -57,28 +61,47 @@ def message(res: Result, agentic: bool, prefix: str = "",
                               "function": {"name": c["function"]["name"],
                                            "arguments": _arguments(c["function"]["arguments"])}}
                              for c in calls]
-    return msg, finish_reason(res) if res.finish_reason == "length" or not calls \
-        else "tool_calls"
+    return msg, finish_reason(res) if cut or not calls else "tool_calls"
 
 
-def _forced_call(text: str, forced: dict[str, str]) -> dict | None:
-    """The call of the function whose opening `text` starts with (or, of one function,
-    is a start of)."""
-    body = text.lstrip()
+def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
+    """The calls of a forced answer: each where a function's opening (as the answer shows
+    it) starts, its arguments the JSON object after it, the last one's the text as it is
+    where the turn was cut inside them (none where it was cut before them); a call whose
+    opening was cut is that function's once its name is written, none before. What lies
+    between calls (a closing, a separator) is markup."""
+    calls: list[dict] = []
+    at = 0
+    dec = json.JSONDecoder()
+    while True:
+        found = [(i, name, op) for name, op in forced.items()
+                 if (i := text.find(op.lstrip(), at)) >= 0]
+        if not found:
+            cut = _named_opening(text, at, forced)
+            return calls + [cut] if cut else calls
+        i, name, opening = min(found)
+        at = i + len(opening.lstrip())
+        try:
+            args, end = dec.raw_decode(text, at)
+        except (ValueError, RecursionError):  # cut inside the arguments
+            calls.append({"function": {"name": name, "arguments": text[at:]}})
+            return calls
+        if not isinstance(args, dict):
+            return calls
+        calls.append({"function": {"name": name, "arguments": args}})
+        at = end
+
+
+def _named_opening(text: str, at: int, forced: dict[str, str]) -> dict | None:
+    """The call whose opening `text` ends in, cut past its function's name."""
     for name, opening in forced.items():
         opening = opening.lstrip()
-        if body.startswith(opening):
-            rest = body[len(opening):]
-        elif len(forced) == 1 and opening.startswith(body):
-            rest = ""
-        else:
+        k = opening.find(json.dumps(name)[1:-1])
+        if k < 0:
             continue
-        try:
-            args, _ = json.JSONDecoder().raw_decode(rest)
-        except ValueError:
-            args = None
-        return {"function": {"name": name, "arguments": args if isinstance(args, dict)
-                             else rest}}
+        i = text.find(opening[:k + len(json.dumps(name)[1:-1])], at)
+        if i >= 0 and opening.startswith(text[i:]):
+            return {"function": {"name": name, "arguments": ""}}
     return None
 
 
