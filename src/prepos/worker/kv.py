@@ -45,6 +45,9 @@ class KVPool:
         # where every forward scans every resident cell (llama.cpp's unified layout): the
         # cells idle KVs may keep resident while a foreground batch runs (None: no bound)
         self.idle_cells = idle_cells if backend.scans_resident else None
+        # the cells the most recently used resident KVs may hold with no clean copy in a
+        # tier (`housekeeping` saves the rest's): those a request's room-making keeps
+        self.copy_beyond = self.idle_cells if self.idle_cells is not None else engine_cells // 2
         self.index = PrefixIndex()
         # what room-making keeps of another session's KV, pass by pass (the engine's: its
         # committed length, then less where its owner allows); none: nothing is cropped
@@ -317,27 +320,26 @@ class KVPool:
         if data is not None:  # a state that no tier can keep is recomputed when needed
             self._put(kv, data)
 
-    def _save(self, kv: KVSequence) -> bytes:
-        self.counts["saves"] += 1
+    def _save(self, kv: KVSequence, idle: bool = False) -> bytes:
+        self.counts["saves"] += 1  # counted together, before: a reader sees both or neither
+        self.counts["idle_saves"] += idle
         return self.backend.save(kv.handle)
 
     # -- at idle --------------------------------------------------------------------------
     def housekeeping(self) -> Generator:
         """Idle work, one unit a step: the least recently used resident KV a foreground
-        request might move down (beyond the most recently used within `idle_cells`, else
-        half the budget) whose committed tokens no clean copy holds, saved into the tiers
-        and left resident (a KV a task is using is skipped). So a request later moves it
-        down without saving; idle work itself never moves a KV down. Each KV is saved once a
-        run (a state no tier keeps is not tried again until the next)."""
+        request might move down (beyond the most recently used within `copy_beyond`) whose
+        committed tokens no clean copy holds, saved into the tiers and left resident (one a
+        task is using skipped). So a request later moves it down without saving; idle work
+        itself never moves a KV down. Each KV is tried once a run (a state no tier keeps is
+        not saved again until the next)."""
         tried: set[str] = set()
         while (kv := self._dirty(tried)) is not None:
             tried.add(kv.key)
             if not self._reserve(kv.key):
-                return  # in use: the next housekeeping finds it again
+                continue  # in use: the next housekeeping finds it again
             try:
-                data = self._save(kv)
-                self.counts["idle_saves"] += 1
-                self._put(kv, data)
+                self._put(kv, self._save(kv, idle=True))
             finally:
                 self._release(kv.key)
             yield
@@ -345,13 +347,12 @@ class KVPool:
     def _dirty(self, tried: set[str]) -> KVSequence | None:
         if self.tiers is None:
             return None
-        room = self.idle_cells if self.idle_cells is not None else self.engine_cells // 2
         held, dirty = 0, None
-        for sid in reversed(self._resident):  # most recently used first
+        for sid in list(self._resident)[::-1]:  # most recently used first
             kv = self._kv[sid]
             held += len(kv)
-            if held > room and kv.tokens and sid not in tried and (sid not in self._saved
-                                              or self.committed(sid) > kv.clean):
+            if held > self.copy_beyond and kv.tokens and sid not in tried and (
+                    sid not in self._saved or self.committed(sid) > kv.clean):
                 dirty = kv
         return dirty
 
