@@ -476,6 +476,12 @@ def summary_of(runs: dict[str, list[dict]]) -> dict:
              "model_tool_calls": sum(r["model_tool_calls"] for r in rs),
              "errors": sum(len(r["errors"]) for r in rs),
              "complete_conversations": len(whole)}
+        firsts = [t["server"] for r in rs for t in r["turns"] if t["turn"] == 1
+                  and t.get("server") and "restore_ms" in t["server"]]
+        if firsts:  # prepos's: the first turn's time before its forward ran
+            a["first_turn_admission_ms_p50"] = p50([x["restore_ms"] for x in firsts])
+            a["first_turn_admission_ms_max"] = max(x["restore_ms"] for x in firsts)
+            a["first_turn_queue_ms_p50"] = p50([x["queue_ms"] for x in firsts])
         if any("path" in t for t in rest):
             paths: dict[str, int] = {}
             for t in rest:
@@ -657,6 +663,18 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens_equal": prompts_equal(runs["prepos"],
                                                  runs["llama_server_same_prompt"]),
             "own_render": turn_ratio(arms_summary, med, "llama_server")},
+        # a conversation's first turn on a warm server: `admission_ms` is its server timing's
+        # restore_ms (its batch admitted: the KV started from a prefix another holds, room
+        # made, idle KVs moved down), before its forward ran
+        "first_turn": {
+            "admission_ms_p50": arms_summary.get("prepos", {}).get(
+                "first_turn_admission_ms_p50"), "admission_target_le": 20,
+            "first_turn_ratio_vs_llama_server_same_prompt": ratio(
+                *[(arms_summary.get(a, {}).get("first_turn") or {}).get("p50_ms")
+                  for a in ("prepos", "llama_server_same_prompt")]), "ratio_target_le": 1.0,
+            "prepos": arms_summary.get("prepos", {}).get("first_turn"),
+            "llama_server_same_prompt": arms_summary.get("llama_server_same_prompt", {}).get(
+                "first_turn")},
         "per_token_vs_llama_server": {
             peer: {k: ratio(arms_summary.get("prepos", {}).get(f"{k}_ms_per_token_p50"),
                             arms_summary.get(peer, {}).get(f"{k}_ms_per_token_p50"))

@@ -8,8 +8,12 @@ awaited) and queries.
 (b) no answer is served from a ready record (or a pre-decoded answer) whose version differs
     from the session's; a mutation leaves nothing of the old version's to serve;
 (c) budget skips never evict committed state, and a pre-decode stays within the budget;
-across KVs moved down to the RAM tier and brought back at any point between the others, and
-new sessions starting from the prefix another session holds, resident or in the RAM tier.
+(d) idle work may copy committed KV down, never moves a KV down: after idle time every KV
+    resident before is resident still, holding the same tokens, and every idle KV's
+    committed tokens are in a clean copy, so a request moves it down saving nothing;
+across KVs moved down to the RAM tier (saved, or to the clean copy kept since they came
+back) and brought back at any point between the others, and new sessions starting from the
+prefix another session holds, resident or in the RAM tier.
 """
 
 import pytest
@@ -40,6 +44,7 @@ def engine(model_dirs, request):
         **backend_config(request.param)))
     vocab = eng.fmt.tokenizer.batch_decode([[i] for i in range(len(eng.fmt.tokenizer))])
     eng.set_gate(GateConfig(tau=-1.0, answers=tuple({t.strip() for t in vocab if t.strip()})))
+    eng.pool.copy_beyond = 0  # idle housekeeping copies every idle KV down
     yield eng
     eng.close()
 
@@ -230,6 +235,30 @@ def run_machine(engine):
             for key, answer in t.ready.answers.items():  # (c): its cells within the budget
                 assert t.ready.records[key].p + len(answer.tokens) - 1 <= 40
 
+        # -- (d) -----------------------------------------------------------------------
+        @rule(which=st.sampled_from(["stream", "agent", "tight"]), move=st.booleans())
+        def housekeeping(self, which, move):
+            """Idle time (housekeeping run once more besides) moves no KV down and leaves
+            each idle KV's committed tokens in a clean copy: moving one down (`move`) then
+            saves nothing."""
+            eng, pool = self.eng, self.eng.pool
+            eng.wait_idle()
+            before = {sid: list(kv.tokens) for sid, kv in pool._kv.items()
+                      if kv.handle is not None}
+            spills = pool.counts["spills"]
+            eng.scheduler.submit(pool.housekeeping(), idle=True)
+            eng.wait_idle()
+            after = {sid: list(kv.tokens) for sid, kv in pool._kv.items()
+                     if kv.handle is not None}
+            assert after == before and pool.counts["spills"] == spills
+            for sid, kv in pool._kv.items():
+                if kv.handle is not None and pool.committed(sid):
+                    assert pool.committed(sid) <= kv.clean and sid in pool._saved
+            if move:
+                saves = pool.counts["saves"]
+                self.spill(which)
+                assert pool.counts["saves"] == saves  # moved down to its clean copy
+
     Interleavings.TestCase.settings = settings(
         max_examples=20, stateful_step_count=15, deadline=None, derandomize=True,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -250,5 +279,7 @@ def test_interleavings_keep_the_invariants(engine):
     assert counters.predecode_wasted > 0
     # KVs moved down and came back between the other steps
     assert engine.pool.counts["spills"] > 0 and engine.pool.counts["restores"] > 0
+    # idle time copied KVs down, and KVs moved down to their clean copies
+    assert engine.pool.counts["idle_saves"] > 0 and engine.pool.counts["clean_moves"] > 0
     # new sessions started from a prefix another held, resident and loaded from the RAM tier
     assert engine.pool.index.hits > engine.pool.counts["prefix_loads"] > 0

@@ -146,3 +146,38 @@ def test_a_failing_task_reports_and_the_worker_lives_on():
     assert sched.wait_idle(5)
     assert [str(e) for e in errors] == ["boom"] and log
     sched.close()
+
+
+def test_housekeeping_runs_once_the_queues_are_empty_below_idle_work_and_gives_way():
+    """The housekeeping task is queued once the queues run empty after other work (never
+    after its own), runs below every idle task, and is waited for like them; a request that
+    arrives while it runs waits one unit of it at most."""
+    sched = Scheduler()
+    log, runs = [], []
+    started, gate = threading.Event(), threading.Event()
+
+    def housekeeping():
+        runs.append(len(log))
+        for i in range(4):
+            log.append(("tidy", i))
+            if i == 0 and len(runs) == 1:
+                started.set()
+                gate.wait(5)  # a unit running when the request comes
+            yield
+
+    sched.housekeeping = housekeeping
+    hold = threading.Event()
+    sched.submit(held(hold), idle=True)
+    sched.submit(steps(log, "idle", 2), idle=True, priority=-1.0)
+    hold.set()
+    assert started.wait(5)
+    sched.submit(steps(log, "fg", 2))
+    gate.set()
+    assert sched.wait_idle(5)
+    names = [n for n, *_ in log]
+    assert names[:3] == ["idle", "idle", "tidy"]  # below the lowest idle task
+    assert names[3:5] == ["fg", "fg"]  # after one unit of housekeeping
+    assert max(chunks for _, chunks in sched.fg_waits) <= 1
+    # it went on after the request where it stopped, and was not queued again after itself
+    assert len(runs) == 1 and names.count("tidy") == 4
+    sched.close()

@@ -276,7 +276,10 @@ def test_a_lost_disk_state_is_recomputed_and_moves_nobody(make_engine, damage):
     m = eng.metrics()["kv_tiers"]
     assert m["spills"] == before["spills"] and eng.info(b)["kv"] == "resident"
     assert m["recomputed_tokens"] > before["recomputed_tokens"]
-    assert m["disk"]["sessions"] == 0 and m["disk"]["bytes"] == 0
+    files = {f.stem: f.stat().st_size for f in eng.pool.tiers.dir.glob("*.kv") if f.is_file()}
+    # the lost file forgotten: the disk tier counts the files there are (copies saved since
+    # at idle included)
+    assert m["disk"]["sessions"] == len(files) and m["disk"]["bytes"] == sum(files.values())
     if damage != "garbage":  # read back as bytes, which the back end refused
         assert m["moves"]["unreadable"] == before["moves"]["unreadable"] + 1
     eng.append(a, "ACME 50 51")  # the session goes on
@@ -387,3 +390,83 @@ def test_over_http_a_lost_disk_state_answers_and_the_session_goes_on(model_dirs,
             r = http.post(f"/sessions/{sid}/append", json={"data": "ACME 50"})
             assert r.status_code == 200, r.text
             assert http.post(f"/sessions/{sid}/query", json=ask).status_code == 200
+
+
+def _move_down(eng, sid):
+    """`sid`'s KV moved down a tier on the worker, as room-making moves an idle one."""
+    pool, where = eng.pool, []
+    assert eng.wait_idle(60)
+
+    def move():
+        kv = pool.find(sid)
+        if kv is not None and kv.handle is not None:
+            pool._spill(kv)
+        where.append(pool.tier(sid))
+        yield
+
+    eng._call(move(), key=sid)
+    assert where[0] in ("ram", "disk")
+
+
+def test_a_restored_kv_moved_down_again_with_speculative_cells_only_saves_nothing(
+        make_engine):
+    """A KV brought back from a tier keeps its copy there: moved down again after requests
+    that added only speculative cells (a query's entry and answer, a pre-position), it saves
+    nothing, and answers as cold when it comes back from that copy."""
+    eng = small(make_engine)
+    a = eng.create_session("streaming", system=SYSTEM)
+    eng.append(a, "ACME 41 43 44 47")
+    _move_down(eng, a)
+    restores = eng.pool.counts["restores"]
+    seq = entry(eng, a, "Which way is ACME moving?")
+    assert answers_as_cold(eng, seq, eng.query(a, "Which way is ACME moving?", GREEDY).result())
+    assert eng.pool.counts["restores"] == restores + 1 and eng.wait_idle(60)
+    kv = eng.pool.find(a)
+    assert len(kv) > len(eng.snapshot(a).tokens)  # speculative cells after the committed
+    m = dict(eng.pool.counts)
+    _move_down(eng, a)
+    assert eng.pool.counts["saves"] == m["saves"]
+    assert eng.pool.counts["clean_moves"] == m["clean_moves"] + 1
+    assert kv.tokens[:len(eng.snapshot(a).tokens)] == list(eng.snapshot(a).tokens)
+    seq = entry(eng, a, "Is BOLT up?")
+    assert answers_as_cold(eng, seq, eng.query(a, "Is BOLT up?", GREEDY).result())
+
+
+def test_a_commit_makes_the_kept_copy_stale_and_it_is_saved_again(make_engine):
+    """A commit after the restore goes beyond the tier's copy: moving the KV down saves it
+    again (the copy then holds the new committed tokens) and it answers as cold."""
+    eng = small(make_engine)
+    a = eng.create_session("streaming", system=SYSTEM)
+    eng.append(a, "ACME 41 43 44 47")
+    _move_down(eng, a)
+    eng.query(a, "Which way is ACME moving?", GREEDY).result()  # brought back
+    saves = eng.pool.counts["saves"]
+    eng.append(a, "BOLT 9 8 7")
+    assert eng.wait_idle(60)
+    _move_down(eng, a)
+    assert eng.pool.counts["saves"] == saves + 1  # at idle or when moved: once
+    committed = len(eng.snapshot(a).tokens)
+    assert eng.pool._saved[a] >= committed and eng.pool.find(a).clean >= committed
+    seq = entry(eng, a, "Is BOLT up?")
+    assert answers_as_cold(eng, seq, eng.query(a, "Is BOLT up?", GREEDY).result())
+
+
+def test_after_idle_housekeeping_a_request_moves_idle_kvs_down_without_saving(make_engine):
+    """Idle time saves copies of the idle KVs a request may move down and moves none of
+    them; a foreground request that then needs their room (or, where every forward scans
+    every resident cell, their cells out of its forward) moves them down saving nothing,
+    and each answers as cold when it comes back."""
+    eng = small(make_engine, kv_idle_cells=0)
+    a, b = fill(eng, 2)
+    assert eng.wait_idle(60) and eng.info(b)["kv"] == "resident"
+    m = dict(eng.pool.counts)
+    assert m["idle_saves"] > 0
+    c = eng.create_session("streaming", system=SYSTEM, preposition=False)
+    eng.append(c, "NOVA 100 107 114 121 128 135 142 149")  # a's room (torch), or its cells
+    n = eng.pool.counts
+    moved = n["spills"] - m["spills"]
+    assert moved > 0 and n["clean_moves"] - m["clean_moves"] == moved
+    assert n["saves"] - n["idle_saves"] == m["saves"] - m["idle_saves"]  # none in foreground
+    for sid in (a, b):
+        seq = entry(eng, sid, "Is BOLT up?")
+        assert answers_as_cold(eng, seq, eng.query(sid, "Is BOLT up?", GREEDY).result())

@@ -62,6 +62,7 @@ class Engine:
                            Tiers(t.ram_bytes, t.disk_bytes, t.disk_dir)
                            if backend.holds_tiers else None,
                            self.scheduler.reserve, self.scheduler.release, config.kv_idle_cells)
+        self.scheduler.housekeeping = self.pool.housekeeping if self.pool.tiers else None
         self.room = Room(self.max_context, config.budget.session_cells, self.pool,
                          self.sessions)
         self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,

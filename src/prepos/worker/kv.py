@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 from prepos.backends.base import Backend
 from prepos.errors import OverBudget, TooManySessions
@@ -26,7 +26,14 @@ class KVPool:
     other sessions' speculative cells dropped first (`keeps`), then the least recently used
     idle resident KVs moved down a tier. What does not fit waits for a later quantum.
     Nothing a task is using is moved (`reserve`/`release`: the scheduler's, which marks the
-    sessions whose tasks run)."""
+    sessions whose tasks run).
+
+    A tier keeps its copy of a KV brought back from it (`KVSequence.clean`: the prefix it
+    holds as the KV does), so moving the KV down again saves nothing while its session's
+    committed tokens are within that prefix (only speculative cells added: those are
+    dropped); a new commit beyond it makes the copy stale, saved again when the KV next
+    moves. At idle, `housekeeping` saves such copies ahead, so a foreground request moves
+    idle KVs down without saving any; it never moves a KV down itself."""
 
     def __init__(self, backend: Backend, engine_cells: int, tiers: Tiers | None = None,
                  reserve: Callable[[str], bool] = lambda key: True,
@@ -38,10 +45,15 @@ class KVPool:
         # where every forward scans every resident cell (llama.cpp's unified layout): the
         # cells idle KVs may keep resident while a foreground batch runs (None: no bound)
         self.idle_cells = idle_cells if backend.scans_resident else None
+        # the cells the most recently used resident KVs may hold with no clean copy in a
+        # tier (`housekeeping` saves the rest's): those a request's room-making keeps
+        self.copy_beyond = self.idle_cells if self.idle_cells is not None else engine_cells // 2
         self.index = PrefixIndex()
         # what room-making keeps of another session's KV, pass by pass (the engine's: its
         # committed length, then less where its owner allows); none: nothing is cropped
         self.keeps: Sequence[Callable[[str], int]] = ()
+        # a session's committed tokens (the engine's); unknown: all of its KV's
+        self.committed: Callable[[str], int] = lambda sid: 1 << 62
         self._kv: dict[str, KVSequence] = {}
         self._scopes: dict[str, str | None] = {}  # a session's owner: its KVs' scope
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
@@ -50,7 +62,10 @@ class KVPool:
         self._used = 0
         self._lock = threading.Lock()
         self.counts = {"restores": 0, "restore_s": 0.0, "recomputed_tokens": 0, "spills": 0,
-                       "deferred": 0, "prefix_loads": 0}
+                       "deferred": 0, "prefix_loads": 0,
+                       # states saved into a tier (at idle, of those), and KVs moved down
+                       # to the clean copy a tier held (nothing saved)
+                       "saves": 0, "idle_saves": 0, "clean_moves": 0}
 
     def claim(self, sid: str, scope: str | None) -> None:
         """The scope of `sid`'s KV (its owner): prefixes are shared within a scope only."""
@@ -187,11 +202,9 @@ class KVPool:
         tokens where no tier holds it."""
         sid = kv.key
         t0 = time.perf_counter()
-        data = self.tiers.take(sid) if kv.tokens else None  # before others move down past it
-        self._saved.pop(sid, None)
+        # read before others move down past it, and left there: the KV's clean copy
+        data = self.tiers.peek(sid) if kv.tokens and sid in self._saved else None
         if not self._room(len(kv.tokens) + extra, True, keep, spare, moves):
-            if data is not None:
-                self._put(kv, data)
             if self.backend.free_handles() == 0:
                 raise TooManySessions(f"the {self.backend.name} back end holds no more "
                                       f"sessions' KV at once")
@@ -199,6 +212,8 @@ class KVPool:
                              f"cannot hold session {sid}'s {len(kv.tokens)} tokens")
         handle = self.backend.load(data, sid) if data is not None else None
         if handle is None:  # no tier held it, or it would not load: recompute it
+            if sid in self._saved:
+                self._lost(kv)
             handle, data = self.backend.new_kv(sid), None
         if data is None:
             self.counts["recomputed_tokens"] += len(kv.tokens)
@@ -207,7 +222,7 @@ class KVPool:
             self.backend.crop(handle, len(kv.tokens))  # cropped while it was away
             self.counts["restores"] += 1
             self.counts["restore_s"] += time.perf_counter() - t0
-        kv.handle = handle
+        kv.handle, kv.clean = handle, len(kv.tokens)
         self._resize(len(kv.tokens))
         self._resident[sid] = None
 
@@ -237,7 +252,9 @@ class KVPool:
         the index, recomputed from its tokens when next needed."""
         self._saved.pop(kv.key, None)
         self.tiers.discard(kv.key)
-        kv._unindex(0)
+        kv.clean = 0
+        if kv.handle is None:
+            kv._unindex(0)
 
     def _room(self, cells: int, handle: bool, keep: set[str], spare: Sequence[KVSequence],
               moves: bool) -> bool:
@@ -285,7 +302,16 @@ class KVPool:
         return False
 
     def _spill(self, kv: KVSequence) -> None:
-        data = self.backend.save(kv.handle) if kv.tokens else None
+        """`kv` moved down a tier: to its clean copy where that holds its committed tokens
+        (the speculative cells after it dropped), else saved."""
+        data = None
+        if kv.key in self._saved and 0 < kv.clean and self.committed(kv.key) <= kv.clean:
+            kv.crop(kv.clean)
+            self.counts["clean_moves"] += 1
+        elif kv.tokens:
+            data = self._save(kv)
+        elif kv.key in self._saved:
+            self._lost(kv)  # nothing of it to keep
         self.backend.release(kv.handle)
         kv.handle = None
         self._resize(-len(kv.tokens))
@@ -294,15 +320,53 @@ class KVPool:
         if data is not None:  # a state that no tier can keep is recomputed when needed
             self._put(kv, data)
 
+    def _save(self, kv: KVSequence, idle: bool = False) -> bytes:
+        self.counts["saves"] += 1  # counted together, before: a reader sees both or neither
+        self.counts["idle_saves"] += idle
+        return self.backend.save(kv.handle)
+
+    # -- at idle --------------------------------------------------------------------------
+    def housekeeping(self) -> Generator:
+        """Idle work, one unit a step: the least recently used resident KV a foreground
+        request might move down (beyond the most recently used within `copy_beyond`) whose
+        committed tokens no clean copy holds, saved into the tiers and left resident (one a
+        task is using skipped). So a request later moves it down without saving; idle work
+        itself never moves a KV down. Each KV is tried once a run (a state no tier keeps is
+        not saved again until the next)."""
+        tried: set[str] = set()
+        while (kv := self._dirty(tried)) is not None:
+            tried.add(kv.key)
+            if not self._reserve(kv.key):
+                continue  # in use: the next housekeeping finds it again
+            try:
+                self._put(kv, self._save(kv, idle=True))
+            finally:
+                self._release(kv.key)
+            yield
+
+    def _dirty(self, tried: set[str]) -> KVSequence | None:
+        if self.tiers is None:
+            return None
+        held, dirty = 0, None
+        for sid in list(self._resident)[::-1]:  # most recently used first
+            kv = self._kv[sid]
+            held += len(kv)
+            if held > self.copy_beyond and kv.tokens and sid not in tried and (
+                    sid not in self._saved or self.committed(sid) > kv.clean):
+                dirty = kv
+        return dirty
+
     def _put(self, kv: KVSequence, data: bytes) -> None:
         """`kv`'s state into the tiers, still indexed there (other KVs may start from its
         prefix); the KVs whose state no tier keeps any longer leave the index."""
-        self._saved[kv.key] = len(kv.tokens)
+        self._saved[kv.key] = kv.clean = len(kv.tokens)
         for sid in self.tiers.put(kv.key, data):
             self._saved.pop(sid, None)
             gone = self._kv.get(sid)
             if gone is not None:
-                gone._unindex(0)
+                gone.clean = 0
+                if gone.handle is None:  # a resident one only lost its copy
+                    gone._unindex(0)
 
     def metrics(self) -> dict:
         resident = {"cells": self.used, "sessions": len(self._resident),

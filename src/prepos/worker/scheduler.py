@@ -11,12 +11,17 @@ session's tasks never run at the same time (tasks with the same key are never in
 or on two workers at once). Idle tasks run by `priority`, highest first (what the work is
 worth: the engine gives a pre-position its session's chance of being asked before its next
 update), in turn among equals. The workers own the KV caches: only tasks touch them.
+
+Below every idle task, `housekeeping` (the KV pool's: copies of idle KVs saved into the
+tiers ahead of need) is queued once the queues run empty after other work, so it runs in
+idle time, one preemptible unit a quantum, and `wait_idle` waits for it too.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -25,6 +30,13 @@ from typing import Callable, Generator
 from prepos.backends.base import idle_work
 from prepos.errors import EngineClosed
 from prepos.worker.sequence import Advance, Forward, run_forwards
+
+log = logging.getLogger("prepos.scheduler")
+
+
+def _tidy_failed(exc: BaseException) -> None:
+    if not isinstance(exc, EngineClosed):
+        log.warning("idle housekeeping failed: %r", exc)
 
 
 class Task:
@@ -68,6 +80,9 @@ class Scheduler:
         self._max_batch = max_batch
         self._max_batch_tokens = max_batch_tokens
         self._stopped = False
+        # idle work queued when the queues run empty after other work (None: none)
+        self.housekeeping: Callable[[], Generator] | None = None
+        self._tidy: Task | None = None  # its task, while queued or running
         self.idle_steps = 0
         self.batches = 0  # batched foreground forwards run
         self.batched_forwards = 0  # foreground forwards they held (/ batches: mean batch size)
@@ -200,18 +215,33 @@ class Scheduler:
                     self.idle_steps += 1
                     self._idle_running -= 1
                 waiting = []  # forwards left out of the batch: they run first next quantum
+                tidy = batch[0] is self._tidy
                 for task in batch:
                     self._busy.discard(task.key)
                     if task in finished:
                         self._pending -= 1
                         self._fg_pending -= not task.idle
                         task.done.set()
+                        if task is self._tidy:
+                            self._tidy = None
                     elif task.want is not None and not task.idle:
                         waiting.append(task)
                     else:
                         self._queue(task)
                 self._fg.extendleft(reversed(waiting))
+                if not tidy:
+                    self._queue_housekeeping()
                 self._cv.notify_all()
+
+    def _queue_housekeeping(self) -> None:
+        """After other work, with nothing else queued: the housekeeping task, below every
+        idle task (under the lock)."""
+        if self.housekeeping is None or self._tidy is not None or self._fg or self._idle:
+            return
+        self._tidy = Task(self.housekeeping(), True, None, _tidy_failed, float("-inf"))
+        self._tidy.idle_mark = self.idle_steps
+        self._queue(self._tidy)
+        self._pending += 1
 
     def _quantum(self, batch: list[Task], idle: bool) -> set[Task]:
         """Step each task to its next forward, then run those forwards as one batch (within

@@ -93,6 +93,9 @@ class KVSequence:
         self.scope = scope
         self.index = index if backend.shares_prefixes else None
         self.hashes: list[int] = []  # the chain hash of each full block, while resident
+        # the prefix of `tokens` a tier's copy of this KV holds as they are (its pool's: the
+        # copy is clean up to here, so moving the KV down to it saves nothing)
+        self.clean = 0
         self._on_size = on_size or (lambda delta: None)
         self.pool = pool  # where its state goes while not resident (None: it stays)
 
@@ -126,6 +129,7 @@ class KVSequence:
                 self.backend.crop(self.handle, length)
                 self._on_size(length - len(self.tokens))
             del self.tokens[length:]
+            self.clean = min(self.clean, length)
             self._unindex(length // BLOCK)
 
     def reuse(self, target: Sequence[int],
@@ -152,6 +156,7 @@ class KVSequence:
             self.backend.crop(handle, n)
         self._on_size(n - len(self.tokens))
         self.tokens = donor.tokens[:n]
+        self.clean = 0  # other cells now: no tier's copy holds them
         self._unindex(0)
         self.hashes = donor.hashes[:n // BLOCK]
         self.index.add(self, self.hashes)
@@ -206,6 +211,7 @@ class KVSequence:
             self._on_size(-len(self.tokens))
             self.handle = None
         self.tokens = []
+        self.clean = 0
         self._unindex(0)
 
 
