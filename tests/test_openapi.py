@@ -229,6 +229,8 @@ def test_real_responses_of_every_route_validate_against_the_document(client, doc
     check("/v1/models/{model_id}", "GET", get("/v1/models/nope"))
     check(chat, "POST", post(chat, json={"model": "nope", "messages": msgs}))
     check(S, "GET", get(f"/sessions/{a}", params={"include": "everything"}))
+    for path in (p for p in doc["paths"] if p == "/ui" or p.startswith("/ui/")):
+        check(path, "GET", get(path))  # the web console's files
     assert check.ok == {(p, m) for p, ops in doc["paths"].items() for m in ops}
     assert check.events > 10
 

@@ -63,8 +63,7 @@ class Engine:
                            if backend.holds_tiers else None,
                            self.scheduler.reserve, self.scheduler.release, config.kv_idle_cells)
         self.scheduler.housekeeping = self.pool.housekeeping if self.pool.tiers else None
-        self.room = Room(self.max_context, config.budget.session_cells, self.pool,
-                         self.sessions)
+        self.room = Room(self.max_context, config.budget.session_cells, self.pool, self.sessions)
         self.prepositioner = Prepositioner(fmt, self.pool, config.chunk_tokens,
                                            config.budget.session_cells, self._emit,
                                            config.predecode_tokens, self.max_context,

@@ -38,6 +38,7 @@ from prepos.server import errors, openapi, results
 from prepos.server import responses as R
 from prepos.server.auth import Keys, load_keys, open_warning
 from prepos.server.cluster import Front, default_url
+from prepos.server.console import routes as console_routes
 from prepos.server.fast import App, StraightLine
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.lease import LeaseConfig
@@ -111,7 +112,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
 
     api = Routes()
     api.routes = [*sessions_routes.routes, *openai_routes.routes, *responses_routes.routes,
-                  *own.routes]
+                  *own.routes, *console_routes.routes]
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     openapi.install(app, api.routes)  # /openapi.json: every route above
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,

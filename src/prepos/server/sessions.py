@@ -149,7 +149,20 @@ def _info(state: ServerState, eng, sid: str) -> dict:
     info["preposition"] = s.spec.preposition and eng.config.preposition
     info["system"] = s.spec.system
     info["tools"] = list(s.spec.tools)
+    info.update(_prepared(eng, s))
     return info
+
+
+def _prepared(eng, s) -> dict:
+    """What is prepared in a session, read-only: where its KV is, whether its current version
+    is pre-positioned, the answer tokens pre-decoded for it, and h(rho), the chance a request
+    comes before its next update (what its idle work goes by)."""
+    snap, ready = s.current()
+    answers = [ready.answer(k) for k in list(ready.records)]
+    return {"kv": eng.pool.tier(s.id),
+            "prepared": ready.valid and ready.done and ready.version == snap.version,
+            "predecoded_tokens": sum(len(a.tokens) for a in answers if a is not None),
+            "hit": round(eng.prepositioner.worth(s), 4)}
 
 
 @routes.add("GET", "/sessions", 50, summary="List the caller's sessions",
@@ -162,7 +175,8 @@ async def list_sessions(request: Request):
             continue
         snap, _ = s.current()
         out.append({"id": s.id, "kind": s.kind, "version": snap.version,
-                    "tokens": len(snap.tokens), "messages": len(snap.messages)})
+                    "tokens": len(snap.tokens), "messages": len(snap.messages),
+                    **_prepared(c.engine, s)})
     return JSONBody({"object": "list", "data": out})
 
 
