@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 
 import httpx
 import openai
@@ -542,12 +543,20 @@ def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(mod
             chain.append(c.responses.create(model=model, input=f"Turn {i}?",
                                             previous_response_id=chain[-1].id,
                                             instructions=INSTR, max_output_tokens=2))
-        store = ResponseStore(journal)
-        others = []
+        copies = iter(range(10**6))
+
+        def read() -> ResponseStore:  # the server holds its journal: read a copy of it
+            copy = tmp_path / f"copy{next(copies)}.sqlite3"
+            with sqlite3.connect(journal) as src, sqlite3.connect(copy) as dst:
+                src.backup(dst)
+            return ResponseStore(copy)
+
+        store, others = read(), []
         while store.get(None, chain[0].id) is not None:
             assert len(others) < 100
             others.append(c.responses.create(model=model, input="Other? " + "pad " * 200,
                                              instructions=INSTR, max_output_tokens=2))
+            store = read()
             assert store.used(None)[0] <= bound
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(chain[0].id)
@@ -562,5 +571,6 @@ def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(mod
         for _ in range(len(others) + 4):  # as many again: the oldest keep going
             c.responses.create(model=model, input="Other? " + "pad " * 200,
                                instructions=INSTR, max_output_tokens=2)
+        store = read()
         used, live = store.used(None)
         assert used <= bound and store.get(None, others[0].id) is None
