@@ -126,3 +126,16 @@ def promote(eng, question, token):
     gate.decide("", cls, None, token)  # a class is tracked once asked
     for _ in range(gate.config.min_verified):
         gate.evidence(cls, False, token)
+
+
+def hold_worker(eng, seconds: float = 30):
+    """Keep the (single) model worker busy until the returned event is set (at most
+    `seconds`), so that requests submitted meanwhile wait, and are taken together."""
+    gate = threading.Event()
+
+    def blocker():
+        gate.wait(seconds)
+        yield
+
+    eng.scheduler.submit(blocker())
+    return gate

@@ -3,7 +3,15 @@
 import pytest
 
 import helpers
-from helpers import cold_logits, during_idle_forwards, greedy_agrees, query_entry, state, tolerance
+from helpers import (
+    cold_logits,
+    during_idle_forwards,
+    greedy_agrees,
+    hold_worker,
+    query_entry,
+    state,
+    tolerance,
+)
 from prepos.config import BudgetConfig, GateConfig
 from prepos.core import AnswerPath, Match, Request, SamplingParams
 from prepos.engine.session import TURN, query_key
@@ -426,25 +434,11 @@ def test_expected_version_refuses_a_stale_commit(make_engine):
     assert state(eng, sid) == before
 
 
-def _hold_worker(eng):
-    """Keep the (single) model worker busy until the returned event is set."""
-    import threading
-
-    gate = threading.Event()
-
-    def blocker():
-        gate.wait(30)
-        yield
-
-    eng.scheduler.submit(blocker())
-    return gate
-
-
 def test_a_cancelled_request_does_no_model_work(make_engine):
     eng = make_engine()
     sid = streaming(eng, preposition=False)
     paths = dict(eng.paths)
-    gate = _hold_worker(eng)
+    gate = hold_worker(eng)
     stream = eng.query(sid, Q, Request(SamplingParams(max_tokens=8), fast_path="off"))
     stream.cancel()  # the client left while the request waited for the worker
     gate.set()
@@ -456,7 +450,7 @@ def test_a_cancelled_request_does_no_model_work(make_engine):
 def test_a_cancelled_turn_commits_no_assistant_message(make_engine):
     eng = make_engine()
     sid = eng.create_session("agentic", system=SYSTEM)
-    gate = _hold_worker(eng)
+    gate = hold_worker(eng)
     stream = eng.turn(sid, "What is the trend?", Request(SamplingParams(max_tokens=8)))
     user_version = eng.session(sid).snap.version  # the user's message is committed
     stream.cancel()

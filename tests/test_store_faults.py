@@ -16,12 +16,12 @@ import json
 import signal
 import socket
 import sqlite3
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from helpers import hold_worker
 from server_harness import ServerProc, state_of
 
 from prepos.core import Request, SamplingParams
@@ -41,18 +41,6 @@ def locked(path):
     return con
 
 
-def _hold_worker(eng):
-    """Keep the (single) model worker busy until the returned event is set."""
-    gate = threading.Event()
-
-    def blocker():
-        gate.wait(30)
-        yield
-
-    eng.scheduler.submit(blocker())
-    return gate
-
-
 def messages(eng, sid):
     return [(m["role"], m["content"]) for m in eng.session(sid).snap.messages]
 
@@ -61,7 +49,7 @@ def messages(eng, sid):
 def test_four_turns_at_once_commit_only_the_admitted_one(make_engine):
     eng = make_engine()
     sid = eng.create_session("agentic", system=SYSTEM)
-    gate = _hold_worker(eng)  # the first turn's answer waits: it is in flight
+    gate = hold_worker(eng)  # the first turn's answer waits: it is in flight
     first = eng.turn(sid, "user 0", Request(TWO))
     before = eng.session(sid).snap
     for i in (1, 2, 3):

@@ -6,11 +6,10 @@ one a task is using; idle work moves nobody's."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
-from helpers import greedy_agrees
+from helpers import greedy_agrees, hold_worker
 from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.errors import OverBudget
@@ -123,19 +122,6 @@ def test_a_session_larger_than_the_resident_budget_is_refused_unchanged(make_eng
     assert eng.snapshot(sid) == before
 
 
-def _hold_worker(eng):
-    """Keep the model worker busy until the returned event is set, so that requests
-    submitted meanwhile are taken together."""
-    gate = threading.Event()
-
-    def blocker():
-        gate.wait(300)
-        yield
-
-    eng.scheduler.submit(blocker())
-    return gate
-
-
 def _peak_cells(eng) -> list[int]:
     """The most resident cells the pool ever counted, from now on (one-element list)."""
     peak, resize = [eng.pool.used], eng.pool._resize
@@ -170,7 +156,7 @@ def test_concurrent_requests_over_a_full_budget_are_served_within_it(make_engine
     peak = _peak_cells(eng)
     question = "Which way is ACME moving? Say it in one word, then why."
     seqs = {sid: entry(eng, sid, question) for sid in sids}
-    gate = _hold_worker(eng)
+    gate = hold_worker(eng, 300)
     streams = {sid: eng.query(sid, question, Request(SamplingParams(max_tokens=12),
                                                      fast_path="off"))
                for sid in sids[-asked:]}

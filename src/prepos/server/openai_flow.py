@@ -289,7 +289,7 @@ class ChatCall:
                 self.state.will_be_fast(eng, s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
                 or self.body.stream and eng.serves_exact(s.id, TURN, req)):
-            stream = await self.state.run(eng.turn, s.id, None, req)  # commits: off the loop
+            stream = await self.state.committing(eng.turn, s.id, None, req)
             return await self._respond([stream], s.id if public else None, agentic=True,
                                        tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))
         self.state.backpressure(eng)

@@ -228,7 +228,7 @@ async def inspect_session(sid: str, request: Request):
 @routes.add("DELETE", "/sessions/{sid}", 50, summary="Close a session", response=R.Closed)
 async def close_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
-    await c.state.run(c.engine.close_session, sid)  # its rows deleted first
+    await c.state.committing(c.engine.close_session, sid)  # its rows deleted first
     return JSONBody({"session_id": sid, "closed": True})
 
 

@@ -289,6 +289,13 @@ class ServerState:
         """Run blocking engine work (rendering, waiting for the worker) off the loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def committing(self, fn, *args):
+        """`fn(*args)`, which commits: off the loop where the journal writes it ahead (the
+        commit waits for the store), at once where nothing is journalled."""
+        if self.journal is None:
+            return fn(*args)
+        return await self.run(fn, *args)
+
     async def result(self, stream, receive) -> Result:
         """The stream's result. `receive`, the request's ASGI receive: a client that leaves
         before the result is ready cancels the stream (no more model work for it)."""
@@ -327,7 +334,7 @@ class ServerState:
         if not self.will_be_fast(engine, sid, key, req):
             self.backpressure(engine)
         if commits:
-            return await self.run(start)
+            return await self.committing(start)
         if size <= INLINE_BYTES:
             return start()
         return await asyncio.get_running_loop().run_in_executor(self.cpu, start)
