@@ -74,12 +74,14 @@ def question(i: int, t: int) -> str:
 
 
 def ask(http: httpx.Client, url: str, model: str, key: str | None, msgs: list[dict],
-        max_tokens: int) -> dict:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+        max_tokens: int, headers: dict | None = None, extra: dict | None = None) -> dict:
+    """One chat turn, the whole conversation sent (`headers`, `extra` body fields added)."""
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     t0 = time.perf_counter()
     try:
         r = http.post(url + "/v1/chat/completions", headers=headers, json={
-            "model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0})
+            "model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0.0,
+            **(extra or {})})
     except httpx.HTTPError as exc:
         return {"ok": False, "error": type(exc).__name__, "s": time.perf_counter() - t0}
     dt = time.perf_counter() - t0
@@ -95,12 +97,17 @@ def ask(http: httpx.Client, url: str, model: str, key: str | None, msgs: list[di
             "content": body["choices"][0]["message"].get("content") or ""}
 
 
-def run_arm(url: str, model: str, key: str | None, systems: list[str], turns: int,
-            max_tokens: int, count, before=lambda t, i: None, split: int | None = None
-            ) -> dict:
-    """Every conversation's turns, round robin; `before(t, i)` runs before turn t of
-    conversation i (the cluster part kills a node there); with `split`, the cached fraction
-    of the later turns before turn `split` apart too."""
+def chat_asker(url: str, model: str, key: str | None, max_tokens: int):
+    """`asker` for `run_arm`: conversation i's turn as a stock client asks it."""
+    return lambda http, i, msgs: ask(http, url, model, key, msgs, max_tokens)
+
+
+def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: None,
+            split: int | None = None) -> dict:
+    """Every conversation's turns, round robin, each asked by `asker(http, i, msgs)` (msgs:
+    the conversation so far, its new user message last); `before(t, i)` runs before turn t
+    of conversation i (the cluster part kills a node there); with `split`, the cached
+    fraction of the later turns before turn `split` apart too."""
     early = [0, 0]  # cached, prompt tokens of later turns before `split`
     convs = [[{"role": "system", "content": s}] for s in systems]
     first, later, errors, server_errors = [], [], 0, 0
@@ -112,7 +119,7 @@ def run_arm(url: str, model: str, key: str | None, systems: list[str], turns: in
             for i, msgs in enumerate(convs):
                 before(t, i)
                 msgs.append({"role": "user", "content": question(i, t)})
-                r = ask(http, url, model, key, msgs, max_tokens)
+                r = asker(http, i, msgs)
                 if not r["ok"]:
                     errors += 1
                     server_errors += r.get("status", 500) >= 500
@@ -181,8 +188,8 @@ def cluster_part(args, served: str, systems: list[str], count) -> dict:
             t0 = time.perf_counter()
             model = httpx.get(nodes[0].url + "/v1/models", timeout=30, headers={
                 "Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
-            arm = run_arm(router.url, model, KEY, systems, args.turns, args.max_tokens,
-                          count, before, split=args.kill_turn)
+            arm = run_arm(chat_asker(router.url, model, KEY, args.max_tokens), systems,
+                          args.turns, count, before, split=args.kill_turn)
             arm["wall_s"] = round(time.perf_counter() - t0, 1)
             arm["hops"] = {}
             for i, node in enumerate(nodes):
@@ -320,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30).json()["data"][0]["id"]
         t0 = time.perf_counter()
-        ours = run_arm(url, model, KEY, systems, args.turns, args.max_tokens, count)
+        ours = run_arm(chat_asker(url, model, KEY, args.max_tokens), systems, args.turns,
+                       count)
         ours["wall_s"] = round(time.perf_counter() - t0, 1)
         m = metrics(url)
         ours["implicit_sessions"] = {k.split('"')[1]: v for k, v in m.items()
@@ -347,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         llama.start(wait=300)
         try:
             t0 = time.perf_counter()
-            theirs = run_arm(llama.url, "model", None, systems, args.turns, args.max_tokens,
-                             count)
+            theirs = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
+                             args.turns, count)
             theirs["wall_s"] = round(time.perf_counter() - t0, 1)
         finally:
             llama.stop()

@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from cluster_harness import Postgres, missing_postgres
+from cluster_harness import Postgres, Router, missing_postgres, missing_router
 from server_harness import ServerProc
 
 from prepos.paths import DEFAULT_MODEL
@@ -47,8 +47,9 @@ def nodes(tmp_path_factory):
         pg.stop()
 
 
-def ask(node, msgs: list[dict], key: str = KEYS[0]):
-    c = openai.OpenAI(base_url=node.url + "/v1", api_key=key, max_retries=0, timeout=120)
+def ask(node, msgs: list[dict], key: str = KEYS[0], name: str | None = None):
+    c = openai.OpenAI(base_url=node.url + "/v1", api_key=key, max_retries=0, timeout=120,
+                      default_headers={"X-Session-ID": name} if name else None)
     r = c.chat.completions.create(model="trend-reader", messages=msgs, max_tokens=3)
     msgs.append({"role": "assistant", "content": r.choices[0].message.content})
     return r
@@ -95,6 +96,54 @@ def test_a_conversation_is_continued_by_its_node_through_another(nodes):
     msgs.append({"role": "user", "content": "And ACME again?"})
     third = ask(b, msgs)  # still a's: the directory follows the conversation's new hash
     assert hops(b) == before + 2 and cached(third) >= second.usage.prompt_tokens
+
+
+def owned(node) -> int:
+    return httpx.get(node.url + "/health", timeout=30).json()["cluster"]["owned"]
+
+
+def test_a_named_conversation_is_continued_through_another_node(nodes):
+    """An x-session-id no session has names the client's conversation: no lease is taken
+    for it, and it is continued by the node keeping it from whichever node it reaches."""
+    a, b = nodes
+    msgs = [{"role": "system", "content": "DYNA 1 2 4, EQTY 7 7 6. One word."},
+            {"role": "user", "content": "DYNA up or down?"}]
+    n = published(a)
+    first = ask(a, msgs, name="named-conv-1")
+    wait_published(a, n)
+    msgs.append({"role": "user", "content": "And EQTY?"})
+    before = hops(b)
+    second = ask(b, msgs, name="named-conv-1")
+    assert hops(b) == before + 1  # answered by a, which keeps it
+    assert cached(second) >= first.usage.prompt_tokens
+    assert owned(a) == owned(b) == 0  # a name is no session: nothing claimed in the store
+
+
+def test_a_named_conversation_stays_on_one_node_behind_the_router(nodes, tmp_path):
+    """Behind vllm-router hashing x-session-id, each turn of a conversation the client
+    names reaches the node that keeps it, and pays only its new message."""
+    reason = missing_router()
+    if reason:
+        pytest.skip(reason)
+    router = Router([n.url for n in nodes], tmp_path).start()
+    try:
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key=KEYS[0], max_retries=0,
+                          timeout=120, default_headers={"X-Session-ID": "routed-conv-1"})
+        msgs = [{"role": "system", "content": "FLUX 3 3 2, ACME 5 6 6. One word."}]
+        served, prompts = set(), []
+        for q in ("FLUX up or down?", "And ACME?", "And FLUX again?"):
+            msgs.append({"role": "user", "content": q})
+            raw = c.chat.completions.with_raw_response.create(
+                model="trend-reader", messages=msgs, max_tokens=3)
+            r = raw.parse()
+            served.add(raw.headers.get("x-prepos-node"))
+            if prompts:
+                assert cached(r) >= prompts[-1]  # the previous turn's prompt, found
+            prompts.append(r.usage.prompt_tokens)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        assert len(served) == 1  # one node served every turn
+    finally:
+        router.stop()
 
 
 def test_a_conversation_whose_node_died_is_answered_where_it_lands(nodes):

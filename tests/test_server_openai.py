@@ -167,9 +167,6 @@ def test_unsupported_or_out_of_range_options_are_refused_by_name(oai, model_name
         assert err.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=msgs)
-    with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model=model_name, messages=msgs,
-                                    extra_body={"session_id": "s-404"})
 
 
 def test_top_logprobs_list_the_most_likely_tokens(oai, http, model_name):

@@ -39,6 +39,7 @@ HEADER = b"x-session-id"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 SLOW_S = 5.0  # a request on a session slower than this is logged
 NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
+CLIENT_NAMED = (*NAMED_IN_BODY, "/v1/responses")  # a name no session has is the client's
 
 
 def named_session(scope) -> tuple[str | None, bool]:
@@ -204,15 +205,20 @@ class Cluster:
     async def may_claim(self, sid: str, scope) -> bool:
         """Whether the request may make this node claim or take `sid` over: a valid key
         (401 otherwise, before any lease or store work) of the session's owner where the
-        store has the session (else no lease is touched: the app answers 404)."""
+        store has the session (else no lease is touched: the app answers 404). An OpenAI
+        request naming no stored session names a conversation of the client's: served here,
+        no lease (the app answers it statelessly)."""
         owner = self.state.keys.owner_of(dict(scope["headers"]).get(
             b"authorization", b"").decode("latin-1") or None)
-        if owner is None or self.leases.owns(sid):
+        if self.leases.owns(sid):
+            return True
+        client_named = scope["path"] in CLIENT_NAMED
+        if owner is None and not client_named:
             return True
         row = await self.state.run(lambda: self.leases.db.q(
             "SELECT spec FROM sessions WHERE id=?", (sid,)).fetchone())
-        if row is None:
-            return True  # not stored (yet): the lease says who makes it
+        if row is None:  # not stored (yet): the lease says who makes it
+            return not client_named
         try:
             stored = json.loads(row[0]).get("owner")
         except (ValueError, AttributeError):

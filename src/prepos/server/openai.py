@@ -1,9 +1,13 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models and
 /v1/models/{id}.
 
-Without `session_id` a request is stateless: the server makes a session for it (agentic for
-chat, with the request's tools; streaming for completions), answers on the cold path, and
-closes it. With the `session_id` extension the request maps onto a live session:
+Without `session_id` a request is stateless: answered as its messages ask, a chat
+conversation kept for its next turn and found again by its content (`server/implicit.py`),
+a completion on a session closed after it. A `session_id` (or `x-session-id`) that names no
+session of the caller's key is the client's name for its conversation: accepted, and answered
+statelessly the same way (the name keeps a router sending the conversation to one node; an
+edited or regenerated history branches from the longest prefix any kept conversation of the
+key holds). With the `session_id` of one of the key's sessions, the request maps onto it:
 
 - agentic session, chat: the conversation must extend the session's committed history;
   only the delta is committed (client-held messages with `add_message`, then the last user
@@ -38,6 +42,7 @@ from prepos.chat.conversation import session_messages
 from prepos.engine.session import STREAMING
 from prepos.errors import PreposError
 from prepos.server import responses as R
+from prepos.server.cluster import SESSION_ID
 from prepos.server.conversations import hop
 from prepos.server.errors import ApiError
 from prepos.server.journal import EPHEMERAL
@@ -81,6 +86,20 @@ def _context_errors(fn):
     return route
 
 
+def named(state, eng, body, owner):
+    """The key's session the body's `session_id` names; None for none named, or a name
+    that is no session of this key's (400 where it is no valid name)."""
+    sid = body.session_id
+    if sid is None:
+        return None
+    s = state.session_named(eng, sid, owner)
+    if s is None and not SESSION_ID.fullmatch(sid):
+        raise ApiError(400, "invalid_session_id", "session_id must be 1-128 letters, digits "
+                       f"and ._:- (starting with a letter or digit), got {sid[:140]!r}",
+                       "session_id")
+    return s
+
+
 @routes.add("GET", "/v1/models", 60, summary="List the models", response=R.ModelList,
             tags=("openai",))
 async def models(request: Request):
@@ -112,13 +131,13 @@ async def chat_completions(request: Request):
     for i, m in enumerate(msgs):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(body)
-    if body.session_id is None:
+    s = named(state, eng, body, owner)
+    if s is None:  # a name that is no session of this key's is the client's: stateless
         kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
         if kept_elsewhere is not None:
             return kept_elsewhere
         return await ChatCall(state, body, sampling, request.receive).stateless(
             eng, owner, msgs, tools)
-    s = state.session(eng, body.session_id, owner, "session_id")
     if s.kind == STREAMING:
         return await ChatCall(state, body, sampling, request.receive).streaming(eng, s, msgs)
     if body.tools is not None and tools != list(s.spec.tools):
@@ -136,10 +155,11 @@ async def completions(request: Request):
     c = await ServerState.open(request, Completion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
     prompts, sampling = completion_input(state, body)
+    s = named(state, eng, body, owner)
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if body.session_id is not None:  # a streaming session's query: its text
+        if s is not None:  # a streaming session's query: its text
             prompts[i] = p = prompt_text(eng, p, where)
         if isinstance(p, str):
             await state.check_input(eng, p, where, context=True)
-    return await complete(state, request.receive, eng, owner, body, prompts, sampling)
+    return await complete(state, request.receive, eng, owner, body, prompts, sampling, s)

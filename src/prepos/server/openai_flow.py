@@ -355,20 +355,19 @@ def prompt_text(eng, prompt: str | list[int], where: str) -> str:
 
 
 async def complete(state: ServerState, receive, eng, owner, body: Completion,
-                   prompts: list[str | list[int]], sampling) -> Response:
-    """Completions: a streaming session's queries (text), or stateless raw completions of
+                   prompts: list[str | list[int]], sampling, s=None) -> Response:
+    """Completions: streaming session `s`'s queries (text), or stateless raw completions of
     text or token ids, each on an ephemeral session."""
     want_lp = body.logprobs is not None
     prompt_lp = bool(body.echo) and want_lp  # the prompt's own logprobs, echoed with it
     n = body.n or 1
     echo = [p if isinstance(p, str) else eng.fmt.tokenizer.decode(p, skip_special_tokens=False)
             for p in prompts] if body.echo else None
-    if body.session_id is not None:
+    if s is not None:
         if prompt_lp:
             raise ApiError(400, "unsupported", "echo with logprobs is not supported on a "
                            "session's query (stateless completions compute the prompt's "
                            "logprobs)", "echo")
-        s = state.session(eng, body.session_id, owner, "session_id")
         if s.kind != STREAMING:
             raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
                            "with /v1/chat/completions", "session_id")

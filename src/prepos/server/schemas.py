@@ -133,6 +133,8 @@ class ChatCompletion(OpenAISampling):
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     on_divergence: Literal["error", "rollback"] = "error"  # prepos extension
+    # accepted and echoed nowhere: a conversation is found by its content
+    prompt_cache_key: StrictStr | None = Field(None, max_length=256)
 
 
 class Completion(OpenAISampling):

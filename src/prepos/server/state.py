@@ -244,6 +244,13 @@ class ServerState:
                 param: str | None = None) -> Session:
         """The caller's session `sid`: 404 for none, another key's or an ephemeral one (the
         same answer for all three, so a key learns nothing of others' sessions)."""
+        s = self.session_named(engine, sid, owner)
+        if s is None:
+            raise ApiError(404, "session_not_found", f"no session {sid!r}", param)
+        return s
+
+    def session_named(self, engine: Engine, sid: str, owner: str | None) -> Session | None:
+        """The caller's session `sid`, None where it names none of the caller's."""
         try:
             if not is_ephemeral(sid):
                 s = engine.session(sid)
@@ -251,7 +258,7 @@ class ServerState:
                     return s
         except SessionNotFound:
             pass
-        raise ApiError(404, "session_not_found", f"no session {sid!r}", param)
+        return None
 
     @staticmethod
     def visible(s: Session, owner: str | None) -> bool:

@@ -1,0 +1,175 @@
+"""Conversations the client names: many conversations asked round robin, each named the way
+a stock client names one, against llama-server, which ignores the name.
+
+Each conversation has a system prompt of about --system-tokens tokens of its own and --turns
+user turns, asked in turn (turn 1 of every conversation, then turn 2, ...), greedy,
+--max-tokens tokens an answer, one request at a time. Three modes, each on a fresh
+`prepos serve --model MODEL` (its defaults but --kv-ram, --journal none), one server alive at
+a time:
+
+  header            chat completions with the whole conversation, `X-Session-ID: conv-<i>`
+  prompt_cache_key  the same, named by the body's `prompt_cache_key`
+  conversations     the OpenAI SDK's Conversations API: `conversations.create()` once, then
+                    `responses.create(conversation=..., instructions=<system>, input=<the
+                    new user message>)`, the server keeping the conversation
+
+  llama_server      llama-server on the same GGUF, the same threads, one slot, its prompt
+                    cache in RAM of the same size (--cache-ram = prepos's --kv-ram), --jinja,
+                    every turn resending the whole conversation (it ignores names)
+
+Reported per mode: `errors`, turn latency (client side, median and P99 with n, first and later
+turns apart), `cached_fraction_after_first` (cached prompt tokens over the later turns'
+prompt tokens) beside the ceiling any cache could reach (each later turn's prompt less its
+new user message), `cached_over_ceiling`, and `turn_ratio_vs_llama_server` (the mode's median
+later turn over llama-server's). The JSON summary is the last line of stdout (and
+results/named_conversations.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, machine, write  # noqa: E402
+from many_conversations import KEY, ask, chat_asker, run_arm, system_prompt  # noqa: E402
+from stock_clients import resolve, start_prepos, stop  # noqa: E402
+
+from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
+
+MODES = ("header", "prompt_cache_key", "conversations")
+
+
+def named_asker(url: str, model: str, max_tokens: int, mode: str):
+    """Conversation i's turn, the whole conversation sent and named as `mode` names it."""
+    def asker(http, i, msgs):
+        name = f"conv-{i}"
+        if mode == "header":
+            return ask(http, url, model, KEY, msgs, max_tokens, headers={"X-Session-ID": name})
+        return ask(http, url, model, KEY, msgs, max_tokens, extra={"prompt_cache_key": name})
+    return asker
+
+
+def conversations_asker(url: str, model: str, max_tokens: int):
+    """Conversation i's turn through the Conversations API: only the new user message sent,
+    the server holding the rest (the system prompt is the request's instructions)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=900)
+    ids: dict[int, str] = {}
+
+    def asker(http, i, msgs):
+        t0 = time.perf_counter()
+        try:
+            if i not in ids:
+                ids[i] = client.conversations.create().id
+            r = client.responses.create(model=model, conversation=ids[i],
+                                        instructions=msgs[0]["content"],
+                                        input=msgs[-1]["content"],
+                                        max_output_tokens=max_tokens, temperature=0.0)
+        except openai.APIStatusError as exc:
+            return {"ok": False, "status": exc.status_code, "s": time.perf_counter() - t0}
+        except openai.APIError as exc:
+            return {"ok": False, "error": type(exc).__name__, "s": time.perf_counter() - t0}
+        dt = time.perf_counter() - t0
+        details = r.usage.input_tokens_details
+        return {"ok": True, "s": dt, "prompt": r.usage.input_tokens,
+                "completion": r.usage.output_tokens,
+                "cached": details.cached_tokens if details else 0, "content": r.output_text}
+    return asker
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--conversations", type=int, default=200)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-ram", default="2G", help="prepos's --kv-ram; llama-server's "
+                    "--cache-ram the same")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more `prepos serve` argument (repeatable)")
+    ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "named_conversations.json")
+    args = ap.parse_args(argv)
+
+    from prepos.chat.format import ChatFormat
+    from prepos.engine.loading import load_tokenizer, resolve_model
+    from prepos.server.app import size
+
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
+    ram = size(args.kv_ram)
+    served, gguf, label = resolve(args.model)
+    fmt = ChatFormat(load_tokenizer(resolve_model(args.model)))
+    systems = [system_prompt(fmt, i, args.system_tokens) for i in range(args.conversations)]
+
+    def count(text: str) -> int:
+        return len(fmt.encode(text))
+
+    work = Path(tempfile.mkdtemp(prefix="named-conversations-"))
+    out: dict = {"benchmark": "named_conversations", "model": label, "machine": machine(),
+                 "conversations": args.conversations, "turns": args.turns,
+                 "system_tokens_p50": statistics.median(count(s) for s in systems[:50]),
+                 "max_tokens": args.max_tokens, "kv_ram_bytes": ram,
+                 "server_args": args.server_arg, "modes": {}}
+    for mode in modes:
+        proc, url = start_prepos(served, work / f"prepos-{mode}.log", args.threads,
+                                 ["--kv-ram", str(ram), *args.server_arg])
+        try:
+            model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                              timeout=30).json()["data"][0]["id"]
+            asker = (conversations_asker(url, model, args.max_tokens) if mode == "conversations"
+                     else named_asker(url, model, args.max_tokens, mode))
+            t0 = time.perf_counter()
+            arm = run_arm(asker, systems, args.turns, count)
+            arm["wall_s"] = round(time.perf_counter() - t0, 1)
+        finally:
+            stop(proc)
+        if arm["ceiling_tokens"]:
+            arm["cached_over_ceiling"] = round(arm["later_cached_tokens"] /
+                                               arm["ceiling_tokens"], 4)
+        out["modes"][mode] = arm
+
+    binary = None if args.skip_llama_server else find_binary()
+    if binary is not None:
+        llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
+                            extra=("--jinja", "--cache-ram", str(ram >> 20)),
+                            log=work / "llama-server.log")
+        llama.start(wait=300)
+        try:
+            t0 = time.perf_counter()
+            theirs = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
+                             args.turns, count)
+            theirs["wall_s"] = round(time.perf_counter() - t0, 1)
+        finally:
+            llama.stop()
+        out["llama_server"] = theirs
+        for arm in out["modes"].values():
+            a, b = arm["later_turns"], theirs["later_turns"]
+            if a and b:
+                arm["turn_ratio_vs_llama_server"] = round(a["p50_ms"] / b["p50_ms"], 3)
+    else:
+        out["llama_server"] = {"skipped": "no llama-server binary" if not
+                               args.skip_llama_server else "--skip-llama-server"}
+    write(args.out, out)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
