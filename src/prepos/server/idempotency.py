@@ -49,6 +49,12 @@ TTL_S = 86400.0  # how long a result is kept
 KEEP = 10000  # results kept per API key
 TRANSIENT = frozenset({"session_busy", "session_moved", "idempotency_key_pending"})
 UNKEPT = (b"content-length", b"transfer-encoding")  # headers a replay makes anew
+PARAMETER = {"name": HEADER, "in": "header", "required": False,  # in /openapi.json
+             "schema": {"type": "string", "minLength": 1, "maxLength": 255,
+                        "pattern": "^[ -~]+$"},
+             "description": "makes the request safe to retry: a retry with the same key and "
+                            "request is answered the first result (Idempotent-Replayed: true) "
+                            "and commits nothing"}
 
 
 class KeyClaimed(PreposError):
@@ -319,6 +325,7 @@ def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None)
             return await state.idempotency.serve(state, owner or "", key, h.hexdigest(), sid,
                                                  lambda: fn(request=request, **params))
 
+        route.idempotent = True  # documented with the header
         return route
 
     return wrap if fn is None else wrap(fn)
