@@ -204,9 +204,9 @@ class Journal:
         if _on_loop():
             self._db.submit(lambda db: self._job("close", s.id, lambda: self._close(s.id)))
             return
-        self._write("close", s.id, lambda: self._close(s.id), s.version)
+        self._write("close", s.id, lambda: self._close(s.id), self._last.get(s.id, (None,))[0])
 
-    def _write(self, event: str, sid: str, write: Callable[[], None], version: int) -> None:
+    def _write(self, event: str, sid: str, write: Callable[[], None], version) -> None:
         """`write()` in one transaction on the writer thread, waited for; StoreUnavailable
         (or the fence's refusal) where it was not written. The request's idempotency key, if
         this is its first commit, is claimed in the same transaction (`riding`)."""
