@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import time
 from collections import Counter
@@ -98,9 +99,8 @@ class Engine:
                        owner: str | None = None, relaxed_queries: Sequence[str] = (),
                        r_max: float | None = None, answer_tokens: int | None = None,
                        answer_stop: Sequence[str] = ()) -> str:
-        """A new session; `owner` tags it with the API key that made it (kept and journalled;
-        the server checks it, the engine does not); `answer_tokens` and `answer_stop`: the
-        answer budget of its exact entries, pre-decoded at idle (`prepos.engine.predecode`)."""
+        """A new session; `owner`: the API key that made it (journalled; the server checks it);
+        `answer_tokens`, `answer_stop`: its exact entries' answer budget, pre-decoded at idle."""
         spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
                            budget_cells, owner=owner, relaxed_queries=tuple(relaxed_queries),
                            r_max=r_max, answer_tokens=answer_tokens,
@@ -123,8 +123,9 @@ class Engine:
         self._committed(s, s.snap, None, wait=warm)
         return s.id
 
-    def close_session(self, sid: str) -> None:
-        s = self.sessions.remove(sid)
+    def close_session(self, sid: str, expected_version: int | None = None) -> None:
+        with self.sessions.get(sid).expecting(expected_version):
+            s = self.sessions.remove(sid)
         s.invalidate()
         self.relaxed.gate.forget(s.id)
         self._emit("close", s, None)
@@ -136,8 +137,7 @@ class Engine:
         self.scheduler.submit(drop(), key=s.id)
 
     def trim(self, sid: str) -> None:
-        """Drop the session's speculative KV cells (pre-paid entries, past answers), keeping its
-        committed state and ready records. Waits until done."""
+        """Drop the session's speculative KV cells (its commits and ready records kept); waits."""
         s = self.sessions.get(sid)
 
         def crop():
@@ -176,33 +176,35 @@ class Engine:
         return self.pool.find(sid) is None or self.pool.tier(sid) != "none"
 
     # == mutations =========================================================================
-    def append(self, sid: str, text: str, wait: bool = True) -> int:
-        """Streaming: commit a data message (shifting the window when the context is full);
-        with `wait`, return once it is in the KV cache."""
+    def append(self, sid: str, text: str, wait=True, expected_version=None) -> int:
+        """Streaming: commit a data message (the window shifted when the context is full), with
+        `wait` once in the KV. `expected_version` (any mutation): Conflict unless it is there."""
         s = self.sessions.get(sid)
         self.fmt.check_text(text, "data")
-        snap, dropped = s.append(text)
+        with s.expecting(expected_version):
+            snap, dropped = s.append(text)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def rollback(self, sid: str, version: int, wait: bool = True) -> int:
+    def rollback(self, sid: str, version: int, wait=True, expected_version=None) -> int:
         s = self.sessions.get(sid)
-        snap, dropped = s.rollback(version)
+        with s.expecting(expected_version):
+            snap, dropped = s.rollback(version)
         if dropped is not None:  # None: it was at that version already, nothing committed
             self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def shift(self, sid: str, drop: int | None = None, wait: bool = True) -> int:
+    def shift(self, sid: str, drop: int | None = None, wait=True, expected_version=None) -> int:
         s = self.sessions.get(sid)
-        snap, dropped = s.shift(drop)
+        with s.expecting(expected_version):
+            snap, dropped = s.shift(drop)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
     def add_message(self, sid: str, role: str, content: str,
                     tool_calls: Sequence[dict] | None = None, wait: bool = True,
                     expected_version: int | None = None) -> int:
-        """Agentic: commit a message without generating: a user message, a tool result, or
-        an assistant message the client already has (an OpenAI-style history)."""
+        """Agentic: commit a message without generating (user, tool, or a client's assistant)."""
         s = self.sessions.get(sid)
         self.fmt.check_text(content, "content")
         msg: dict = {"role": role, "content": content}
@@ -215,8 +217,7 @@ class Engine:
         self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None,
-                   wait: bool) -> None:
+    def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None, wait) -> None:
         """After every commit: settle the dropped pre-position, ingest, pre-position."""
         self.prepositioner.invalidated(dropped, s.id)
         if dropped is not None:
@@ -292,8 +293,7 @@ class Engine:
                              req)
 
     def tool_result(self, sid: str, content: str, req: Request = DEFAULT) -> Stream:
-        """Agentic: commit a tool result and resume the next turn delta-only from the
-        pre-positioned envelope."""
+        """Agentic: commit a tool result, resume delta-only from the pre-positioned envelope."""
         return self._agentic(sid, {"role": "tool", "content": content}, req)
 
     @one_turn  # called with the session's id: SessionBusy while another turn runs
@@ -332,6 +332,8 @@ class Engine:
                                     settle_dropped=dropped is not None)
 
     def _commit_answer(self, s: Session, version: int) -> Callable[[Result], None]:
+        ctx = contextvars.copy_context()  # the answer commits in its request's context
+
         def commit(res: Result) -> None:
             if res.finish_reason == "cancelled":  # the client left: the turn never happened
                 return
@@ -340,7 +342,7 @@ class Engine:
             msg: dict = {"role": "assistant", "content": content}
             if calls:
                 msg["tool_calls"] = calls
-            snap, dropped = s.add_message(msg, expected_version=version, turn=True)
+            snap, dropped = ctx.run(s.add_message, msg, expected_version=version, turn=True)
             self._committed(s, snap, dropped, wait=False)
 
         return commit
@@ -403,17 +405,15 @@ class Engine:
             "ready_logits": {"bytes": self.prepositioner.kept.used,
                              "budget": self.prepositioner.kept.budget,
                              "stripped": self.prepositioner.kept.stripped},
-            "queue_foreground": fg,
-            "queue_idle": idle,
+            "queue_foreground": fg, "queue_idle": idle,
             "lookup": self.lookup.stats.metrics(),
             "relaxed": self.relaxed.gate.metrics(),
         }
 
     # == for the server (read-only views) ==================================================
     def serves_exact(self, sid: str, key: tuple, req: Request = DEFAULT) -> bool:
-        """Whether `req` for entry `key` would be an exact match now: its fast path (the
-        request's, else the session's) is on and a valid ready record holds the entry and
-        the distribution its sampling needs."""
+        """Whether `req` for entry `key` would be an exact match now: its fast path is on and
+        a valid ready record holds the entry and the distribution its sampling needs."""
         s = self.sessions.get(sid)
         rec = s.ready_record(key) if (req.fast_path or s.spec.fast_path) != "off" else None
         return rec is not None and answers_from(rec, req.sampling,

@@ -5,6 +5,7 @@ once written ahead (`persist`). KV caches are not here: the model worker owns th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import uuid
@@ -122,13 +123,8 @@ class Session:
         how many tokens of its latest answers it keeps as draft material (`said`)."""
         self.admit = admit
         self.persist: Callable[[Session, Snapshot], None] | None = None  # SessionStore.add
-        self.id = sid
-        self.spec = spec
-        self.fmt = fmt
-        self.max_context = max_context
-        self.max_versions = max_versions
-        self.shift_keep = shift_keep
-        self.reserve = reserve
+        self.id, self.spec, self.fmt, self.max_context = sid, spec, fmt, max_context
+        self.max_versions, self.shift_keep, self.reserve = max_versions, shift_keep, reserve
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
@@ -164,11 +160,9 @@ class Session:
             return self.snap, dict(self.ready.records) if self.ready.valid else {}
 
     def said(self) -> tuple[int, ...]:
-        """The tokens of its latest answers, oldest first, at most `said_tokens`: what its
-        next greedy answer may draft from besides its context (`prepos.decode.lookup`). A standing
-        query asked again after an update, or an agent's next call of the same tool, says
-        much of it again, and a streaming session's answers never enter its context. Not
-        journalled, not versioned: drafts are verified, so it cannot make an answer stale."""
+        """Its latest answers' tokens, oldest first, at most `said_tokens`: what its next greedy
+        answer drafts from besides its context (`prepos.decode.lookup`); never journalled or
+        versioned: drafts are verified, so it cannot make an answer stale."""
         with self.lock:
             return tuple(self._said)
 
@@ -239,10 +233,9 @@ class Session:
         if cached and cached[0] == snap.version:
             return cached[1]
         fmt, msgs, tools = self.fmt, snap.messages, self.spec.tools
-        header = tuple(fmt.encode(fmt.header(msgs, tools, snap.text)))
-        user = fmt.split(msgs, tools, "user", snap.text)
-        tool = fmt.split(msgs, tools, "tool", snap.text) if awaits_tool(msgs) else None
-        ent = Entries(header, user, tool)
+        ent = Entries(tuple(fmt.encode(fmt.header(msgs, tools, snap.text))),
+                      fmt.split(msgs, tools, "user", snap.text),
+                      fmt.split(msgs, tools, "tool", snap.text) if awaits_tool(msgs) else None)
         self._entries = (snap.version, ent)
         return ent
 
@@ -312,11 +305,8 @@ class Session:
             raise InvalidInput(f"message role must be system, user, assistant or tool, got "
                                f"{role!r}")  # allows it (it refuses when rendering)
         _check_text(message.get("content", ""), role, allow_empty=role == "assistant")
-        with self.mutex:
+        with self.expecting(expected_version):
             self._admit(turn)
-            if expected_version is not None and self.snap.version != expected_version:
-                raise Conflict(f"session {self.id} changed (version {self.snap.version}, "
-                               f"expected {expected_version})")
             if role == "tool" and not self.awaiting_tool:
                 raise NoToolResultAwaited(f"session {self.id} is not awaiting a tool result")
             if role in ("user", "assistant", "system") and self.awaiting_tool:
@@ -331,6 +321,15 @@ class Session:
             if check is not None:
                 check(len(tokens))
             return self._commit(msgs, text, tokens)
+
+    @contextlib.contextmanager
+    def expecting(self, version: int | None):
+        """The mutations inside commit only at `version` (None: any): Conflict otherwise."""
+        with self.mutex:
+            if version is not None and self.snap.version != version:
+                raise Conflict(f"session {self.id} is at version {self.snap.version}, not "
+                               f"{version} (expected_version)")
+            yield
 
     # -- internals -----------------------------------------------------------------------
     def _first_data(self) -> int:

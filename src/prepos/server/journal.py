@@ -29,6 +29,7 @@ from pathlib import Path
 
 from prepos.engine.session import Session, SessionSpec, Snapshot
 from prepos.errors import PreposError
+from prepos.server.idempotency import KeyClaimed, riding
 from prepos.server.store import TIMEOUT, Database
 
 log = logging.getLogger("prepos.server.journal")
@@ -91,6 +92,7 @@ class Journal:
     def __init__(self, target: str | Path | Database, max_versions: int = 1024,
                  checkpoint_every: int = 64, metrics=None, timeout: float = TIMEOUT):
         self._db = target if isinstance(target, Database) else Database(target, timeout=timeout)
+        self.db = self._db  # the store, for what rides its transactions (idempotency keys)
         self.shared = self._db.shared
         self.max_versions = max_versions
         self.checkpoint_every = checkpoint_every
@@ -182,12 +184,12 @@ class Journal:
         loaded from this store)."""
         if is_ephemeral(s.id) or s.id in self._last:
             return
-        self._write("create", s.id, lambda: self._create(s, snap))
+        self._write("create", s.id, lambda: self._create(s, snap), snap.version)
 
     def committed(self, s: Session, snap: Snapshot) -> None:
         """Before version `snap` of a journalled session is swapped in: its row."""
         if not is_ephemeral(s.id):
-            self._write("commit", s.id, lambda: self._commit(s.id, snap))
+            self._write("commit", s.id, lambda: self._commit(s.id, snap), snap.version)
 
     def closing(self, s: Session) -> None:
         """Before a session is closed: its rows deleted (left in the store where the session
@@ -202,32 +204,41 @@ class Journal:
         if _on_loop():
             self._db.submit(lambda db: self._job("close", s.id, lambda: self._close(s.id)))
             return
-        self._write("close", s.id, lambda: self._close(s.id))
+        self._write("close", s.id, lambda: self._close(s.id), self._last.get(s.id, (None,))[0])
 
-    def _write(self, event: str, sid: str, write: Callable[[], None]) -> None:
+    def _write(self, event: str, sid: str, write: Callable[[], None], version) -> None:
         """`write()` in one transaction on the writer thread, waited for; StoreUnavailable
-        (or the fence's refusal) where it was not written."""
+        (or the fence's refusal) where it was not written. The request's idempotency key, if
+        this is its first commit, is claimed in the same transaction (`riding`)."""
         if _on_loop():
             log.warning("journal: the %s of session %s waits for the store on the event loop",
                         event, sid)
+        key = riding(event, sid)
         try:
-            self._db.submit(lambda db: self._job(event, sid, write)).result()
+            self._db.submit(lambda db: self._job(event, sid, write, key, version)).result()
+        except KeyClaimed:  # another attempt with its key committed: this one changed nothing
+            raise
         except PreposError:
             self.errors += 1
             if self.metrics is not None:
                 self.metrics.journal_errors.inc()
             raise
 
-    def _job(self, event: str, sid: str, write: Callable[[], None]) -> None:
+    def _job(self, event: str, sid: str, write: Callable[[], None], key=None,
+             version: int | None = None) -> None:
         """On the writer thread (the only one that changes the rows and this journal's view
-        of them): the fence, then `write()`, one transaction; the view as before where the
-        transaction failed."""
+        of them): the fence, then `write()`, then `key`'s claim, one transaction; the view as
+        before where the transaction failed."""
         before = self._last.get(sid), self._since_full.get(sid), self.extras.get(sid)
         try:
             with self._db.tx():
                 if self.fence is not None:
                     self.fence(self._db, sid)
                 write()
+                if key is not None:
+                    key.records.claim(self._db, key, sid, version)
+            if key is not None:
+                key.claimed = True
         except BaseException as exc:
             log.error("journal: %s of session %s not written: %s", event, sid, exc)
             for table, value in zip((self._last, self._since_full, self.extras), before):

@@ -45,6 +45,7 @@ from prepos.server import responses as R
 from prepos.server.cluster import SESSION_ID
 from prepos.server.conversations import hop
 from prepos.server.errors import ApiError
+from prepos.server.idempotency import idempotent, named_session
 from prepos.server.journal import EPHEMERAL
 from prepos.server.openai_checks import chat_sampling, completion_input, tool_specs
 from prepos.server.openai_flow import ChatCall, complete, prompt_text
@@ -121,7 +122,8 @@ async def model(request: Request, model_id: str):
 
 @routes.add("POST", "/v1/chat/completions", 5, summary="Create a chat completion",
             body=ChatCompletion, response=R.ChatCompletionResponse, events=R.CHAT_EVENTS,
-            errors=(404, 409, 429), tags=("openai",))
+            errors=(404, 409, 422, 429), tags=("openai",))
+@idempotent(session=named_session)  # an Idempotency-Key: on a named session's turn only
 @_context_errors
 async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from prepos.server import responses
+from prepos.server import idempotency, responses
 from prepos.server.routing import Doc, Registered
 
 REF = "#/components/schemas/{model}"
@@ -110,6 +110,8 @@ def _operation(r: Registered, c: _Components) -> dict:
                "description": PATH_DOC.get(n, n)} for n in path_params(r.path)]
     params += [{"name": q.name, "in": "query", "required": False, "schema": dict(q.schema),
                 "description": q.description} for q in doc.query]
+    if getattr(r.fn, "idempotent", False):
+        params.append(dict(idempotency.PARAMETER))
     if params:
         op["parameters"] = params
     if doc.body is not None:

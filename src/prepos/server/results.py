@@ -48,7 +48,7 @@ def extension(res: Result, session_id: str | None = None) -> dict:
 
 # every header `headers` may set: what browsers (CORS) are allowed to read
 EXPOSED = ("X-Prepos-Path", "X-Prepos-Match", "X-Prepos-Version", "X-Prepos-Session",
-           "X-Prepos-Answer-Id", "Server-Timing")
+           "X-Prepos-Answer-Id", "Server-Timing", "Idempotent-Replayed")
 
 
 def headers(res: Result, session_id: str | None = None) -> dict[str, str]:

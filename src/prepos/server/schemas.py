@@ -55,16 +55,19 @@ class CreateSession(Strict):
 class Append(Strict):
     data: StrictStr
     wait: StrictBool = True
+    expected_version: StrictInt | None = None  # 409 conflict unless the session is there
 
 
 class Rollback(Strict):
     version: StrictInt
     wait: StrictBool = True
+    expected_version: StrictInt | None = None  # 409 conflict unless the session is there
 
 
 class Shift(Strict):
     drop: StrictInt | None = None
     wait: StrictBool = True
+    expected_version: StrictInt | None = None  # 409 conflict unless the session is there
 
 
 class Query(SamplingFields):
@@ -73,10 +76,12 @@ class Query(SamplingFields):
 
 class Turn(SamplingFields):
     user: StrictStr | None = None
+    expected_version: StrictInt | None = None  # 409 conflict unless the session is there
 
 
 class ToolResult(SamplingFields):
     content: StrictStr
+    expected_version: StrictInt | None = None  # 409 conflict unless the session is there
 
 
 class AddMessage(Strict):
@@ -84,6 +89,7 @@ class AddMessage(Strict):
     content: StrictStr
     tool_calls: list[dict[str, Any]] | None = None
     wait: StrictBool = True
+    expected_version: StrictInt | None = None  # 409 conflict unless the session is there
 
 
 # -- OpenAI-compatible ------------------------------------------------------------------

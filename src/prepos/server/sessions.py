@@ -23,6 +23,7 @@ from prepos.server import responses as R
 from prepos.server import results, streaming
 from prepos.server.cluster import check_new_id
 from prepos.server.errors import ApiError
+from prepos.server.idempotency import idempotent, interrupted
 from prepos.server.openai_checks import logit_bias
 from prepos.server.results import JSONBody
 from prepos.server.routing import QueryParam, Routes
@@ -53,7 +54,8 @@ def _request(c: Call) -> EngineRequest:
                                        logit_bias=logit_bias(c.engine, b.logit_bias))
     if b.response_format is not None:  # checked here: a 400 naming it, before any commit
         sampling = replace(sampling, response_format=b.response_format)
-    return EngineRequest(sampling, b.fast_path, b.logprobs)
+    return EngineRequest(sampling, b.fast_path, b.logprobs,
+                         expected_version=getattr(b, "expected_version", None))
 
 
 async def _commit(c: Call, fn, *args) -> Response:
@@ -69,7 +71,8 @@ async def _commit(c: Call, fn, *args) -> Response:
 
 # -- lifecycle ----------------------------------------------------------------------------
 @routes.add("POST", "/sessions", 50, summary="Create a session", body=CreateSession,
-            response=R.SessionInfo, status=201, errors=(409, 429))
+            response=R.SessionInfo, status=201, errors=(409, 422, 429))
+@idempotent
 async def create_session(request: Request):
     c = await ServerState.open(request, CreateSession)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
@@ -225,47 +228,65 @@ async def inspect_session(sid: str, request: Request):
     return JSONBody(info)
 
 
-@routes.add("DELETE", "/sessions/{sid}", 50, summary="Close a session", response=R.Closed)
+@routes.add("DELETE", "/sessions/{sid}", 50, summary="Close a session", response=R.Closed,
+            query=(QueryParam("expected_version", {"type": "integer"}, "close only while the "
+                              "session is at this version (else 409 conflict)"),),
+            errors=(409, 422))
+@idempotent
 async def close_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
-    await c.state.committing(c.engine.close_session, sid)  # its rows deleted first
+    raw = request.query_params.get("expected_version")
+    try:
+        expected = None if raw is None else int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_request", f"expected_version must be an integer, got "
+                       f"{raw!r}", "expected_version") from None
+    await c.state.committing(c.engine.close_session, sid, expected)  # its rows deleted first
     return JSONBody({"session_id": sid, "closed": True})
 
 
 # -- mutations ----------------------------------------------------------------------------
 @routes.add("POST", "/sessions/{sid}/append", 14, summary="Append data (streaming)",
-            body=Append, response=R.Committed, errors=(409, 429))
+            body=Append, response=R.Committed, errors=(409, 422, 429))
+@idempotent
 async def append(sid: str, request: Request):
     c = await ServerState.open(request, Append, sid, STREAMING)
     await c.check_input(c.body.data, "data")
-    return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait)
+    return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait,
+                         c.body.expected_version)
 
 
 @routes.add("POST", "/sessions/{sid}/rollback", 50, summary="Roll back to a kept version",
-            body=Rollback, response=R.Committed, errors=(409, 429))
+            body=Rollback, response=R.Committed, errors=(409, 422, 429))
+@idempotent
 async def rollback(sid: str, request: Request):
     c = await ServerState.open(request, Rollback, sid)
-    if c.body.version == c.session.version:  # already there: no new version
+    b = c.body
+    if b.version == c.session.version and b.expected_version in (None, b.version):  # there
         snap = c.engine.snapshot(sid)
         return JSONBody({"session_id": sid, "version": snap.version,
                               "tokens": len(snap.tokens), "messages": len(snap.messages)})
-    return await _commit(c, c.engine.rollback, sid, c.body.version, c.body.wait)
+    return await _commit(c, c.engine.rollback, sid, b.version, b.wait, b.expected_version)
 
 
 @routes.add("POST", "/sessions/{sid}/shift", 50, summary="Drop the oldest data (streaming)",
-            body=Shift, response=R.Committed, errors=(409, 429))
+            body=Shift, response=R.Committed, errors=(409, 422, 429))
+@idempotent
 async def shift(sid: str, request: Request):
     c = await ServerState.open(request, Shift, sid, STREAMING)
-    return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait)
+    return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait,
+                         c.body.expected_version)
 
 
 @routes.add("POST", "/sessions/{sid}/messages", 16, summary="Add a message (agentic)",
-            body=AddMessage, response=R.Committed, errors=(409, 429))
+            body=AddMessage, response=R.Committed, errors=(409, 422, 429))
+@idempotent
 async def add_message(sid: str, request: Request):
     c = await ServerState.open(request, AddMessage, sid, AGENTIC)
     b = c.body
     await c.check_input(b.content, "content")
-    return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait)
+    return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait,
+                         b.expected_version)
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -288,7 +309,8 @@ async def ask(c: Call, receive) -> Response:
 
 
 @routes.add("POST", "/sessions/{sid}/turn", 10, summary="Take a turn (agentic)", body=Turn,
-            response=R.AgenticAnswer, events=R.AGENTIC_EVENTS, errors=(409, 429))
+            response=R.AgenticAnswer, events=R.AGENTIC_EVENTS, errors=(409, 422, 429))
+@idempotent
 async def turn(sid: str, request: Request):
     c = await ServerState.open(request, Turn, sid, AGENTIC)
     eng, b = c.engine, c.body
@@ -303,7 +325,8 @@ async def turn(sid: str, request: Request):
 
 @routes.add("POST", "/sessions/{sid}/tool_result", 12, summary="Send a tool result (agentic)",
             body=ToolResult, response=R.AgenticAnswer, events=R.AGENTIC_EVENTS,
-            errors=(409, 429))
+            errors=(409, 422, 429))
+@idempotent
 async def tool_result(sid: str, request: Request):
     c = await ServerState.open(request, ToolResult, sid, AGENTIC)
     stream = await _committing(c, c.engine.tool_result, c.body.content, "content",
@@ -330,6 +353,8 @@ async def respond(c: Call, receive, stream, agentic: bool) -> Response:
     state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
 
     def final(res) -> dict:
+        if res.finish_reason == "cancelled":  # its client left: no result to keep
+            interrupted()
         content = state.engine.fmt.parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
 

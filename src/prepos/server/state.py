@@ -5,6 +5,7 @@ session lookup, backpressure; its session places (`places.py`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import logging
 import threading
@@ -25,7 +26,7 @@ from prepos.decode.stream import Stream
 from prepos.engine import Engine
 from prepos.engine.session import Session
 from prepos.errors import PreposError, SessionNotFound
-from prepos.server import responses_store
+from prepos.server import idempotency, responses_store
 from prepos.server.auth import Keys
 from prepos.server.errors import ApiError, validation_error
 from prepos.server.journal import Journal, is_ephemeral
@@ -34,6 +35,7 @@ from prepos.server.limits import Limits
 from prepos.server.metrics import Metrics
 from prepos.server.places import Places
 from prepos.server.sse import Hub, disconnected
+from prepos.server.store import Database
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
@@ -62,6 +64,8 @@ class ServerConfig:
     response_sessions: int = 64  # stored response chains kept as sessions (0: none)
     responses_bytes: int = responses_store.MAX_BYTES  # stored responses' bytes per key
     responses_ttl: float = responses_store.TTL_S  # seconds a stored response is kept
+    idempotency_ttl: float = idempotency.TTL_S  # seconds an Idempotency-Key's result is kept
+    idempotency_keys: int = idempotency.KEEP  # results kept per API key
     lease: LeaseConfig = field(default_factory=LeaseConfig)  # with a shared store
     advertise_url: str | None = None  # where other nodes forward to (default: bound address)
 
@@ -97,6 +101,7 @@ class ServerState:
         self.metrics = Metrics(self.model_name)
         self.hub = Hub(self.metrics)
         self.journal: Journal | None = None
+        self.idempotency: idempotency.Records | None = None  # once loaded: in the store
         self.loaded: Engine | None = None  # the engine, once loaded
         self.status = "loading"
         self.error: str | None = None
@@ -147,11 +152,13 @@ class ServerState:
                 if self.journal.shared:  # several nodes: sessions loaded when asked for
                     from prepos.server.cluster import join
                     from prepos.server.conversations import Directory
-                    from prepos.server.store import Database
                     self.cluster = join(self, engine, self.journal)
                     self.cluster.directory = Directory(
                         Database(self.config.journal, migrate=False), self.cluster.leases.node)
                     self.places.implicit.publish = self.cluster.directory.publish
+            self.idempotency = idempotency.Records(
+                self.journal.db if self.journal is not None else Database(None),
+                self.config.idempotency_ttl, self.config.idempotency_keys)
             self.hub.attach(engine, self.loop)
             self.metrics.engine = engine
             if self.journal is not None and self.cluster is None:
@@ -192,6 +199,8 @@ class ServerState:
             self.loaded.close()
         if self.journal is not None:
             self.journal.close()
+        elif self.idempotency is not None:
+            self.idempotency.db.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.cpu.shutdown(wait=False, cancel_futures=True)
 
@@ -293,8 +302,10 @@ class ServerState:
             self.cpu, self.limits.check_input, engine, text, what, context)
 
     async def run(self, fn, *args):
-        """Run blocking engine work (rendering, waiting for the worker) off the loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run blocking engine work (rendering, waiting for the worker) off the loop, in the
+        request's context (its idempotency key rides its commits)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, contextvars.copy_context().run, fn, *args)
 
     async def committing(self, fn, *args):
         """`fn(*args)`, which commits: off the loop where the journal writes it ahead (the

@@ -77,6 +77,16 @@ CREATE TABLE IF NOT EXISTS conversations (
     key TEXT PRIMARY KEY, sid TEXT NOT NULL, node TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS conversations_sid ON conversations (sid, node);
 """),
+    # idempotency keys (server/idempotency.py): a request's result per API key and key; a
+    # NULL status: claimed by its commit, its result not written yet
+    (4, """
+CREATE TABLE IF NOT EXISTS idempotency (
+    owner TEXT NOT NULL, key TEXT NOT NULL, digest TEXT NOT NULL,
+    created DOUBLE PRECISION NOT NULL, status INTEGER, headers TEXT, body TEXT NOT NULL,
+    PRIMARY KEY (owner, key));
+CREATE INDEX IF NOT EXISTS idempotency_owner ON idempotency (owner, created);
+CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency (created);
+"""),
 ]
 NOW = {"sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
        "postgresql": "extract(epoch from clock_timestamp())::double precision"}
