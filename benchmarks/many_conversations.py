@@ -11,8 +11,9 @@ A cache that keeps fewer conversations than are asked round robin keeps none of 
   llama_server  llama-server on the same GGUF, the same threads, one slot (-np 1), its prompt
                 cache in RAM of the same size (--cache-ram = prepos's --kv-ram), --jinja
 
-One server is alive at a time (prepos first). Reported per arm: turn latency (client side,
-median and P99 with n, first turns and later turns apart), cached prompt tokens over the
+One server is alive at a time (prepos first; llama-server first with --peer-first). Reported
+per arm: turn latency (client side, median and P99 with n, first turns and later turns
+apart), cached prompt tokens over the
 later turns' prompt tokens (`cached_fraction_after_first`) beside the ceiling any cache could
 reach (each later turn's prompt less its new user message's tokens), errors, and
 for prepos the server's RSS against the bound its options set (RSS after load plus --kv-ram,
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra `prepos serve` argument (repeatable)")
     ap.add_argument("--lookups", type=int, default=500)
     ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--peer-first", action="store_true",
+                    help="run llama-server's arm before prepos's")
     ap.add_argument("--nodes", type=int, default=0,
                     help="also run the cluster part with this many nodes (0: not run)")
     ap.add_argument("--cluster-conversations", type=int, default=300)
@@ -320,47 +323,57 @@ def main(argv: list[str] | None = None) -> int:
     out["lookup_us"] = {str(k): round(v, 1) for k, v in lookups.items()}
     out["lookup_us_1000_over_10"] = round(lookups[1000] / lookups[10], 3)
 
-    extra = ["--kv-ram", str(ram), *args.server_arg]
-    proc, url = start_prepos(served, work / "prepos.log", args.threads, extra)
-    try:
-        rss_start = rss_bytes(proc.pid)
-        model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=30).json()["data"][0]["id"]
-        t0 = time.perf_counter()
-        ours = run_arm(chat_asker(url, model, KEY, args.max_tokens), systems, args.turns,
-                       count)
-        ours["wall_s"] = round(time.perf_counter() - t0, 1)
-        m = metrics(url)
-        ours["implicit_sessions"] = {k.split('"')[1]: v for k, v in m.items()
-                                     if k.startswith("prepos:implicit_sessions_total{")}
-        ours["kv_tier_moves"] = {k.split('"')[1]: v for k, v in m.items()
-                                 if k.startswith("prepos:kv_tier_moves_total{")}
-        health = httpx.get(url + "/health", timeout=30).json()
-        bound = rss_start + ram + (1 << 30) + (512 << 20)  # --implicit-memory, ready logits
-        ours["rss_gb"] = round(rss_bytes(proc.pid) / 1e9, 3)
-        ours["rss_hwm_gb"] = round(rss_bytes(proc.pid, "VmHWM") / 1e9, 3)
-        ours["rss_start_gb"] = round(rss_start / 1e9, 3)
-        ours["rss_bound_gb"] = round(bound / 1e9, 3)
-        ours["rss_within_bound"] = rss_bytes(proc.pid, "VmHWM") <= bound
-        ours["health_kv"] = health.get("kv")
-    finally:
-        stop(proc)
-    out["prepos"] = ours
+    def prepos_arm() -> dict:
+        proc, url = start_prepos(served, work / "prepos.log", args.threads,
+                                 ["--kv-ram", str(ram), *args.server_arg])
+        try:
+            rss_start = rss_bytes(proc.pid)
+            model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                              timeout=30).json()["data"][0]["id"]
+            t0 = time.perf_counter()
+            arm = run_arm(chat_asker(url, model, KEY, args.max_tokens), systems, args.turns,
+                          count)
+            arm["wall_s"] = round(time.perf_counter() - t0, 1)
+            m = metrics(url)
+            arm["implicit_sessions"] = {k.split('"')[1]: v for k, v in m.items()
+                                        if k.startswith("prepos:implicit_sessions_total{")}
+            arm["kv_tier_moves"] = {k.split('"')[1]: v for k, v in m.items()
+                                    if k.startswith("prepos:kv_tier_moves_total{")}
+            health = httpx.get(url + "/health", timeout=30).json()
+            bound = rss_start + ram + (1 << 30) + (512 << 20)  # --implicit-memory, logits
+            arm["rss_gb"] = round(rss_bytes(proc.pid) / 1e9, 3)
+            arm["rss_hwm_gb"] = round(rss_bytes(proc.pid, "VmHWM") / 1e9, 3)
+            arm["rss_start_gb"] = round(rss_start / 1e9, 3)
+            arm["rss_bound_gb"] = round(bound / 1e9, 3)
+            arm["rss_within_bound"] = rss_bytes(proc.pid, "VmHWM") <= bound
+            arm["health_kv"] = health.get("kv")
+        finally:
+            stop(proc)
+        return arm
 
-    binary = None if args.skip_llama_server else find_binary()
-    if binary is not None:
+    def llama_arm() -> dict:
         llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
                             extra=("--jinja", "--cache-ram", str(ram >> 20)),
                             log=work / "llama-server.log")
         llama.start(wait=300)
         try:
             t0 = time.perf_counter()
-            theirs = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
-                             args.turns, count)
-            theirs["wall_s"] = round(time.perf_counter() - t0, 1)
+            arm = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
+                          args.turns, count)
+            arm["wall_s"] = round(time.perf_counter() - t0, 1)
         finally:
             llama.stop()
-        out["llama_server"] = theirs
+        return arm
+
+    binary = None if args.skip_llama_server else find_binary()
+    out["order"] = ["llama_server", "prepos"] if args.peer_first and binary else ["prepos"]
+    if binary is not None and not args.peer_first:
+        out["order"].append("llama_server")
+    for arm in out["order"]:
+        out[arm] = prepos_arm() if arm == "prepos" else llama_arm()
+    ours = out["prepos"]
+    if binary is not None:
+        theirs = out["llama_server"]
         a, b = ours["later_turns"], theirs["later_turns"]
         if a and b:
             out["turn_ratio_vs_llama_server"] = round(a["p50_ms"] / b["p50_ms"], 3)
