@@ -77,6 +77,18 @@ CREATE TABLE IF NOT EXISTS conversations (
     key TEXT PRIMARY KEY, sid TEXT NOT NULL, node TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS conversations_sid ON conversations (sid, node);
 """),
+    # the Conversations API's conversations and their items (server/conversation_store.py)
+    (4, """
+CREATE TABLE IF NOT EXISTS openai_conversations (
+    id TEXT PRIMARY KEY, owner TEXT, created DOUBLE PRECISION NOT NULL, metadata TEXT NOT NULL,
+    version BIGINT NOT NULL, next BIGINT NOT NULL, bytes BIGINT NOT NULL);
+CREATE INDEX IF NOT EXISTS openai_conversations_owner ON openai_conversations (owner);
+CREATE TABLE IF NOT EXISTS openai_conversation_items (
+    id TEXT PRIMARY KEY, conversation TEXT NOT NULL, seq BIGINT NOT NULL, call_id TEXT,
+    body TEXT NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS openai_conversation_items_seq
+    ON openai_conversation_items (conversation, seq);
+"""),
 ]
 NOW = {"sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
        "postgresql": "extract(epoch from clock_timestamp())::double precision"}
