@@ -5,7 +5,7 @@ the server has no journal), so they survive a restart as the sessions do.
 
 A conversation row is its id, owner (the API key), creation time and metadata, its
 `version` (bumped by every change of its items: a response made on one version adds its
-turn only if the conversation is still there), `next` (the place its next item takes) and
+turn only to that version, so concurrent turns never interleave), `next` (the place its next item takes) and
 `bytes` (its metadata and items, as stored). An item row is its id, its conversation, its
 place there, the `call_id` of a function call (what a later function_call_output answers)
 and the item as the API returns it.
@@ -16,21 +16,26 @@ one exception: a response's turn is added even where it takes the key past `max_
 (the answer was given, its input checked to fit first), and the key's next addition is
 refused. Another key's conversation is not found, as an unknown one is (the same 404).
 Every method does the store's I/O on the caller's thread: the server calls them off the
-event loop; each change is one transaction.
+event loop; each change is one transaction, and a driver's failure a 503 that changed
+nothing (`StoreUnavailable`, the driver's text in the log only).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from prepos.errors import PreposError
 from prepos.server.errors import ApiError
 from prepos.server.responses_store import MAX_BYTES, SAME_OWNER
 from prepos.server.store import Database
 
+log = logging.getLogger("prepos.server.conversations")
 KEEP = 10000  # conversations per API key
 CONV = "openai_conversations"
 ITEMS = "openai_conversation_items"
@@ -73,7 +78,7 @@ class ConversationStore:
                items: list[dict]) -> Conversation:
         created = int(time.time())
         n = size(metadata) + sum(map(size, items))
-        with self._lock, self._db.tx():
+        with self._io(tx=True):
             count, used = self._usage(owner)
             if count >= self.keep:
                 raise ApiError(400, "too_many_conversations", f"this key holds its limit of "
@@ -85,11 +90,11 @@ class ConversationStore:
         return Conversation(cid, created, metadata, 0)
 
     def get(self, owner: str | None, cid: str, param: str | None) -> Conversation:
-        with self._lock:
+        with self._io():
             return self._conv(owner, cid, param)
 
     def update(self, owner: str | None, cid: str, metadata: dict[str, str]) -> Conversation:
-        with self._lock, self._db.tx():
+        with self._io(tx=True):
             conv = self._conv(owner, cid, "conversation_id", lock=True)
             grows = size(metadata) - size(conv.metadata)
             if grows > 0:
@@ -99,25 +104,25 @@ class ConversationStore:
         return Conversation(conv.id, conv.created, metadata, conv.version)
 
     def delete(self, owner: str | None, cid: str) -> None:
-        with self._lock, self._db.tx():
+        with self._io(tx=True):
             self._conv(owner, cid, "conversation_id", lock=True)
             self._db.q(f"DELETE FROM {ITEMS} WHERE conversation=?", (cid,))
             self._db.q(f"DELETE FROM {CONV} WHERE id=?", (cid,))
 
     def used(self, owner: str | None) -> tuple[int, int]:
         """The key's conversations and their bytes, as the store has them."""
-        with self._lock:
+        with self._io():
             return self._usage(owner)
 
     def check_room(self, owner: str | None, n: int, param: str) -> None:
         """A 413 naming the limit where `n` more bytes would take the key past it."""
-        with self._lock:
+        with self._io():
             self._check_room(self._usage(owner)[1], n, param)
 
     # -- items -------------------------------------------------------------------------------
     def items(self, owner: str | None, cid: str, param: str) -> tuple[Conversation, list[dict]]:
         """The conversation and every item of it, in order (for a response on it)."""
-        with self._lock:
+        with self._io():
             conv = self._conv(owner, cid, param)
             rows = self._db.q(f"SELECT body FROM {ITEMS} WHERE conversation=? ORDER BY seq",
                               (cid,)).fetchall()
@@ -128,7 +133,7 @@ class ConversationStore:
         """Up to `limit` items in `order` ("asc" or "desc") from the one after `after` (an
         item id), and whether more follow."""
         asc = order == "asc"
-        with self._lock:
+        with self._io():
             self._conv(owner, cid, "conversation_id")
             start = -1 if asc else 1 << 62
             if after is not None:
@@ -143,7 +148,7 @@ class ConversationStore:
         return [json.loads(body) for (body,) in rows[:limit]], len(rows) > limit
 
     def item(self, owner: str | None, cid: str, item: str) -> dict:
-        with self._lock:
+        with self._io():
             self._conv(owner, cid, "conversation_id")
             row = self._db.q(f"SELECT body FROM {ITEMS} WHERE id=? AND conversation=?",
                              (item, cid)).fetchone()
@@ -153,7 +158,7 @@ class ConversationStore:
 
     def calls(self, owner: str | None, cid: str) -> set[str]:
         """The call ids of the conversation's function calls."""
-        with self._lock:
+        with self._io():
             self._conv(owner, cid, "conversation_id")
             rows = self._db.q(f"SELECT call_id FROM {ITEMS} WHERE conversation=? AND call_id "
                               "IS NOT NULL", (cid,)).fetchall()
@@ -164,7 +169,7 @@ class ConversationStore:
         """Add items at the end. `version`: a response's turn, made on that version of the
         conversation: refused (409) if the conversation changed since, never for bytes."""
         n = sum(map(size, items))
-        with self._lock, self._db.tx():
+        with self._io(tx=True):
             conv = self._conv(owner, cid, param, lock=True)
             if version is None:
                 self._check_room(self._usage(owner)[1], n, "items")
@@ -179,7 +184,7 @@ class ConversationStore:
         return Conversation(conv.id, conv.created, conv.metadata, conv.version + 1)
 
     def delete_item(self, owner: str | None, cid: str, item: str) -> Conversation:
-        with self._lock, self._db.tx():
+        with self._io(tx=True):
             conv = self._conv(owner, cid, "conversation_id", lock=True)
             row = self._db.q(f"SELECT body FROM {ITEMS} WHERE id=? AND conversation=?",
                              (item, cid)).fetchone()
@@ -191,10 +196,27 @@ class ConversationStore:
         return Conversation(conv.id, conv.created, conv.metadata, conv.version + 1)
 
     def close(self) -> None:
-        with self._lock:
+        with self._io():
             self._db.close()
 
     # -- under the lock ----------------------------------------------------------------------
+    @contextmanager
+    def _io(self, tx: bool = False):
+        """The lock, a transaction where `tx`; a driver's failure is a 503 (logged), its
+        transaction rolled back."""
+        with self._lock:
+            try:
+                if tx:
+                    with self._db.tx():
+                        yield
+                else:
+                    yield
+            except (ApiError, PreposError):
+                raise
+            except Exception as exc:
+                log.error("conversations: the %s store failed: %s", self._db.name, exc)
+                raise self._db.unavailable() from None
+
     def _conv(self, owner: str | None, cid: str, param: str | None,
               lock: bool = False) -> Conversation:
         row = self._db.q(f"SELECT created, metadata, version FROM {CONV} WHERE id=? AND "
