@@ -41,7 +41,8 @@ MAX_LIMIT = 100  # items one page lists
 ITEM_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 CONV = "/v1/conversations/{conversation_id}"
 INCLUDE = QueryParam("include", {"type": "array", "items": {"type": "string"}},
-                     "accepted for OpenAI's clients: nothing is added to an item")
+                     "reasoning.encrypted_content alone, which adds nothing (there is no "
+                     "reasoning); any other value is a 400")
 TAGS = ("openai",)
 
 
@@ -86,9 +87,10 @@ def _list(data: list[dict], has_more: bool = False) -> dict:
 @routes.add("POST", "/v1/conversations", 61, summary="Create a conversation",
             body=CreateConversation, response=RS.ConversationObject, tags=TAGS)
 async def create_conversation(request: Request):
-    api, c, _ = await _open(request, None, CreateConversation)
-    meta = check_metadata(c.body.metadata)
-    items = _items(c.body.items or [], set())
+    api, c, _ = await _open(request, None)
+    body = await c.state.parse(await request.body() or b"{}", CreateConversation)  # or none
+    meta = check_metadata(body.metadata)
+    items = _items(body.items or [], set())
     conv = await c.state.run(api.conversations.create, new_id("conv_"), c.owner, meta, items)
     return JSONBody(conv.object())
 
