@@ -171,12 +171,18 @@ def test_responses_on_a_conversation_add_their_turns_and_continue_its_session(c,
     with pytest.raises(openai.BadRequestError) as err:
         c.responses.create(model=model, input="x", previous_response_id=r3.id)
     assert err.value.body["param"] == "previous_response_id"
-    # store: false keeps no response, but the turn is added all the same
+    # store: false keeps no response (and runs on an implicit session), but the turn is
+    # added all the same, and the chain session continues with it
     r4 = c.responses.create(model=model, conversation=conv.id, input="And HP?", store=False,
                             instructions=INSTR, max_output_tokens=3)
-    assert len(listed(c, conv.id)) == 9 and ext(r4)["session_id"] == sid
+    assert len(listed(c, conv.id)) == 9 and ext(r4)["session_id"] is None
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(r4.id)
+    r5 = c.responses.create(model=model, conversation=conv.id, input="And AMD?",
+                            instructions=INSTR, max_output_tokens=3)
+    assert ext(r5)["session_id"] == sid
+    assert [m["content"] for m in held(http, sid) if m["role"] == "user"][-2:] == [
+        "And HP?", "And AMD?"]
 
 
 def test_a_function_call_round_trip_on_a_conversation(c, model):

@@ -9,7 +9,7 @@ done (not if it failed or was cancelled, nor if the conversation changed meanwhi
 It is answered by the chat route's flow (`openai_flow.ChatCall`), whose reply this module
 replaces (`responses_format.py`):
 
-- `store: true` (the default), or a `conversation`: on a *chain session*, a persistent
+- `store: true` (the default): on a *chain session*, a persistent
   agentic session of the key (journalled, listed by the session API), the one of this key,
   instructions and tools whose conversation this one extends by the most messages: a
   continuation of its latest response (or turn of its conversation) commits only the new
@@ -21,8 +21,8 @@ replaces (`responses_format.py`):
   the prefix index with the sessions it has in common. At most `--response-sessions` are
   kept, least recently used closed first: a closed one's responses stay stored and are
   continued on a new session.
-- `store: false` without a conversation: the stateless chat path, on an implicit session;
-  nothing is kept by id.
+- `store: false`: the stateless chat path, on an implicit session; nothing is kept by id
+  (a conversation's turn is added all the same).
 - a forced tool call (`tool_choice` required or a function) is constrained by its grammar
   on either; on a back end that samples itself, it is the chat route's stateless
   continuation of the call's opening, stored as any response, on no session.
@@ -249,7 +249,7 @@ async def _create(c, request: Request, rename: Renamer):
 
     reply.save = save
     on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
-    if not (store or conv) or not on_session or not api.chains.keeps:
+    if not store or not on_session or not api.chains.keeps:
         reply.kept = on_session and state.places.implicit.keeps
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
