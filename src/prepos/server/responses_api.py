@@ -256,7 +256,7 @@ async def _create(c, request: Request, rename: Renamer):
 
 
 # the longest string fields a response stores besides its conversation (metadata's bounds
-# are OpenAI's: responses_input.refuse_unsupported)
+# are OpenAI's: responses_input.check_metadata)
 MAX_CHARS = {"user": 256, "prompt_cache_key": 256}
 
 
