@@ -160,9 +160,10 @@ def test_responses_on_a_conversation_add_their_turns_and_continue_its_session(c,
     assert [m["content"].strip() for m in msgs if m["role"] == "assistant"] == [
         r1.output_text.strip(), r2.output_text.strip()]
     # a streamed third turn: added once it completed
-    with c.responses.stream(model=model, conversation=conv.id, input="And IBM?",
-                            instructions=INSTR, max_output_tokens=3) as stream:
-        r3 = stream.get_final_response()
+    events = list(c.responses.create(model=model, conversation=conv.id, input="And IBM?",
+                                     instructions=INSTR, max_output_tokens=3, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    r3 = events[-1].response
     assert r3.conversation.id == conv.id and ext(r3)["session_id"] == sid
     items = listed(c, conv.id)
     assert len(items) == 7 and items[-1]["id"] == r3.output[0].id
@@ -186,14 +187,15 @@ def test_responses_on_a_conversation_add_their_turns_and_continue_its_session(c,
 
 
 def test_a_function_call_round_trip_on_a_conversation(c, model):
-    tools = [{"type": "function", "name": "price", "description": "a ticker's price",
-              "parameters": {"type": "object", "properties": {"ticker": {"type": "string"}},
-                             "required": ["ticker"]}}]
+    tools = [{"type": "function", "name": "price", "description": "ACME's price", "parameters": {
+        "type": "object", "properties": {"live": {"type": "boolean"}}, "required": ["live"],
+        "additionalProperties": False}}]  # a short call: the tiny model finishes it
     conv = c.conversations.create()
     r1 = c.responses.create(model=model, conversation=conv.id, input="Price of ACME?",
-                            instructions=INSTR, tools=tools, max_output_tokens=16,
+                            instructions=INSTR, tools=tools, max_output_tokens=64,
                             tool_choice={"type": "function", "name": "price"})
     [call] = [o for o in r1.output if o.type == "function_call"]
+    assert r1.status == "completed"  # the call whole, as the session committed it
     r2 = c.responses.create(model=model, conversation=conv.id, tools=tools,
                             instructions=INSTR, max_output_tokens=3, input=[
                                 {"type": "function_call_output", "call_id": call.call_id,
@@ -216,14 +218,19 @@ def test_the_agents_sdk_s_conversation_session_and_conversation_id(server, model
         set_tracing_disabled,
     )
 
+    from pydantic import BaseModel
+
     set_tracing_disabled(True)
+
+    class Trend(BaseModel):  # a structured answer: it ends within its budget
+        up: bool
 
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEYS[0],
                                     max_retries=0)
-        agent = Agent(name="analyst", instructions=INSTR,
+        agent = Agent(name="analyst", instructions=INSTR, output_type=Trend,
                       model=OpenAIResponsesModel(model, client),
-                      model_settings=ModelSettings(max_tokens=4))
+                      model_settings=ModelSettings(max_tokens=32))
         # the session: the SDK reads the conversation's items, resends them, adds the turn
         session = OpenAIConversationsSession(openai_client=client)
         one = await Runner.run(agent, "Is ACME up?", session=session)
