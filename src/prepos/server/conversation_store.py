@@ -6,9 +6,9 @@ the server has no journal), so they survive a restart as the sessions do.
 A conversation row is its id, owner (the API key), creation time and metadata, its
 `version` (bumped by every change of its items: a response made on one version adds its
 turn only to that version, so concurrent turns never interleave), `next` (the place its
-next item takes) and `bytes` (its metadata and items, as stored). An item row is its id, its conversation, its
-place there, the `call_id` of a function call (what a later function_call_output answers)
-and the item as the API returns it.
+next item takes) and `bytes` (its metadata and items, as stored). An item row is its id,
+its conversation, its place there, the `call_id` of a function call (what a later
+function_call_output answers) and the item as the API returns it.
 
 Bounded per key: at most `keep` conversations and `max_bytes` of them. A change past a
 bound is refused whole (nothing evicted: a conversation lives until it is deleted), with
