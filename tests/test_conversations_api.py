@@ -4,7 +4,7 @@ retrieve, update, delete; items added, listed page by page, retrieved, deleted; 
 made with `conversation`, each turn added to it and the next continuing the chain session
 that holds it (its prompt cached); another key's conversations not found; bad input named
 with nothing changed; the bounds, and conversations across a restart. The store's own
-bounds and its refusal of a stale turn, on the store itself."""
+bounds and its refusal of a stale turn, on the store itself (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -368,8 +368,23 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(http, c, model, victim
 
 
 # -- the store's bounds, and across a restart -----------------------------------------------
-def test_the_store_bounds_each_key_and_refuses_a_stale_turn():
-    store = ConversationStore(None, keep=2, max_bytes=1000)
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request):
+    """The store's database: SQLite in memory, or a PostgreSQL server of its own."""
+    if request.param == "sqlite":
+        yield None
+        return
+    from cluster_harness import Postgres, missing_postgres
+
+    if reason := missing_postgres():
+        pytest.skip(reason)
+    pg = Postgres().start()
+    yield pg.url
+    pg.stop()
+
+
+def test_the_store_bounds_each_key_and_refuses_a_stale_turn(target):
+    store = ConversationStore(target, keep=2, max_bytes=1000)
 
     def item(i: int, text: str = "x") -> dict:
         return {"id": f"msg_{i}", "type": "message", "role": "user", "status": "completed",
