@@ -222,6 +222,25 @@ def test_real_responses_of_every_route_validate_against_the_document(client, doc
     check(one, "DELETE", client.delete(f"/v1/responses/{rid}"))
     check(one, "GET", get(f"/v1/responses/{rid}"))  # 404
     check(resp, "POST", post(resp, json={"model": model, "input": []}))  # 400
+    # the Conversations API: create, retrieve, update; items added, listed, one read and
+    # deleted; a response on it; deleted
+    cv, one_cv = "/v1/conversations", "/v1/conversations/{conversation_id}"
+    cid = check(cv, "POST", post(cv, json={"items": [{"role": "user", "content": "Hi?"}],
+                                           "metadata": {"a": "b"}})).json()["id"]
+    check(one_cv, "GET", get(f"{cv}/{cid}"))
+    check(one_cv, "POST", post(f"{cv}/{cid}", json={"metadata": {"a": "c"}}))
+    items, item = one_cv + "/items", one_cv + "/items/{item_id}"
+    iid = check(items, "POST", post(f"{cv}/{cid}/items", json={"items": [
+        {"role": "assistant", "content": "Hello."},
+        {"type": "function_call", "call_id": "c1", "name": "get_price", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"}]})).json()["first_id"]
+    check(items, "GET", get(f"{cv}/{cid}/items", params={"limit": 2, "order": "asc"}))
+    check(item, "GET", get(f"{cv}/{cid}/items/{iid}"))
+    check(item, "DELETE", client.delete(f"{cv}/{cid}/items/{iid}"))
+    check(resp, "POST", post(resp, json={"model": model, "input": "And?", "conversation": cid,
+                                         "max_output_tokens": 3}))
+    check(one_cv, "DELETE", client.delete(f"{cv}/{cid}"))
+    check(one_cv, "GET", get(f"{cv}/{cid}"))  # 404
     # errors: the one shape, documented for each route
     check(S, "GET", get("/sessions/nope"))
     check(S + "/append", "POST", post(f"/sessions/{a}/append", json={"data": "x"}))  # 409

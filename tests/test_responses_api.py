@@ -313,7 +313,7 @@ BAD = [  # body, status, param
     ({"input": "x", "tools": TOOLS, "tool_choice": "required",
       "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({"input": "x", "background": True}, 400, "background"),
-    ({"input": "x", "conversation": "conv_1"}, 400, "conversation"),
+    ({"input": "x", "conversation": "conv_1"}, 404, "conversation"),
     ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning"),
     ({"input": "x", "truncation": "auto"}, 400, "truncation"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, 400, "include"),

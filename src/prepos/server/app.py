@@ -39,6 +39,7 @@ from prepos.server import responses as R
 from prepos.server.auth import Keys, load_keys, open_warning
 from prepos.server.cluster import Front, default_url
 from prepos.server.console import routes as console_routes
+from prepos.server.conversations_api import routes as conversations_routes
 from prepos.server.fast import App, StraightLine
 from prepos.server.guard import MAX_HEADER_BYTES, guarded_protocol, h11_buffer
 from prepos.server.lease import LeaseConfig
@@ -90,8 +91,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
         if cluster is not None and not cluster["serving"]:  # its lease lapsed: route away
             return JSONBody({"status": "lapsed", "model": state.model_name,
                                   "cluster": cluster}, 503, {"Retry-After": "1"})
-        tiers = eng.metrics()["kv_tiers"]
-        places = state.places
+        tiers, places = eng.metrics()["kv_tiers"], state.places
         body = {"status": "ok", "model": state.model_name,
                 "sessions": places.persistent_sessions(eng), "max_sessions": places.session_cap,
                 "restored": state.restored, "journal": config.journal is not None,
@@ -112,7 +112,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
 
     api = Routes()
     api.routes = [*sessions_routes.routes, *openai_routes.routes, *responses_routes.routes,
-                  *own.routes, *console_routes.routes]
+                  *conversations_routes.routes, *own.routes, *console_routes.routes]
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     openapi.install(app, api.routes)  # /openapi.json: every route above
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,
@@ -275,8 +275,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stored Responses API chains kept as sessions, least recently used "
                    "closed first (their responses stay stored; 0: none; default %(default)s)")
     p.add_argument("--responses-bytes", type=size, default=ServerConfig.responses_bytes,
-                   help="bytes of stored responses per API key (K/M/G suffixes; default "
-                   "256M), the oldest evicted first")
+                   help="bytes of stored responses per API key, the oldest evicted first, "
+                   "and as many of conversations (K/M/G suffixes; default 256M)")
     p.add_argument("--responses-ttl", type=float, default=ServerConfig.responses_ttl,
                    help="seconds a stored response is kept (default 30 days)")
     p.add_argument("--request-timeout", type=float, default=30.0,

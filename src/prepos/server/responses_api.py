@@ -1,23 +1,28 @@
 """OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
 
 A request is put in the chat route's terms (`responses_input.py`): its conversation is the
-stored conversation of `previous_response_id` (`responses_store.py`), then its `input`
-items, after its own `instructions` as the system message (a previous response's are not
-carried over, as OpenAI documents). It is answered by the chat route's flow
-(`openai_flow.ChatCall`), whose reply this module replaces (`responses_format.py`):
+stored conversation of `previous_response_id` (`responses_store.py`) or the items of its
+`conversation` (`conversation_store.py`), then its `input` items, after its own
+`instructions` as the system message (a previous response's are not carried over, as OpenAI
+documents). A response on a conversation adds its input and output items to it once it is
+done (not if it failed or was cancelled, nor if the conversation changed meanwhile: a 409).
+It is answered by the chat route's flow (`openai_flow.ChatCall`), whose reply this module
+replaces (`responses_format.py`):
 
-- `store: true` (the default): on a *chain session*, a persistent agentic session of the
-  key (journalled, listed by the session API), the one of this key, instructions and tools
-  whose conversation this one extends by the most messages: a continuation of its latest
-  response commits only the new input items (a `function_call_output` is a tool result)
-  and resumes from the pre-positioned entry; a client that resends its whole conversation
-  without `previous_response_id` (the Agents SDK's default) continues it the same way. A
+- `store: true` (the default): on a *chain session*, a persistent
+  agentic session of the key (journalled, listed by the session API), the one of this key,
+  instructions and tools whose conversation this one extends by the most messages: a
+  continuation of its latest response (or turn of its conversation) commits only the new
+  input items (a `function_call_output` is a tool result) and resumes from the
+  pre-positioned entry; a client that resends its whole conversation without
+  `previous_response_id` (the Agents SDK's default) continues it the same way. A
   conversation that extends none (a first response, a fork from an older response of a
   chain, other instructions) starts a new chain session holding it, its KV shared through
   the prefix index with the sessions it has in common. At most `--response-sessions` are
   kept, least recently used closed first: a closed one's responses stay stored and are
   continued on a new session.
-- `store: false`: the stateless chat path, on an implicit session; nothing is kept by id.
+- `store: false`: the stateless chat path, on an implicit session; nothing is kept by id
+  (a conversation's turn is added all the same).
 - a forced tool call (`tool_choice` required or a function) is constrained by its grammar
   on either; on a back end that samples itself, it is the chat route's stateless
   continuation of the call's opening, stored as any response, on no session.
@@ -38,12 +43,15 @@ from prepos.engine import Engine
 from prepos.engine.session import AGENTIC, SessionSpec
 from prepos.errors import PreposError
 from prepos.server import responses_schema as RS
+from prepos.server.conversation_store import ConversationStore, size
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import chat_sampling
 from prepos.server.openai_flow import ChatCall
 from prepos.server.responses_format import Reply
 from prepos.server.responses_input import (
     Renamer,
+    conversation_items,
+    conversation_ref,
     function_tools,
     input_messages,
     output_calls,
@@ -64,14 +72,16 @@ _APIS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ResponsesApi:
-    """A server's stored responses and its chain sessions."""
+    """A server's stored responses, its conversations and its chain sessions."""
 
     def __init__(self, state: ServerState, eng: Engine):
         self.state = state
         self.engine = eng
         config = state.config
-        self.store = ResponseStore(config.journal if state.journal is not None else None,
-                                   max_bytes=config.responses_bytes, ttl=config.responses_ttl)
+        target = config.journal if state.journal is not None else None
+        self.store = ResponseStore(target, max_bytes=config.responses_bytes,
+                                   ttl=config.responses_ttl)
+        self.conversations = ConversationStore(target, max_bytes=config.responses_bytes)
         self.chains = state.places.chains
         eng.listeners.append(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
@@ -170,16 +180,25 @@ async def _create(c, request: Request, rename: Renamer):
         "tools": tools or None, "tool_choice": choice, "response_format": fmt,
         "parallel_tool_calls": body.parallel_tool_calls, "user": body.user})
     sampling = chat_sampling(state, chat)
-    prev, history, calls = None, [], set()
+    prev, conv, history, calls = None, None, [], set()
     if body.previous_response_id is not None:
         prev = await api.stored(owner, body.previous_response_id, "previous_response_id")
+        if prev.body.get("conversation"):
+            raise ApiError(400, "invalid_request", f"response {prev.id!r} was made in "
+                           f"conversation {prev.body['conversation']['id']!r}: continue it "
+                           "with conversation", "previous_response_id")
         history = await state.run(api.store.conversation, prev)
         calls = output_calls(prev.body["output"])
+    elif body.conversation is not None:
+        conv, items = await state.run(api.conversations.items, owner,
+                                      conversation_ref(body.conversation), "conversation")
+        history = input_messages(items, calls, "conversation")[0] if items else []
     new, where = input_messages(body.input, calls)
     system = body.instructions if body.instructions and body.instructions.strip() else None
     head = [{"role": "system", "content": system}] if system else []
     msgs = head + history + new
-    rename.where = ["instructions"] * len(head) + ["previous_response_id"] * len(history) + where
+    rename.where = ["instructions"] * len(head) + [
+        "conversation" if conv else "previous_response_id"] * len(history) + where
     if msgs[-1]["role"] not in ("user", "tool"):
         raise ApiError(400, "invalid_request", "the conversation must end with a user message "
                        "or a function_call_output for the model to answer", "input")
@@ -188,6 +207,9 @@ async def _create(c, request: Request, rename: Renamer):
         await state.check_input(eng, system, "instructions")
     for m, at in zip(new, where):
         await state.check_input(eng, m["content"], at)
+    turn = conversation_items(body.input) if conv else []  # the items it adds to conv
+    if conv:
+        await state.run(api.conversations.check_room, owner, sum(map(size, turn)), "input")
     store = body.store is not False
     echo = {"model": state.model_name, "instructions": body.instructions,
             "previous_response_id": body.previous_response_id, "tools": echo_tools,
@@ -197,15 +219,21 @@ async def _create(c, request: Request, rename: Renamer):
             "metadata": body.metadata or {}, "text": echo_text, "truncation": "disabled",
             "user": body.user, "prompt_cache_key": body.prompt_cache_key,
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
-            "top_logprobs": 0}
+            "top_logprobs": 0, "conversation": {"id": conv.id} if conv else None}
     reply = Reply(state, echo, bool(body.stream))
     call = ResponsesCall(state, chat, sampling, request.receive, reply)
     forced = call.choice not in ("auto", "none")
 
     async def save(obj: dict, res) -> None:
         """Stored off the event loop, before the client has the response (so its next
-        request finds it)."""
-        if not store or res.finish_reason == "cancelled":
+        request finds it): the turn in its conversation (or the request fails), then the
+        response."""
+        if res.finish_reason == "cancelled":
+            return
+        if conv:
+            await state.run(api.conversations.append, owner, conv.id, turn + obj["output"],
+                            "conversation", conv.version)
+        if not store:
             return
         answer = output_message(obj["output"])
         sid = reply.sid
@@ -228,7 +256,7 @@ async def _create(c, request: Request, rename: Renamer):
 
 
 # the longest string fields a response stores besides its conversation (metadata's bounds
-# are OpenAI's: responses_input.refuse_unsupported)
+# are OpenAI's: responses_input.check_metadata)
 MAX_CHARS = {"user": 256, "prompt_cache_key": 256}
 
 

@@ -7,7 +7,9 @@ Input items: messages (`{role, content}`, content a string or `input_text` / `ou
 parts; `developer` is `system`), `function_call` items (an assistant message's tool calls:
 consecutive calls, and a call right after an assistant message, are one message, as a
 session commits an answer) and `function_call_output` items (tool results; their `call_id`
-must name a call of the previous response or of the input before them).
+must name a call of the previous response, of the conversation or of the input before them).
+The same items are a conversation's (`conversation_items`: as the Conversations API keeps
+and lists them).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prepos.chat import tool_formats
 from prepos.chat.format import normalize_tool_call
 from prepos.errors import InvalidInput
 from prepos.server.errors import ApiError, as_api_error
+from prepos.server.responses_format import new_id
 from prepos.server.schemas import CreateResponse
 
 INCLUDABLE = {"reasoning.encrypted_content"}  # there is no reasoning: nothing to add
@@ -42,10 +45,12 @@ def refuse_unsupported(body: CreateResponse) -> None:
     if body.background:
         raise unsupported("background responses are not supported: prepos answers in the "
                           "request (stream: true to see it as it is generated)", "background")
-    for name in ("conversation", "prompt", "context_management", "moderation"):
+    for name in ("prompt", "context_management", "moderation"):
         if getattr(body, name) is not None:
-            raise unsupported(f"{name} is not supported by prepos (continue a conversation "
-                              "with previous_response_id)", name)
+            raise unsupported(f"{name} is not supported by prepos", name)
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise bad("conversation and previous_response_id cannot be used together: a "
+                  "conversation holds its own history", "conversation")
     if body.reasoning not in (None, {}) and not (
             isinstance(body.reasoning, dict) and all(v is None for v in body.reasoning.values())):
         raise unsupported("reasoning options are not supported: the model does not reason "
@@ -61,10 +66,16 @@ def refuse_unsupported(body: CreateResponse) -> None:
             raise unsupported(f"include {value!r} is not supported", "include")
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
-    meta = body.metadata or {}
+    check_metadata(body.metadata)
+
+
+def check_metadata(meta: dict[str, str] | None) -> dict[str, str]:
+    """OpenAI's bounds on `metadata` (a 400 naming it beyond them); the pairs."""
+    meta = meta or {}
     if len(meta) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in meta.items()):
         raise bad(f"metadata holds at most {MAX_METADATA} pairs, keys up to 64 characters and "
                   "values up to 512", "metadata")
+    return meta
 
 
 def function_tools(body: CreateResponse) -> tuple[list[dict], list[dict]]:
@@ -176,20 +187,22 @@ def _assistant_call(out: list[dict], call: dict) -> None:
         out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def input_messages(raw: str | list[dict], calls: set[str]) -> tuple[list[dict], list[str]]:
-    """`input` as session messages, and the input item each message starts at. `calls`:
-    the call ids a function_call_output may answer (the previous response's); the input's
-    own function_call items are added to it."""
+def input_messages(raw: str | list[dict], calls: set[str],
+                   name: str = "input") -> tuple[list[dict], list[str]]:
+    """`input` (or a list of items the field `name` holds) as session messages, and the item
+    each message starts at. `calls`: the call ids a function_call_output may answer (those
+    before it: the previous response's, the conversation's); the items' own function_call
+    items are added to it."""
     if isinstance(raw, str):
         if not raw.strip():
-            raise bad("input must not be empty", "input")
-        return [{"role": "user", "content": raw}], ["input"]
+            raise bad(f"{name} must not be empty", name)
+        return [{"role": "user", "content": raw}], [name]
     if not raw:
-        raise bad("input must not be empty", "input")
+        raise bad(f"{name} must not be empty", name)
     out: list[dict] = []
     where: list[str] = []
     for i, item in enumerate(raw):
-        at = f"input[{i}]"
+        at = f"{name}[{i}]"
         kind = item.get("type", "message")
         n = len(out)
         if kind == "message":
@@ -203,8 +216,8 @@ def input_messages(raw: str | list[dict], calls: set[str]) -> tuple[list[dict], 
                 raise bad(f"{at}.content must not be empty", at + ".content")
             out.append({"role": role, "content": content})
         elif kind == "function_call":
-            name, cid = item.get("name"), item.get("call_id")
-            if not isinstance(name, str) or not name:
+            fn, cid = item.get("name"), item.get("call_id")
+            if not isinstance(fn, str) or not fn:
                 raise bad(f"{at}.name must be a non-empty string", at + ".name")
             if not isinstance(cid, str) or not cid:
                 raise bad(f"{at}.call_id must be a non-empty string", at + ".call_id")
@@ -212,18 +225,69 @@ def input_messages(raw: str | list[dict], calls: set[str]) -> tuple[list[dict], 
             if not isinstance(args, str):
                 raise bad(f"{at}.arguments must be a JSON text", at + ".arguments")
             calls.add(cid)
-            _assistant_call(out, call_of(name, args, at))
+            _assistant_call(out, call_of(fn, args, at))
         elif kind == "function_call_output":
             cid = item.get("call_id")
             if not isinstance(cid, str) or cid not in calls:
-                raise bad(f"{at}: no function call with call_id {cid!r} in the previous "
-                          "response or the input before it", at + ".call_id")
+                raise bad(f"{at}: no function call with call_id {cid!r} before it (in the "
+                          f"previous response, the conversation or the {name})", at + ".call_id")
             out.append({"role": "tool", "content": _text(item.get("output"), at + ".output")})
         else:
             raise unsupported(f"{at}: item type {kind!r} is not supported (message, "
                               "function_call and function_call_output items are)", at + ".type")
         where += [at] * (len(out) - n)
     return out, where
+
+
+CONVERSATION_ID = re.compile(r"conv_[A-Za-z0-9_-]{1,100}")
+
+
+def conversation_id(value, param: str) -> str:
+    """A conversation's id as it was given (`conv_...`); else a 400 naming `param`."""
+    if isinstance(value, str) and CONVERSATION_ID.fullmatch(value):
+        return value
+    raise bad(f"{param} must be a conversation id (conv_...), got {value!r:.80}", param)
+
+
+def conversation_ref(value) -> str:
+    """A response's `conversation`: an id, or an object {"id": ...}."""
+    if isinstance(value, dict):
+        return conversation_id(value.get("id"), "conversation.id")
+    return conversation_id(value, "conversation")
+
+
+def _parts(content, kind: str) -> list[dict]:
+    """A message's content (checked by `_text`) as the parts a conversation item holds."""
+    if isinstance(content, str):
+        content = [{"type": kind, "text": content}]
+    return [{"type": p["type"], "text": p["text"], "annotations": [], "logprobs": []}
+            if p["type"] == "output_text" else {"type": p["type"], "text": p["text"]}
+            for p in content]
+
+
+def conversation_items(raw: str | list[dict]) -> list[dict]:
+    """Input items (checked by `input_messages`) as a conversation keeps them, each with a
+    new id and `status`: a message's content as parts (`input_text`, or `output_text` for
+    the assistant's), a function call's output as it was sent."""
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    out = []
+    for item in raw:
+        kind = item.get("type", "message")
+        if kind == "message":
+            text = "output_text" if item["role"] == "assistant" else "input_text"
+            out.append({"id": new_id("msg_"), "type": "message", "role": item["role"],
+                        "content": _parts(item["content"], text), "status": "completed"})
+        elif kind == "function_call":
+            out.append({"id": new_id("fc_"), "type": "function_call",
+                        "call_id": item["call_id"], "name": item["name"],
+                        "arguments": item.get("arguments", ""), "status": "completed"})
+        else:
+            output = item["output"]
+            out.append({"id": new_id("fco_"), "type": "function_call_output",
+                        "call_id": item["call_id"], "status": "completed",
+                        "output": output if isinstance(output, str) else _parts(output, "")})
+    return out
 
 
 def output_message(output: list[dict]) -> dict | None:

@@ -1,5 +1,6 @@
-"""The Responses API's response bodies and stream events as models, for `/openapi.json`
-(`server/responses_format.py` writes them; `server/responses.py` holds the other routes')."""
+"""The Responses API's response bodies and stream events, and the Conversations API's
+objects, as models for `/openapi.json` (`server/responses_format.py` and
+`server/conversations_api.py` write them; `server/responses.py` holds the other routes')."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ class ResponseObject(Body):
     store: bool
     metadata: dict[str, str]
     text: dict[str, Any]
+    conversation: dict[str, str] | None = Field(None, description="{id}: the conversation "
+                                                "its turn was added to")
     prepos: Extension | None = None
 
 
@@ -83,6 +86,44 @@ class ResponseDeleted(Body):
     id: str
     object: Literal["response.deleted"]
     deleted: Literal[True]
+
+
+class ConversationObject(Body):
+    """A conversation (`openai.types.conversations.Conversation`)."""
+
+    id: str = Field(description="conv_...")
+    object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]
+
+
+class ConversationDeleted(Body):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: Literal[True]
+
+
+class ConversationItem(Body):
+    """An item of a conversation: a `message` (`role`, `content` parts), a `function_call`
+    (`call_id`, `name`, `arguments`) or a `function_call_output` (`call_id`, `output`)."""
+
+    id: str
+    type: Literal["message", "function_call", "function_call_output"]
+    status: ItemStatus
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: list[dict[str, Any]] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[dict[str, Any]] | None = None
+
+
+class ConversationItemList(Body):
+    object: Literal["list"]
+    data: list[ConversationItem]
+    first_id: str | None = Field(description="the first item's id (null: none)")
+    last_id: str | None = Field(description="the last item's id (null: none)")
+    has_more: bool
 
 
 class ResponseEvent(Body):

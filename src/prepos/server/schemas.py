@@ -181,3 +181,18 @@ class CreateResponse(Open):
     top_logprobs: Any = None
     context_management: Any = None
     moderation: Any = None
+
+
+class CreateConversation(Open):
+    """POST /v1/conversations (`server/conversations_api.py`): initial items, as `input`'s."""
+
+    items: list[dict[str, Any]] | None = None
+    metadata: dict[str, StrictStr] | None = None
+
+
+class UpdateConversation(Open):
+    metadata: dict[str, StrictStr] | None
+
+
+class AddItems(Open):
+    items: list[dict[str, Any]]

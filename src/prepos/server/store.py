@@ -87,6 +87,18 @@ CREATE TABLE IF NOT EXISTS idempotency (
 CREATE INDEX IF NOT EXISTS idempotency_owner ON idempotency (owner, created);
 CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency (created);
 """),
+    # the Conversations API's conversations and their items (server/conversation_store.py)
+    (5, """
+CREATE TABLE IF NOT EXISTS openai_conversations (
+    id TEXT PRIMARY KEY, owner TEXT, created DOUBLE PRECISION NOT NULL, metadata TEXT NOT NULL,
+    version BIGINT NOT NULL, next BIGINT NOT NULL, bytes BIGINT NOT NULL);
+CREATE INDEX IF NOT EXISTS openai_conversations_owner ON openai_conversations (owner);
+CREATE TABLE IF NOT EXISTS openai_conversation_items (
+    id TEXT PRIMARY KEY, conversation TEXT NOT NULL, seq BIGINT NOT NULL, call_id TEXT,
+    body TEXT NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS openai_conversation_items_seq
+    ON openai_conversation_items (conversation, seq);
+"""),
 ]
 NOW = {"sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
        "postgresql": "extract(epoch from clock_timestamp())::double precision"}
