@@ -218,6 +218,22 @@ def cluster_part(args, served: str, systems: list[str], count) -> dict:
     return out
 
 
+def llama_arm(binary, gguf, args, ram: int, log: Path, systems: list[str], count) -> dict:
+    """llama-server's arm: the same GGUF and threads, one slot, its RAM cache `ram` bytes,
+    every turn resending the whole conversation."""
+    llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
+                        extra=("--jinja", "--cache-ram", str(ram >> 20)), log=log)
+    llama.start(wait=300)
+    try:
+        t0 = time.perf_counter()
+        arm = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
+                      args.turns, count)
+        arm["wall_s"] = round(time.perf_counter() - t0, 1)
+    finally:
+        llama.stop()
+    return arm
+
+
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -351,26 +367,13 @@ def main(argv: list[str] | None = None) -> int:
             stop(proc)
         return arm
 
-    def llama_arm() -> dict:
-        llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
-                            extra=("--jinja", "--cache-ram", str(ram >> 20)),
-                            log=work / "llama-server.log")
-        llama.start(wait=300)
-        try:
-            t0 = time.perf_counter()
-            arm = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
-                          args.turns, count)
-            arm["wall_s"] = round(time.perf_counter() - t0, 1)
-        finally:
-            llama.stop()
-        return arm
-
     binary = None if args.skip_llama_server else find_binary()
     out["order"] = ["llama_server", "prepos"] if args.peer_first and binary else ["prepos"]
     if binary is not None and not args.peer_first:
         out["order"].append("llama_server")
     for arm in out["order"]:
-        out[arm] = prepos_arm() if arm == "prepos" else llama_arm()
+        out[arm] = prepos_arm() if arm == "prepos" else llama_arm(
+            binary, gguf, args, ram, work / "llama-server.log", systems, count)
     ours = out["prepos"]
     if binary is not None:
         theirs = out["llama_server"]

@@ -40,10 +40,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, machine, write  # noqa: E402
-from many_conversations import KEY, ask, chat_asker, run_arm, system_prompt  # noqa: E402
+from many_conversations import KEY, ask, llama_arm, run_arm, system_prompt  # noqa: E402
 from stock_clients import resolve, start_prepos, stop  # noqa: E402
 
-from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
+from prepos.backends.llama_server import find_binary  # noqa: E402
 
 MODES = ("header", "prompt_cache_key", "conversations")
 
@@ -147,17 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     binary = None if args.skip_llama_server else find_binary()
     if binary is not None:
-        llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
-                            extra=("--jinja", "--cache-ram", str(ram >> 20)),
-                            log=work / "llama-server.log")
-        llama.start(wait=300)
-        try:
-            t0 = time.perf_counter()
-            theirs = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
-                             args.turns, count)
-            theirs["wall_s"] = round(time.perf_counter() - t0, 1)
-        finally:
-            llama.stop()
+        theirs = llama_arm(binary, gguf, args, ram, work / "llama-server.log", systems,
+                           count)
         out["llama_server"] = theirs
         for arm in out["modes"].values():
             a, b = arm["later_turns"], theirs["later_turns"]
