@@ -15,6 +15,7 @@ import sqlite3
 import httpx
 import openai
 import pytest
+from openai_helpers import ext, held, openai_client
 from server_harness import ServerProc
 
 INSTR = "You are a market analyst. Answer in one word."
@@ -36,7 +37,7 @@ def server(model_dirs, tmp_path_factory):
 
 
 def sdk(srv, key: str = KEYS[0]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+    return openai_client(srv, key)
 
 
 @pytest.fixture
@@ -50,16 +51,6 @@ def http(server):
     with httpx.Client(base_url=server.url, timeout=120,
                       headers={"Authorization": f"Bearer {KEYS[0]}"}) as client:
         yield client
-
-
-def ext(r) -> dict:
-    return r.model_extra["prepos"]
-
-
-def held(http, sid: str) -> list[dict]:
-    r = http.get(f"/sessions/{sid}", params={"include": "messages"})
-    r.raise_for_status()
-    return r.json()["message_list"]
 
 
 def check_object(r, model: str, max_tokens: int) -> None:
