@@ -21,6 +21,7 @@ import pytest
 from cluster_harness import Postgres, missing_postgres
 from server_harness import ServerProc
 
+from prepos.server.auth import owner_id, scoped
 from prepos.server.lease import LeaseConfig, Leases
 from prepos.server.store import Database
 
@@ -64,7 +65,8 @@ def auth(key: str) -> dict:
 def rows(url: str) -> tuple:
     db = Database(url, migrate=False)
     try:
-        return (db.q("SELECT node, node_epoch FROM leases WHERE sid=?", (SID,)).fetchall(),
+        return (db.q("SELECT node, node_epoch FROM leases WHERE sid=?",
+                     (scoped(owner_id(K1), SID),)).fetchall(),
                 db.q("SELECT node, epoch FROM nodes ORDER BY node").fetchall())
     finally:
         db.close()
@@ -135,6 +137,20 @@ def test_no_key_or_another_key_takes_nothing_over(nodes):
     r = append(b, json={"data": "tick 3"}, headers=auth(K1))
     assert r.status_code == 200 and r.headers["x-prepos-node"] == "nb", r.text
     assert rows(pg.url)[0][0][0] == "nb"
+
+
+def test_another_key_makes_its_own_session_of_the_name(nodes):
+    """K1's session is stored and served by nb: K2 making one of the same name is a 201 (no
+    409 telling it K1 has one), and each key's requests reach its own."""
+    _, _, b = nodes
+    r = httpx.post(b.url + "/sessions", json={"kind": "agentic", "session_id": SID},
+                   headers=auth(K2), timeout=60)
+    assert r.status_code == 201 and r.json()["id"] == SID, r.text
+    assert httpx.post(b.url + "/sessions", json={"kind": "agentic", "session_id": SID},
+                      headers=auth(K1), timeout=60).status_code == 409
+    one = httpx.get(f"{b.url}/sessions/{SID}", headers=auth(K1), timeout=60).json()
+    two = httpx.get(f"{b.url}/sessions/{SID}", headers=auth(K2), timeout=60).json()
+    assert (one["kind"], two["kind"]) == ("streaming", "agentic") and one["version"] == 2
 
 
 def test_subscribers_are_ended_when_the_store_is_gone_past_the_lease(nodes):

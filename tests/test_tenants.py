@@ -196,3 +196,51 @@ def test_the_warning_of_an_open_server_on_a_non_loopback_address(server, model_d
     with ServerProc(model_dirs["chatml"], tmp_path / "open", "--host", "0.0.0.0") as srv:
         log = srv.tail()
     assert "no API keys and listening on 0.0.0.0" in log and "stored responses" in log
+
+
+# -- session names ---------------------------------------------------------------------------
+def test_two_keys_each_make_a_session_of_one_name_and_learn_nothing_of_the_other(
+        model_dirs, tmp_path):
+    """A name is in its key's namespace: key B asking for a session named as key A's gets
+    what it would get had A none (a 404, then a 201 making its own), never 409; the two
+    sessions stay apart, each shown by the bare name, through a restart on the journal."""
+    journal = tmp_path / "journal.sqlite"
+    args = ("--api-key", KEY_A, "--api-key", KEY_B)
+    with ServerProc(model_dirs["chatml"], tmp_path / "one", *args, journal=journal) as srv, \
+            client(srv, KEY_A) as a, client(srv, KEY_B) as b:
+        r = a.post("/sessions", json={"kind": "streaming"}, headers={"x-session-id": "orders"})
+        assert r.status_code == 201 and r.json()["id"] == "orders"
+        assert a.post("/sessions", json={"kind": "streaming", "session_id": "orders"}
+                      ).status_code == 409  # the caller's own: it exists
+        assert b.get("/sessions/orders").status_code == 404
+        r = b.post("/sessions", json={"kind": "agentic"}, headers={"x-session-id": "orders"})
+        assert r.status_code == 201, r.text
+        assert r.json()["id"] == "orders" and r.headers["location"] == "/sessions/orders"
+        assert r.headers["x-session-id"] == "orders" and r.json()["kind"] == "agentic"
+        r = a.post("/sessions/orders/append", json={"data": "AAPL 101"})
+        assert r.status_code == 200 and r.json() == {**r.json(), "session_id": "orders",
+                                                      "version": 1}
+        r = b.post("/sessions/orders/messages", json={"role": "user", "content": "hi"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-session-id"] == "orders"
+        r = b.post("/v1/chat/completions", headers={"x-session-id": "orders"}, json={
+            "model": "chatml-llama", "max_tokens": 1, "messages": [
+                {"role": "user", "content": "hi"}, {"role": "user", "content": "more"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["prepos"]["session_id"] == "orders"
+        assert [s["id"] for s in a.get("/sessions").json()["data"]] == ["orders"]
+        assert [s["id"] for s in b.get("/sessions").json()["data"]] == ["orders"]
+        ia, ib = a.get("/sessions/orders").json(), b.get("/sessions/orders").json()
+        assert (ia["kind"], ia["version"], ia["id"]) == ("streaming", 1, "orders")
+        assert ib["kind"] == "agentic" and ib["id"] == "orders"
+        versions = (ia["version"], ib["version"])
+        r = a.post("/sessions/orders/query", json={"question": "trend?", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["session_id"] == "orders"
+    with ServerProc(model_dirs["chatml"], tmp_path / "two", *args, journal=journal) as srv, \
+            client(srv, KEY_A) as a, client(srv, KEY_B) as b:
+        ia, ib = a.get("/sessions/orders").json(), b.get("/sessions/orders").json()
+        assert (ia["kind"], ib["kind"]) == ("streaming", "agentic")
+        assert (ia["version"], ib["version"]) == versions
+        assert a.delete("/sessions/orders").json() == {"session_id": "orders", "closed": True}
+        assert a.get("/sessions/orders").status_code == 404
+        assert b.get("/sessions/orders").json()["version"] == versions[1]

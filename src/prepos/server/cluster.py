@@ -28,6 +28,7 @@ import socket
 import time
 
 from prepos.errors import PreposError
+from prepos.server.auth import scoped
 from prepos.server.errors import ApiError
 from prepos.server.forwarding import Forwarder, shared_secret
 from prepos.server.journal import Journal, is_ephemeral
@@ -91,9 +92,9 @@ class Front:
                 cluster.forwarder.verify(scope, sid)
             if cluster is not None and sid is not None and not (
                     scope["method"] == "POST" and scope["path"] == "/sessions") and \
-                    await cluster.may_claim(sid, scope):
-                while not await cluster.serve_here(sid, scope):
-                    if await cluster.forward(sid, scope, receive, send):
+                    (held := await cluster.may_claim(sid, scope)) is not None:
+                while not await cluster.serve_here(held, scope):
+                    if await cluster.forward(held, scope, receive, send):
                         slow(scope, sid, t0, "forwarded")
                         return  # the owner answered; else it is dead: wait it out
                 if "prepos.body" in scope:  # read for a forward that found no one
@@ -202,28 +203,31 @@ class Cluster:
     def stop(self) -> None:
         self.leases.stop()
 
-    async def may_claim(self, sid: str, scope) -> bool:
-        """Whether the request may make this node claim or take `sid` over: a valid key
-        (401 otherwise, before any lease or store work) of the session's owner where the
-        store has the session (else no lease is touched: the app answers 404). An OpenAI
-        request naming no stored session names a conversation of the client's: served here,
-        no lease (the app answers it statelessly)."""
+    async def may_claim(self, name: str, scope) -> str | None:
+        """The id of the caller's session `name` (`scoped`) where the request may make this
+        node claim or take it over, else None: a valid key (401 otherwise, before any lease
+        or store work) of the session's owner where the store has the session (else no
+        lease is touched: the app answers 404). An OpenAI request naming no stored session
+        names a conversation of the client's: served here, no lease (the app answers it
+        statelessly)."""
         owner = self.state.keys.owner_of(dict(scope["headers"]).get(
             b"authorization", b"").decode("latin-1") or None)
-        if self.leases.owns(sid):
-            return True
         client_named = scope["path"] in CLIENT_NAMED
-        if owner is None and not client_named:
-            return True
-        row = await self.state.run(lambda: self.leases.db.q(
-            "SELECT spec FROM sessions WHERE id=?", (sid,)).fetchone())
-        if row is None:  # not stored (yet): the lease says who makes it
-            return not client_named
-        try:
-            stored = json.loads(row[0]).get("owner")
-        except (ValueError, AttributeError):
-            return True
-        return stored == owner
+        for sid in dict.fromkeys((scoped(owner, name), name)):  # as `session_named` finds it
+            if self.leases.owns(sid) or owner is None and not client_named:
+                return sid
+            row = await self.state.run(lambda sid=sid: self.leases.db.q(
+                "SELECT spec FROM sessions WHERE id=?", (sid,)).fetchone())
+            if row is None:
+                continue
+            try:
+                stored = json.loads(row[0]).get("owner")
+            except (ValueError, AttributeError):
+                return sid
+            if stored == owner:
+                return sid
+        # not stored (yet): the lease says who makes it
+        return None if client_named else scoped(owner, name)
 
     async def serve_here(self, sid: str, scope) -> bool:
         """Whether this node serves `sid` now: owned, or claimed (and loaded) now. While a
@@ -369,17 +373,21 @@ class Cluster:
                 "conversations_published": self.directory.published if self.directory else 0}
 
 
-def check_new_id(state, engine, sid: str) -> None:
-    """A session id a client chose for a new session: well formed, and no session's, here
-    or, with a shared store, anywhere (its lease is claimed for it now)."""
-    if not SESSION_ID.fullmatch(sid) or is_ephemeral(sid):
+def check_new_id(state, engine, name: str, owner: str | None) -> str:
+    """The id of a new session a client named: the name well formed, and no session of the
+    caller's by that name, here or, with a shared store, anywhere (its lease is claimed for
+    it now); another key's session of the same name is another session."""
+    if not SESSION_ID.fullmatch(name) or is_ephemeral(name):
         raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, digits "
-                       f"and ._:- (starting with a letter or digit), got {sid[:140]!r}")
-    taken = engine.has_session(sid) or sid in state.places.creating
+                       f"and ._:- (starting with a letter or digit), got {name[:140]!r}")
+    sid = scoped(owner, name)
+    taken = engine.has_session(sid) or sid in state.places.creating or (
+        state.session_named(engine, name, owner) is not None)
     if not taken and state.cluster is not None:
         taken = not state.cluster.leases.claim(sid).ours or state.journal.exists(sid)
     if taken:
-        raise ApiError(409, "session_exists", f"a session {sid!r} exists already")
+        raise ApiError(409, "session_exists", f"a session {name!r} exists already")
+    return sid
 
 
 def join(state, engine, journal: Journal) -> Cluster:

@@ -12,6 +12,7 @@ import hmac
 import logging
 import secrets
 
+from prepos.server.auth import public
 from prepos.server.errors import ApiError
 from prepos.server.lease import Claim
 from prepos.server.store import Database
@@ -80,7 +81,7 @@ class Forwarder:
             if not message.get("more_body", False):
                 body = scope["prepos.body"] = b"".join(chunks)
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP and k != FORWARDED]
-        headers.append(self.header(scope, sid))
+        headers.append(self.header(scope, public(sid)))  # as the owner reads the request
         target = claim.url.rstrip("/") + scope["path"]
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
@@ -95,7 +96,7 @@ class Forwarder:
             return False
         except httpx.TransportError as exc:
             log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
-            raise ApiError(503, "owner_unreachable", f"session {sid}'s owner node "
+            raise ApiError(503, "owner_unreachable", f"session {public(sid)}'s owner node "
                            f"{claim.node} did not answer; retry",
                            headers={"Retry-After": "1"}) from None
         try:

@@ -40,6 +40,7 @@ from functools import wraps
 from starlette.responses import Response
 
 from prepos.errors import PreposError
+from prepos.server.auth import public
 from prepos.server.errors import ApiError, as_api_error, error_body
 from prepos.server.store import Database
 
@@ -66,8 +67,8 @@ class KeyClaimed(PreposError):
 
 @dataclass(eq=False)
 class Attempt:
-    """One request with a key, while it runs: `sid`, the session it mutates (None: the one
-    it creates); `claimed` once its row is in the store with its first commit."""
+    """One request with a key, while it runs: `sid`, the name of the session it mutates
+    (None: the one it creates); `claimed` once its row is in the store with its first commit."""
 
     owner: str
     key: str
@@ -86,7 +87,8 @@ def riding(event: str, sid: str) -> Attempt | None:
     """The attempt whose key the journal's write of `event` on session `sid` claims: the
     request's own first commit of its session (or of the session it creates)."""
     a = CURRENT.get()
-    if a is None or a.claimed or (a.sid != sid if a.sid is not None else event != "create"):
+    if a is None or a.claimed or (a.sid != public(sid) if a.sid is not None
+                                  else event != "create"):
         return None
     return a
 
@@ -136,7 +138,7 @@ class Records:
              (a.owner, a.key, now - self.ttl))
         cur = db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, NULL, NULL, ?) ON CONFLICT "
                    "(owner, key) DO NOTHING", (a.owner, a.key, a.digest, now,
-                                               json.dumps({"session_id": sid,
+                                               json.dumps({"session_id": public(sid),
                                                            "version": version})))
         if cur.rowcount != 1:
             raise KeyClaimed(f"another request with this {HEADER} committed first")

@@ -41,6 +41,7 @@ from starlette.requests import Request
 from prepos.chat.conversation import session_messages
 from prepos.engine.session import STREAMING
 from prepos.errors import PreposError
+from prepos.server.auth import public
 from prepos.server import responses as R
 from prepos.server.cluster import SESSION_ID
 from prepos.server.conversations import hop
@@ -144,7 +145,7 @@ async def chat_completions(request: Request):
         return await ChatCall(state, body, sampling, request.receive).streaming(eng, s, msgs)
     if body.tools is not None and tools != list(s.spec.tools):
         raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
-                       f"{s.id} was created with; send the same tools or none", "tools")
+                       f"{public(s.id)} was created with; send the same tools or none", "tools")
     body.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
     return await ChatCall(state, body, sampling, request.receive).agentic(eng, s, msgs)
 

@@ -32,6 +32,7 @@ from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
+from prepos.server.auth import public
 from prepos.server.errors import ApiError
 from prepos.server.openai_checks import forced_call, tool_choice
 from prepos.server.openai_format import ChatReply, CompletionReply, respond
@@ -222,15 +223,16 @@ class ChatCall:
         """A streaming session's query, asked as one user message."""
         asked = [m for m in msgs if m["role"] != "system"]
         if len(asked) != 1 or asked[0]["role"] != "user":
-            raise ApiError(400, "invalid_request", f"session {s.id} is a streaming session: a "
+            name = public(s.id)
+            raise ApiError(400, "invalid_request", f"session {name} is a streaming session: a "
                            "chat request asks one user message (the query); data is appended "
-                           f"with POST /sessions/{s.id}/append", "messages")
+                           f"with POST /sessions/{name}/append", "messages")
         if msgs[0]["role"] == "system" and msgs[0]["content"] != (s.spec.system or ""):
             raise ApiError(409, "conversation_diverged", f"the system message differs from "
-                           f"session {s.id}'s", "messages[0]")
+                           f"session {public(s.id)}'s", "messages[0]")
         if self.choice not in ("auto", "none"):
-            raise ApiError(400, "invalid_request", f"session {s.id} is a streaming session: it "
-                           "has no tools to call", "tool_choice")
+            raise ApiError(400, "invalid_request", f"session {public(s.id)} is a streaming "
+                           "session: it has no tools to call", "tool_choice")
         question = asked[0]["content"]
         mode = self.body.fast_path
         streams = []
@@ -247,7 +249,7 @@ class ChatCall:
         call ('required', a function) is constrained by its grammar, as statelessly, and
         committed as generated."""
         if self.n != 1:
-            raise ApiError(400, "invalid_request", f"session {s.id} commits one answer per "
+            raise ApiError(400, "invalid_request", f"session {public(s.id)} commits one answer per "
                            "turn: n must be 1 (n > 1 works statelessly and on streaming "
                            "sessions)", "n")
         if self.choice == "auto" or not s.spec.tools:
@@ -369,8 +371,8 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
                            "session's query (stateless completions compute the prompt's "
                            "logprobs)", "echo")
         if s.kind != STREAMING:
-            raise ApiError(409, "wrong_session_kind", f"session {s.id} is agentic: drive it "
-                           "with /v1/chat/completions", "session_id")
+            raise ApiError(409, "wrong_session_kind", f"session {public(s.id)} is agentic: "
+                           "drive it with /v1/chat/completions", "session_id")
         streams = []
         for prompt in prompts:
             for i in range(n):

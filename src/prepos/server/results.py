@@ -7,6 +7,7 @@ import orjson
 from starlette.responses import Response
 
 from prepos.core import Result
+from prepos.server.auth import public
 from prepos.server.metrics import cached_prompt_tokens
 
 JSON = "application/json"
@@ -41,7 +42,8 @@ def extension(res: Result, session_id: str | None = None) -> dict:
     """The `prepos` field of a response body: path, match, gate gap, version, timing, and
     the answer's tokens served pre-decoded."""
     return {"path": res.path.value, "match": res.match.value, "gap": res.gap,
-            "version": res.version, "session_id": session_id, "timing": timing(res),
+            "version": res.version,
+            "session_id": None if session_id is None else public(session_id), "timing": timing(res),
             "predecoded": res.predecoded,
             **({"answer_id": res.answer_id} if res.answer_id else {})}
 
@@ -59,7 +61,7 @@ def headers(res: Result, session_id: str | None = None) -> dict[str, str]:
                            f"prefill;dur={t.prefill * 1e3:.3f}, ttft;dur={t.ttft * 1e3:.3f}, "
                            f"total;dur={t.total * 1e3:.3f}")}
     if session_id is not None:
-        h["X-Prepos-Session"] = session_id
+        h["X-Prepos-Session"] = public(session_id)
     if res.answer_id is not None:  # a relaxed answer: a correction event would name it
         h["X-Prepos-Answer-Id"] = res.answer_id
     return h
@@ -70,13 +72,13 @@ def pending_headers(session_id: str | None = None) -> dict[str, str]:
     are sent: the path comes in the stream's last event instead."""
     h = {"X-Prepos-Path": "pending"}
     if session_id is not None:
-        h["X-Prepos-Session"] = session_id
+        h["X-Prepos-Session"] = public(session_id)
     return h
 
 
 def session_result(res: Result, session_id: str, logprobs: bool = False,
                    agentic: bool = False, content: str | None = None) -> dict:
-    out = {"session_id": session_id, "text": res.text, "tokens": res.tokens,
+    out = {"session_id": public(session_id), "text": res.text, "tokens": res.tokens,
            "finish_reason": res.finish_reason, "path": res.path.value,
            "match": res.match.value, "gap": res.gap, "version": res.version,
            "answer_id": res.answer_id, "timing": timing(res), "predecoded": res.predecoded,

@@ -21,6 +21,7 @@ from prepos.core import Request as EngineRequest
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.server import responses as R
 from prepos.server import results, streaming
+from prepos.server.auth import public
 from prepos.server.cluster import check_new_id
 from prepos.server.errors import ApiError
 from prepos.server.idempotency import idempotent, interrupted
@@ -65,7 +66,7 @@ async def _commit(c: Call, fn, *args) -> Response:
         c.state.backpressure(c.engine)
     version = await c.state.run(fn, *args)
     snap = c.engine.snapshot(c.sid, version)
-    return JSONBody({"session_id": c.sid, "version": version, "tokens": len(snap.tokens),
+    return JSONBody({"session_id": public(c.sid), "version": version, "tokens": len(snap.tokens),
                           "messages": len(snap.messages)})
 
 
@@ -106,8 +107,8 @@ async def create_session(request: Request):
     if body.session_id is not None and body.session_id != requested:
         raise ApiError(400, "session_id_mismatch", "x-session-id and session_id differ",
                        "session_id")
-    if requested is not None:
-        check_new_id(state, eng, requested)
+    if requested is not None:  # in the caller's namespace: no other key's session is seen
+        requested = check_new_id(state, eng, requested, owner)
     with state.places.new_session(eng, owner, requested) as sid:
         state.hub.push_tokens[sid] = body.push_max_tokens
         if state.journal is not None:
@@ -119,7 +120,7 @@ async def create_session(request: Request):
             if state.journal is not None:
                 state.journal.extras.pop(sid, None)
             raise
-    return JSONBody(_info(state, eng, sid), 201, {"Location": f"/sessions/{sid}"})
+    return JSONBody(_info(state, eng, sid), 201, {"Location": f"/sessions/{public(sid)}"})
 
 
 def _answer_budget(body: CreateSession, max_tokens: int) -> tuple[int | None, tuple[str, ...]]:
@@ -142,6 +143,7 @@ def _answer_budget(body: CreateSession, max_tokens: int) -> tuple[int | None, tu
 
 def _info(state: ServerState, eng, sid: str) -> dict:
     info = eng.info(sid)
+    info["id"] = public(sid)
     s = eng.session(sid)
     kept = list(eng.versions(sid))
     info["versions_kept"] = [kept[0], kept[-1]] if kept else []
@@ -177,7 +179,7 @@ async def list_sessions(request: Request):
         if not c.state.visible(s, c.owner):
             continue
         snap, _ = s.current()
-        out.append({"id": s.id, "kind": s.kind, "version": snap.version,
+        out.append({"id": public(s.id), "kind": s.kind, "version": snap.version,
                     "tokens": len(snap.tokens), "messages": len(snap.messages),
                     **_prepared(c.engine, s)})
     return JSONBody({"object": "list", "data": out})
@@ -193,7 +195,7 @@ async def list_sessions(request: Request):
                           "(token_ids) and the messages (message_list)")))
 async def inspect_session(sid: str, request: Request):
     c = await ServerState.open(request, sid=sid)
-    state, eng = c.state, c.engine
+    state, eng, sid = c.state, c.engine, c.sid
     raw = request.query_params.get("wait_ready")
     wait = 0.0
     if raw is not None:
@@ -241,8 +243,8 @@ async def close_session(sid: str, request: Request):
     except ValueError:
         raise ApiError(400, "invalid_request", f"expected_version must be an integer, got "
                        f"{raw!r}", "expected_version") from None
-    await c.state.committing(c.engine.close_session, sid, expected)  # its rows deleted first
-    return JSONBody({"session_id": sid, "closed": True})
+    await c.state.committing(c.engine.close_session, c.sid, expected)  # rows deleted first
+    return JSONBody({"session_id": public(c.sid), "closed": True})
 
 
 # -- mutations ----------------------------------------------------------------------------
@@ -252,7 +254,7 @@ async def close_session(sid: str, request: Request):
 async def append(sid: str, request: Request):
     c = await ServerState.open(request, Append, sid, STREAMING)
     await c.check_input(c.body.data, "data")
-    return await _commit(c, c.engine.append, sid, c.body.data, c.body.wait,
+    return await _commit(c, c.engine.append, c.sid, c.body.data, c.body.wait,
                          c.body.expected_version)
 
 
@@ -263,10 +265,10 @@ async def rollback(sid: str, request: Request):
     c = await ServerState.open(request, Rollback, sid)
     b = c.body
     if b.version == c.session.version and b.expected_version in (None, b.version):  # there
-        snap = c.engine.snapshot(sid)
-        return JSONBody({"session_id": sid, "version": snap.version,
+        snap = c.engine.snapshot(c.sid)
+        return JSONBody({"session_id": public(c.sid), "version": snap.version,
                               "tokens": len(snap.tokens), "messages": len(snap.messages)})
-    return await _commit(c, c.engine.rollback, sid, b.version, b.wait, b.expected_version)
+    return await _commit(c, c.engine.rollback, c.sid, b.version, b.wait, b.expected_version)
 
 
 @routes.add("POST", "/sessions/{sid}/shift", 50, summary="Drop the oldest data (streaming)",
@@ -274,7 +276,7 @@ async def rollback(sid: str, request: Request):
 @idempotent
 async def shift(sid: str, request: Request):
     c = await ServerState.open(request, Shift, sid, STREAMING)
-    return await _commit(c, c.engine.shift, sid, c.body.drop, c.body.wait,
+    return await _commit(c, c.engine.shift, c.sid, c.body.drop, c.body.wait,
                          c.body.expected_version)
 
 
@@ -285,7 +287,7 @@ async def add_message(sid: str, request: Request):
     c = await ServerState.open(request, AddMessage, sid, AGENTIC)
     b = c.body
     await c.check_input(b.content, "content")
-    return await _commit(c, c.engine.add_message, sid, b.role, b.content, b.tool_calls, b.wait,
+    return await _commit(c, c.engine.add_message, c.sid, b.role, b.content, b.tool_calls, b.wait,
                          b.expected_version)
 
 
@@ -313,7 +315,7 @@ async def ask(c: Call, receive) -> Response:
 @idempotent
 async def turn(sid: str, request: Request):
     c = await ServerState.open(request, Turn, sid, AGENTIC)
-    eng, b = c.engine, c.body
+    eng, b, sid = c.engine, c.body, c.sid
     req = _request(c)
     if b.user is None:
         stream = await c.state.start_exact(eng, sid, TURN, req, lambda: eng.turn(sid, None, req),

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.errors import SessionNotFound
+from prepos.server.auth import public
 from prepos.server.journal import is_ephemeral
 
 log = logging.getLogger("prepos.server.sse")
@@ -141,12 +142,12 @@ class Hub:
     # -- event loop side -----------------------------------------------------------------------
     def _on_event(self, name: str, s, payload) -> None:
         if name == "commit":
-            self.publish(s.id, "commit", {"session_id": s.id, "version": payload.version,
+            self.publish(s.id, "commit", {"session_id": public(s.id), "version": payload.version,
                                           "tokens": len(payload.tokens),
                                           "messages": len(payload.messages)})
         elif name == "record":
             key, rec = payload
-            self.publish(s.id, "ready", {"session_id": s.id, "key": ":".join(map(str, key)),
+            self.publish(s.id, "ready", {"session_id": public(s.id), "key": ":".join(map(str, key)),
                                          "version": rec.version, "p": rec.p, "gap": rec.gap})
             if key[0] == "query" and not self._awaits_predecode(s, key):
                 self._answer(s, key, rec)
@@ -157,7 +158,7 @@ class Hub:
         elif name == "correction":  # a relaxed answer its verification disagreed with
             self.publish(s.id, "correction", payload)
         elif name == "close":
-            self.publish(s.id, "close", {"session_id": s.id})
+            self.publish(s.id, "close", {"session_id": public(s.id)})
             for sub in self._subs.pop(s.id, set()):
                 sub.put(None)
             self._latest.pop(s.id, None)
@@ -211,8 +212,8 @@ class Hub:
         except Exception as exc:
             log.debug("standing query of %s failed: %s", sid, exc)
             return
-        ev = {"session_id": sid, "query": question, "version": res.version, "text": res.text,
-              "tokens": res.tokens, "finish_reason": res.finish_reason,
+        ev = {"session_id": public(sid), "query": question, "version": res.version,
+              "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
               "path": res.path.value, "match": res.match.value, "gap": res.gap,
               "ttft_ms": res.timing.ttft * 1e3, "predecoded": res.predecoded}
         self._latest.setdefault(sid, {})[question] = ev
@@ -236,8 +237,9 @@ class Hub:
         if self.metrics is not None:
             self.metrics.subscribers.inc()
         snap, records = self.engine.ready_now(s.id)
-        sub.put(event({"session_id": s.id, "version": snap.version, "tokens": len(snap.tokens),
-                       "standing_queries": list(s.spec.standing)}, "hello"))
+        sub.put(event({"session_id": public(s.id), "version": snap.version,
+                       "tokens": len(snap.tokens), "standing_queries": list(s.spec.standing)},
+                      "hello"))
         latest = self._latest.get(s.id, {})
         for q in s.spec.standing:
             ev = latest.get(q)

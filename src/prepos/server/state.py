@@ -27,7 +27,7 @@ from prepos.engine import Engine
 from prepos.engine.session import Session
 from prepos.errors import PreposError, SessionNotFound
 from prepos.server import idempotency, responses_store
-from prepos.server.auth import Keys
+from prepos.server.auth import SCOPE, Keys, scoped
 from prepos.server.errors import ApiError, validation_error
 from prepos.server.journal import Journal, is_ephemeral
 from prepos.server.lease import LeaseConfig
@@ -259,14 +259,18 @@ class ServerState:
         return s
 
     def session_named(self, engine: Engine, sid: str, owner: str | None) -> Session | None:
-        """The caller's session `sid`, None where it names none of the caller's."""
-        try:
-            if not is_ephemeral(sid):
-                s = engine.session(sid)
-                if self.visible(s, owner):
-                    return s
-        except SessionNotFound:
-            pass
+        """The caller's session named `sid` (in its key's namespace, `scoped`; or by the bare
+        name, as a keyed session made before names were scoped is kept), None where it names
+        none of the caller's."""
+        if is_ephemeral(sid) or SCOPE in sid:
+            return None
+        for key in dict.fromkeys((scoped(owner, sid), sid)):
+            try:
+                s = engine.session(key)
+            except SessionNotFound:
+                continue
+            if self.visible(s, owner):
+                return s
         return None
 
     @staticmethod
