@@ -70,10 +70,14 @@ class Postgres:
 
 
 # a dead node leaves the ring at its first failed probe, a restarted one rejoins at its
-# first good one; the circuit breaker (open 30 s by default) half-opens after 2 s
+# first good one; the circuit breaker (open 30 s by default) half-opens after 2 s. The OpenAI
+# routes' retries (a failed send, a 5xx) back off over 4.5 s, past a probe and a lease of 2-4 s:
+# a retry reaches a live node, which waits the dead owner's lease out and takes over
 ROUTER_HEALTH = ("--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
                  "--health-failure-threshold", "1", "--health-success-threshold", "1",
-                 "--cb-timeout-duration-secs", "2")
+                 "--cb-timeout-duration-secs", "2",
+                 "--retry-max-retries", "8", "--retry-initial-backoff-ms", "100",
+                 "--retry-max-backoff-ms", "1000", "--retry-backoff-multiplier", "2")
 
 
 def router_command() -> list[str] | None:
