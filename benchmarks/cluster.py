@@ -212,7 +212,8 @@ class Clients(SessionClients):
             else:
                 status, head, raw = once({"Idempotency-Key": key or new_key()})
         except (OSError, http.client.HTTPException):
-            self.statuses["connection"] = self.statuses.get("connection", 0) + 1
+            name = f"{'router' if via_router else 'node'} connection"
+            self.statuses[name] = self.statuses.get(name, 0) + 1
             raise
         if status != 200 and not (status == 409 and b"idempotency_key_pending" in raw):
             name = f"{'router' if via_router else 'node'} {status}"
@@ -472,6 +473,8 @@ def main() -> int:
     ap.add_argument("--lease", type=float, default=2.0)
     ap.add_argument("--no-client-retries", action="store_true",
                     help="each op sent once (router_5xx: what the router and nodes let through)")
+    ap.add_argument("--router-defaults", action="store_true", help="the router with its "
+                    "health flags only (its own retry defaults), to compare")
     ap.add_argument("--full", action="store_true", help="also parts 1, 2 and 4 (commit "
                     "latency, the fast path through the router, throughput)")
     ap.add_argument("--commits", type=int, default=300)
@@ -502,7 +505,9 @@ def main() -> int:
             n.start(timeout=240, wait_ready=False)
         for n in nodes:
             n.wait_ready(240)
-        router = Router([n.url for n in nodes], work).start()
+        flags = ROUTER_HEALTH[:ROUTER_HEALTH.index("--retry-max-retries")] \
+            if args.router_defaults else ROUTER_HEALTH
+        router = Router([n.url for n in nodes], work, flags=flags).start()
         log("nodes and router up")
         if args.full:
             commits = store_commits(pg.url, work, args.commits)
@@ -537,7 +542,7 @@ def main() -> int:
         pg.stop()
     summary = {
         "benchmark": "cluster", "model": str(DEFAULT_MODEL.name), "nodes": 3,
-        "router": "vllm-router consistent_hash on x-session-id", "router_flags": ROUTER_HEALTH,
+        "router": "vllm-router consistent_hash on x-session-id", "router_flags": flags,
         "cpu": cpu_model(), **result, **extra, "machine": machine(),
     }
     write(args.out, summary)

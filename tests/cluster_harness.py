@@ -96,9 +96,10 @@ class Router:
     another of its policies."""
 
     def __init__(self, workers: list[str], workdir: Path, port: int | None = None,
-                 policy: str = "consistent_hash"):
+                 policy: str = "consistent_hash", flags: tuple[str, ...] = ROUTER_HEALTH):
         self.workers = workers
         self.policy = policy
+        self.flags = flags
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(workdir) / "router.log"
@@ -107,7 +108,7 @@ class Router:
     def command(self) -> list[str]:
         return [*router_command(), "--host", "127.0.0.1", "--port", str(self.port),
                 "--worker-urls", *self.workers, "--policy", self.policy,
-                *ROUTER_HEALTH, "--log-level", "warning"]
+                *self.flags, "--log-level", "warning"]
 
     def start(self, timeout: float = 60.0) -> Router:
         self._logf = open(self.log, "ab")
