@@ -89,9 +89,9 @@ class Forwarder:
         try:
             req = client.build_request(scope["method"], target, headers=headers, content=body)
             upstream = await client.send(req, stream=True)
-        except httpx.ConnectError:
-            log.info("session %s: its owner %s refused the connection; waiting its lease out",
-                     sid, claim.node)
+        except httpx.ConnectError as exc:
+            log.info("session %s: its owner %s refused the connection (%r); waiting its lease "
+                     "out", sid, claim.node, exc)
             scope["prepos.dead"].add(claim.url)
             return False
         except httpx.TransportError as exc:
