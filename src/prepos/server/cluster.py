@@ -13,8 +13,8 @@ also decides who serves the request:
   owner that does not answer (refuses the connection, or breaks it off before answering a
   request that may run again: a read, or one with an `Idempotency-Key`) is waited out until
   its lease expires, then taken over, and the request is answered here; past the lease + 1 s,
-  503 `takeover_timeout` with `Retry-After`; meanwhile the session is loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the
-  takeover finds it ready.
+  503 `takeover_timeout` with `Retry-After`; meanwhile the session is loaded here and its KV
+  rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
 Nothing of that runs for a request whose API key is missing or not valid (401 first), nor for
 one of a key the store's session is not owned by (the app answers 404). Forwarding, and which
 requests count as forwarded: `forwarding.py`.
