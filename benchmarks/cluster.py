@@ -185,6 +185,7 @@ class Clients(SessionClients):
                  agentic: list[str], retries: bool):
         super().__init__(streaming + agentic)
         self.router, self.nodes, self.retries = router, nodes, retries
+        self.keys = True  # False (--no-keys): what the store's check finds without them
         self.streaming, self.agentic = streaming, agentic
         self.conns = {s: Conn(router.url) for s in self.ops}
         self.entry = {s: i % len(nodes) for i, s in enumerate(self.ops)}
@@ -204,6 +205,7 @@ class Clients(SessionClients):
         h = {"x-session-id": sid}
 
         def once(extra):
+            extra = extra if self.keys else {}
             if via_router:
                 return self.conns[sid].post(path, body, {**h, **extra})
             try:
@@ -311,12 +313,13 @@ def steps(nodes: list[ServerProc], sid: str, start: float, end: float) -> list:
 
 
 def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease: float,
-          sessions: int, kills_n: int, retries: bool) -> dict:
+          sessions: int, kills_n: int, retries: bool, keys: bool = True) -> dict:
     streaming = [f"st-{i}" for i in range(sessions // 2)]
     agentic = [f"ag-{i}" for i in range(sessions - sessions // 2)]
     for i, sid in enumerate(streaming + agentic):
         make_session(nodes[i % 3].url, sid, "streaming" if sid in streaming else "agentic")
     c = Clients(router, nodes, streaming, agentic, retries)
+    c.keys = keys
     for t in c.threads:
         t.start()
     kills = []
@@ -417,7 +420,7 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             for sid, ops in c.ops.items() for op in ops if op["done"] - op["sent"] > 5]
     fivexx = {k: v for k, v in c.statuses.items() if k.split()[-1][:1] == "5"}
     dup = duplicates(journal, c)
-    return {"client_retries": retries,
+    return {"client_retries": retries, "idempotency_keys": keys,
             "client_5xx" if retries else "router_5xx": sum(
                 v for k, v in fivexx.items() if retries or k.startswith("router")),
             "node_5xx": sum(v for k, v in fivexx.items() if k.startswith("node")),
@@ -480,6 +483,8 @@ def main() -> int:
     ap.add_argument("--lease", type=float, default=2.0)
     ap.add_argument("--no-client-retries", action="store_true",
                     help="each op sent once (router_5xx: what the router and nodes let through)")
+    ap.add_argument("--no-keys", action="store_true", help="retries without an "
+                    "Idempotency-Key (what duplicate_commits finds then)")
     ap.add_argument("--router-defaults", action="store_true", help="the router with its "
                     "health flags only (its own retry defaults), to compare")
     ap.add_argument("--full", action="store_true", help="also parts 1, 2 and 4 (commit "
@@ -528,7 +533,7 @@ def main() -> int:
                 "store_commit_p50_ms": {k: v["p50_ms"] for k, v in commits.items()},
                 "store_commit": commits})
         result = chaos(pg, router, nodes, args.ops, args.lease, args.sessions, args.kills,
-                       not args.no_client_retries)
+                       not args.no_client_retries, not args.no_keys)
         log("chaos done")
         if args.full:
             sids = [f"st-{i}" for i in range(args.sessions // 2)]
