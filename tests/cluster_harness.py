@@ -70,10 +70,14 @@ class Postgres:
 
 
 # a dead node leaves the ring at its first failed probe, a restarted one rejoins at its
-# first good one; the circuit breaker (open 30 s by default) half-opens after 2 s
+# first good one; the circuit breaker (open 30 s by default) half-opens after 2 s. The OpenAI
+# routes' retries (a failed send, a 5xx) back off over 4.5 s, past a probe and a lease of 2-4 s:
+# a retry reaches a live node, which waits the dead owner's lease out and takes over
 ROUTER_HEALTH = ("--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
                  "--health-failure-threshold", "1", "--health-success-threshold", "1",
-                 "--cb-timeout-duration-secs", "2")
+                 "--cb-timeout-duration-secs", "2",
+                 "--retry-max-retries", "8", "--retry-initial-backoff-ms", "100",
+                 "--retry-max-backoff-ms", "1000", "--retry-backoff-multiplier", "2")
 
 
 def router_command() -> list[str] | None:
@@ -92,9 +96,10 @@ class Router:
     another of its policies."""
 
     def __init__(self, workers: list[str], workdir: Path, port: int | None = None,
-                 policy: str = "consistent_hash"):
+                 policy: str = "consistent_hash", flags: tuple[str, ...] = ROUTER_HEALTH):
         self.workers = workers
         self.policy = policy
+        self.flags = flags
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(workdir) / "router.log"
@@ -103,7 +108,7 @@ class Router:
     def command(self) -> list[str]:
         return [*router_command(), "--host", "127.0.0.1", "--port", str(self.port),
                 "--worker-urls", *self.workers, "--policy", self.policy,
-                *ROUTER_HEALTH, "--log-level", "warning"]
+                *self.flags, "--log-level", "warning"]
 
     def start(self, timeout: float = 60.0) -> Router:
         self._logf = open(self.log, "ab")

@@ -28,6 +28,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from prepos.lab.retrying import retrying
 from prepos.lab.task.market import SYSTEM_PROMPT, generate_stream
 
 TICKER = "ACME"
@@ -72,49 +73,75 @@ class DemoError(RuntimeError):
 
 
 class Http:
-    """One keep-alive connection; JSON calls and SSE requests timed to the first token."""
+    """One keep-alive connection; JSON calls and SSE requests timed to the first token. A
+    request that met a dying node (502, 503, a broken connection) is sent again with backoff
+    and the same `Idempotency-Key` (`prepos.lab.retrying`), until `retry_s` has passed."""
 
-    def __init__(self, url: str, key: str | None = None):
+    def __init__(self, url: str, key: str | None = None, retry_s: float = 30.0):
         u = urlsplit(url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.headers = {"Content-Type": "application/json"}
         if key:
             self.headers["Authorization"] = f"Bearer {key}"
+        self.retry_s = retry_s
+        self.retries = 0
         self.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
 
+    def _send(self, method: str, path: str, body: dict | None, read):
+        """One attempt: (status, headers, what `read(response)` made of the body)."""
+
+        def attempt(extra: dict[str, str]):
+            try:
+                self.conn.request(method, path, json.dumps(body) if body is not None else None,
+                                  {**self.headers, **extra})
+                r = self.conn.getresponse()
+                head = {k.lower(): v for k, v in r.getheaders()}
+                return r.status, head, read(r) if r.status < 300 else r.read()
+            except (OSError, http.client.HTTPException):
+                self.conn.close()  # a new connection for the next attempt
+                raise
+
+        def noted(why: str) -> None:
+            self.retries += 1
+
+        try:
+            return retrying(attempt, deadline_s=self.retry_s, on_retry=noted)
+        except (OSError, http.client.HTTPException) as exc:
+            raise DemoError(f"{method} {path}: no answer: {exc!r}") from None
+
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        self.conn.request(method, path, json.dumps(body) if body is not None else None,
-                          self.headers)
-        r = self.conn.getresponse()
-        raw = r.read()
-        if r.status >= 300:
-            raise DemoError(f"{method} {path}: HTTP {r.status}: {raw.decode(errors='replace')}")
+        status, _, raw = self._send(method, path, body, lambda r: r.read())
+        if status >= 300:
+            raise DemoError(f"{method} {path}: HTTP {status}: {raw.decode(errors='replace')}")
         return json.loads(raw)
 
     def stream(self, path: str, body: dict) -> tuple[float | None, list[tuple[str, object]]]:
         """POST a streaming request: seconds to the first token, and the events."""
         t0 = time.perf_counter()
-        self.conn.request("POST", path, json.dumps(body), self.headers)
-        r = self.conn.getresponse()
-        if r.status >= 300:
-            raise DemoError(f"POST {path}: HTTP {r.status}: {r.read().decode(errors='replace')}")
-        first, name, events = None, "message", []
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            line = line.decode().rstrip("\r\n")
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                raw = line[5:].strip()
-                data = raw if raw == "[DONE]" else json.loads(raw)
-                if first is None and (_is_token(name, data) or name == "result"):
-                    first = time.perf_counter() - t0  # a relaxed answer is its result alone
-                events.append((name, data))
-                name = "message"
-        r.read()  # a body with a Content-Length (a finished fast answer) ends here: done with
-        return first, events
+
+        def read(r):
+            first, name, events = None, "message", []
+            while True:
+                line = r.readline()
+                if not line:
+                    break
+                line = line.decode().rstrip("\r\n")
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    raw = line[5:].strip()
+                    data = raw if raw == "[DONE]" else json.loads(raw)
+                    if first is None and (_is_token(name, data) or name == "result"):
+                        first = time.perf_counter() - t0  # a relaxed answer: its result alone
+                    events.append((name, data))
+                    name = "message"
+            r.read()  # a body with a Content-Length (a finished fast answer) ends here
+            return first, events
+
+        status, _, out = self._send("POST", path, body, read)
+        if status >= 300:
+            raise DemoError(f"POST {path}: HTTP {status}: {out.decode(errors='replace')}")
+        return out
 
 
 def _is_token(name: str, data) -> bool:
@@ -321,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a tool-calling loop answered by the served model")
     ap.add_argument("--wait", type=float, default=120.0,
                     help="seconds to wait for the server to be ready")
+    ap.add_argument("--retry", type=float, default=30.0, help="seconds a request is retried "
+                    "(502, 503, a broken connection; one Idempotency-Key) before it fails")
     args = ap.parse_args(argv)
     try:
         wait_healthy(args.url, args.wait)
-        h = Http(args.url, args.api_key)
+        h = Http(args.url, args.api_key, args.retry)
         model = h.call("GET", "/v1/models")["data"][0]["id"]
         print(f"prepos demo against {args.url} (model {model})\n")
         table = Table()

@@ -10,9 +10,11 @@ also decides who serves the request:
   where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
 - another node owns it: the request is forwarded to it, once (a forwarded request that
   finds another owner again gets 409 `session_moved` naming the node, never its URL); an
-  owner that does not answer is waited out until its lease expires, then taken over;
-  meanwhile the session is loaded here and its KV rebuilt (`Cluster.warm`), unserved, so the
-  takeover finds it ready.
+  owner that does not answer (refuses the connection, or breaks it off before answering a
+  request that may run again: a read, or one with an `Idempotency-Key`) is waited out until
+  its lease expires, then taken over, and the request is answered here; past the lease + 1 s,
+  503 `takeover_timeout` with `Retry-After`; meanwhile the session is loaded here and its KV
+  rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
 Nothing of that runs for a request whose API key is missing or not valid (401 first), nor for
 one of a key the store's session is not owned by (the app answers 404). Forwarding, and which
 requests count as forwarded: `forwarding.py`.
@@ -28,7 +30,7 @@ import socket
 import time
 
 from prepos.errors import PreposError
-from prepos.server.auth import scoped
+from prepos.server.auth import public, scoped
 from prepos.server.errors import ApiError
 from prepos.server.forwarding import Forwarder, shared_secret
 from prepos.server.journal import Journal, is_ephemeral
@@ -100,7 +102,9 @@ class Front:
                 if "prepos.body" in scope:  # read for a forward that found no one
                     receive = replaying(scope["prepos.body"], receive)
         except (ApiError, PreposError) as exc:  # before any byte of a response was sent
-            err = exc if isinstance(exc, ApiError) else ApiError(exc.status, exc.code, str(exc))
+            err = exc if isinstance(exc, ApiError) else ApiError(
+                exc.status, exc.code, str(exc),  # a lease lost or contended: retry shortly
+                headers={"Retry-After": "1"} if exc.status == 503 else None)
             return await self.respond(err)(scope, receive, send)
 
         async def tagged(message):
@@ -256,11 +260,14 @@ class Cluster:
                     if not forwarded and claim.url and claim.url not in dead:
                         scope["prepos.owner"] = claim
                         return False
-                    if forwarded and claim.url not in dead or \
-                            asyncio.get_running_loop().time() > deadline:
-                        raise ApiError(409, "session_moved", f"session {sid} is owned by node "
+                    if forwarded and claim.url not in dead:
+                        raise ApiError(409, "session_moved", f"session {public(sid)} is owned by node "
                                        f"{claim.node}, which did not take this request; retry",
                                        headers={"Retry-After": "1"})
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise ApiError(503, "takeover_timeout", f"session {public(sid)}'s owner node "
+                                       f"{claim.node} does not answer and its lease did not "
+                                       "run out in time; retry", headers={"Retry-After": "1"})
                     if warming is None:
                         mark(sid, f"waiting (owner {claim.node}, {claim.expires_in:.3f} s left)")
                         warming = asyncio.ensure_future(self.state.run(self.warm, sid))

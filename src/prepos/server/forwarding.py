@@ -63,7 +63,8 @@ class Forwarder:
 
     async def forward(self, claim: Claim, sid: str, scope, receive, send) -> bool:
         """The request, answered by the owner's node; False where that node refused the
-        connection (nothing was sent: the caller waits its lease out and takes over)."""
+        connection, or broke it off before answering a request that may run again
+        (`redoable`): nothing was sent, the caller waits its lease out and takes over."""
         import httpx
 
         client = self.client()
@@ -89,15 +90,21 @@ class Forwarder:
         try:
             req = client.build_request(scope["method"], target, headers=headers, content=body)
             upstream = await client.send(req, stream=True)
-        except httpx.ConnectError:
-            log.info("session %s: its owner %s refused the connection; waiting its lease out",
-                     sid, claim.node)
+        except httpx.ConnectError as exc:
+            log.info("session %s: its owner %s refused the connection (%r); waiting its lease "
+                     "out", sid, claim.node, exc)
             scope["prepos.dead"].add(claim.url)
             return False
         except httpx.TransportError as exc:
+            if redoable(scope):  # it died with the request: taken over here, run again
+                log.info("session %s: its owner %s broke off %r; waiting its lease out",
+                         sid, claim.node, exc)
+                scope["prepos.dead"].add(claim.url)
+                return False
             log.warning("session %s: forwarding to %s failed: %r", sid, claim.node, exc)
             raise ApiError(503, "owner_unreachable", f"session {public(sid)}'s owner node "
-                           f"{claim.node} did not answer; retry",
+                           f"{claim.node} did not answer, and this request has no "
+                           "Idempotency-Key: it may have committed; retry with one",
                            headers={"Retry-After": "1"}) from None
         try:
             out = [(k.encode("latin-1"), v.encode("latin-1"))
@@ -110,6 +117,14 @@ class Forwarder:
         finally:
             await upstream.aclose()
         return True
+
+
+def redoable(scope) -> bool:
+    """Whether a request its owner broke off (a connection that failed once sent: the node
+    died with it) may run again on the node that takes the session over: a read, or a
+    mutation with an `Idempotency-Key` (its commit, if any, is found by its key)."""
+    return scope["method"] in ("GET", "HEAD") or any(
+        k == b"idempotency-key" for k, _ in scope["headers"])
 
 
 def shared_secret(db: Database) -> bytes:
