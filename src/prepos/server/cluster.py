@@ -261,13 +261,14 @@ class Cluster:
                         scope["prepos.owner"] = claim
                         return False
                     if forwarded and claim.url not in dead:
-                        raise ApiError(409, "session_moved", f"session {public(sid)} is owned by node "
-                                       f"{claim.node}, which did not take this request; retry",
+                        raise ApiError(409, "session_moved", f"session {public(sid)} is owned "
+                                       f"by node {claim.node}, which did not take this "
+                                       "request; retry",
                                        headers={"Retry-After": "1"})
                     if asyncio.get_running_loop().time() > deadline:
-                        raise ApiError(503, "takeover_timeout", f"session {public(sid)}'s owner node "
-                                       f"{claim.node} does not answer and its lease did not "
-                                       "run out in time; retry", headers={"Retry-After": "1"})
+                        raise ApiError(503, "takeover_timeout", f"session {public(sid)}'s "
+                                       f"owner node {claim.node} does not answer and its "
+                                       "lease did not run out in time; retry", headers={"Retry-After": "1"})
                     if warming is None:
                         mark(sid, f"waiting (owner {claim.node}, {claim.expires_in:.3f} s left)")
                         warming = asyncio.ensure_future(self.state.run(self.warm, sid))
