@@ -268,7 +268,8 @@ class Cluster:
                     if asyncio.get_running_loop().time() > deadline:
                         raise ApiError(503, "takeover_timeout", f"session {public(sid)}'s "
                                        f"owner node {claim.node} does not answer and its "
-                                       "lease did not run out in time; retry", headers={"Retry-After": "1"})
+                                       "lease did not run out in time; retry",
+                                       headers={"Retry-After": "1"})
                     if warming is None:
                         mark(sid, f"waiting (owner {claim.node}, {claim.expires_in:.3f} s left)")
                         warming = asyncio.ensure_future(self.state.run(self.warm, sid))
