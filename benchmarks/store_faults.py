@@ -67,11 +67,13 @@ def state(c: httpx.Client, sid: str) -> tuple[int, list]:
     return info["version"], info["message_list"]
 
 
-def client(url: str, sid: str, phase: Phase, ledger: dict, turns: dict) -> None:
-    """Commits on one session until told to stop: a user message, then its turn."""
+def client(url: str, sids: list, phase: Phase, ledger: dict, turns: dict) -> None:
+    """Commits on one session until told to stop: a user message, then its turn; a session
+    whose context is full (413 over_budget, the server's answer, nothing committed) is left
+    for a new one, made once the store takes it (every session made is in `sids`)."""
     acked, failed = ledger["acked"], ledger["failed"]
     with httpx.Client(base_url=url, timeout=60) as c:
-        i = 0
+        i, sid = 0, sids[-1]
         while not phase.stop.is_set():
             before = state(c, sid)
             user = {"role": "user", "content": f"{sid} message {i}"}
@@ -82,6 +84,14 @@ def client(url: str, sid: str, phase: Phase, ledger: dict, turns: dict) -> None:
                 r = c.post(f"/sessions/{sid}/messages", json=user)
             name = phase.name  # the phase it ended in: where its outcome was decided
             turns.setdefault(name, []).append(time.perf_counter() - t0)
+            if r.status_code == 413 and state(c, sid) == before:
+                made = c.post("/sessions", json={"kind": "agentic", "system": SYSTEM})
+                if made.status_code == 201:
+                    sid = made.json()["id"]
+                    sids.append(sid)
+                ledger["full"] += 1
+                time.sleep(0.01)
+                continue
             if r.status_code == 200:
                 msgs = state(c, sid)[1]
                 acked.append({"sid": sid, "n": len(msgs), "last": msgs[-1], "phase": name})
@@ -136,16 +146,16 @@ def main() -> None:
     journal = work / "journal.sqlite3"
     srv = ServerProc(model, work / "first", "--store-timeout", str(args.store_timeout),
                      journal=journal).start()
-    ledger: dict = {"acked": [], "failed": []}
+    ledger: dict = {"acked": [], "failed": [], "full": 0}
     turns: dict = {}
     health: dict = {}
     phase = Phase()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            sids = [c.post("/sessions", json={"kind": "agentic", "system": SYSTEM}).json()["id"]
-                    for _ in range(args.sessions)]
-        threads = [threading.Thread(target=client, args=(srv.url, sid, phase, ledger, turns))
-                   for sid in sids]
+            made = [[c.post("/sessions", json={"kind": "agentic", "system": SYSTEM}
+                            ).json()["id"]] for _ in range(args.sessions)]
+        threads = [threading.Thread(target=client, args=(srv.url, mine, phase, ledger, turns))
+                   for mine in made]
         threads.append(threading.Thread(target=poll_health, args=(srv.url, phase, health)))
         for t in threads:
             t.start()
@@ -163,6 +173,7 @@ def main() -> None:
         phase.stop.set()
         for t in threads:
             t.join()
+        sids = [sid for mine in made for sid in mine]
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             served = {sid: state(c, sid)[1] for sid in sids}
         srv.stop(signal.SIGKILL)
@@ -191,7 +202,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "store_faults", "machine": machine(), "sessions": args.sessions,
         "phase_s": args.phase_s, "store_timeout_s": args.store_timeout, "locks_taken": locks,
-        "phases": per_phase,
+        "phases": per_phase, "sessions_made": len(sids), "context_full": ledger["full"],
         "acked": len(ledger["acked"]), "failed": len(failed),
         "failed_codes": sorted({f"{f['status']} {f['code']}" for f in failed}),
         "lost_acked": len(lost),
