@@ -117,7 +117,8 @@ def test_limits():
 
 
 def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
-    from prepos.server.app import config_from_args, main, parse_args
+    from prepos.server.app import main
+    from prepos.server.options import config_from_args, parse_args
 
     cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "serve",
                                        "--relaxed-r-max", "0.1", "--lookup-said-tokens", "64",

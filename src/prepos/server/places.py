@@ -35,7 +35,6 @@ class Places:
         self.limits, self.metrics, self.loaded, self.run = limits, metrics, loaded, run
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
-        self.ephemeral = 0  # live sessions made for stateless requests, implicit ones too
         self.implicit = ImplicitSessions(loaded, self.close_ephemeral, implicit_memory,
                                          implicit_sessions,
                                          lambda outcome: metrics.implicit.labels(
@@ -45,7 +44,7 @@ class Places:
         self.chains = ImplicitSessions(loaded, self._close_chain, None, response_sessions)
 
     def persistent_sessions(self, engine: Engine) -> int:
-        return engine.session_count() - self.ephemeral
+        return self._held(engine)[0]
 
     @contextmanager
     def new_session(self, engine: Engine, owner: str | None, requested: str | None = None):
@@ -61,10 +60,15 @@ class Places:
         finally:
             del self.creating[sid]
 
-    def _pending(self, engine: Engine, owner: str | None = None, mine: bool = False) -> int:
-        """Sessions being created and not yet in the engine's store."""
-        return sum(1 for sid, o in list(self.creating.items())
-                   if (not mine or o == owner) and not engine.has_session(sid))
+    def _held(self, engine: Engine, owner: str | None = None) -> tuple[int, int]:
+        """The persistent sessions held or being created, all and `owner`'s, counted from one
+        snapshot of the engine's sessions: a session a worker thread adds (or an ephemeral
+        one it closes) while this counts is counted once, never missed."""
+        snap = engine.all_sessions()
+        ids = {s.id for s in snap}
+        kept = [s.spec.owner for s in snap if not is_ephemeral(s.id)]
+        kept += [o for sid, o in list(self.creating.items()) if sid not in ids]
+        return len(kept), sum(1 for o in kept if o == owner)
 
     def cap(self, engine: Engine) -> None:
         """The persistent sessions this server admits (`session_cap`): --max-sessions, or fewer
@@ -85,7 +89,7 @@ class Places:
         could give way (the least recently used free one: the key's own first, then, at the
         server's limit, any key's; its responses stay stored)."""
         lim = self.limits
-        while self.persistent_sessions(engine) + self._pending(engine) >= self.session_cap:
+        while self._held(engine)[0] >= self.session_cap:
             if self.chains.evict_one(owner) or self.chains.evict_one():
                 continue
             self.metrics.rejected.labels("sessions").inc()
@@ -93,17 +97,13 @@ class Places:
                            f"{self.session_cap} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
-            while self._mine(engine, owner) >= lim.max_sessions_per_key:
+            while self._held(engine, owner)[1] >= lim.max_sessions_per_key:
                 if self.chains.evict_one(owner):
                     continue
                 self.metrics.rejected.labels("sessions_per_key").inc()
                 raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
                                f"{lim.max_sessions_per_key} sessions; close one first",
                                headers={"Retry-After": "60"})
-
-    def _mine(self, engine: Engine, owner: str) -> int:  # the key's persistent sessions
-        return self._pending(engine, owner, mine=True) + sum(
-            1 for s in engine.all_sessions() if s.spec.owner == owner and not is_ephemeral(s.id))
 
     def _close_chain(self, sid: str) -> None:
         eng = self.loaded()
@@ -117,7 +117,6 @@ class Places:
         never journalled, never listed."""
         sid = f"{EPHEMERAL}{engine.new_session_id()}"
         self.with_room(lambda: engine.restore_session(sid, spec, history))
-        self.ephemeral += 1
         if spec.implicit:
             self.implicit.keep(sid, spec.owner)
         return sid
@@ -171,8 +170,5 @@ class Places:
         if eng is None:
             return
         self.implicit.forget(sid)
-        try:
+        with suppress(PreposError):
             eng.close_session(sid)
-        except PreposError:
-            return
-        self.ephemeral -= 1

@@ -43,10 +43,25 @@ T = TypeVar("T")
 INLINE_BYTES = 16384  # text or bodies up to this size are handled on the event loop
 
 
+# `prepos serve --backend` names of the remote engines: their kind in `prepos.backends.remote`
+REMOTE_ENGINES = {"llama-server": "llama.cpp", "vllm": "vllm", "sglang": "sglang"}
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """A running engine the server fronts: its kind, replicas' base URLs and served model name
+    (None: the engine's only one)."""
+
+    kind: str
+    urls: tuple[str, ...]
+    model: str | None = None
+
+
 @dataclass
 class ServerConfig:
-    model: Path
+    model: Path  # in front of a remote engine: the same model, for its tokenizer and template
     engine: EngineConfig = field(default_factory=EngineConfig)
+    remote: RemoteEngine | None = None  # None: the model runs in process
     journal: Path | None = None  # None: no persistence
     store_timeout: float = 2.0  # seconds a write may wait for the store (then a 503)
     api_keys: tuple[str, ...] = ()
@@ -377,4 +392,9 @@ def _load_engine(config: ServerConfig) -> Engine:
         path = resolve_model(config.model)
     except InvalidInput as exc:
         raise FileNotFoundError(str(exc)) from None
+    if config.remote is not None:
+        from prepos.engine.remote import remote_engine
+
+        r = config.remote
+        return remote_engine(r.kind, r.urls, path, config.engine, model=r.model)
     return Engine.from_pretrained(path, config.engine)
