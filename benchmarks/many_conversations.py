@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prepos.chat.format import ChatFormat
     from prepos.engine.loading import load_tokenizer, resolve_model
-    from prepos.server.app import size
+    from prepos.server.options import size
 
     ram = size(args.kv_ram)
     served, gguf, label = resolve(args.model)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prepos.chat.format import ChatFormat
     from prepos.engine.loading import load_tokenizer, resolve_model
-    from prepos.server.app import size
+    from prepos.server.options import size
 
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)

@@ -148,7 +148,7 @@ def test_default_threads_count_each_physical_core_once(monkeypatch):
     from pathlib import Path
 
     from prepos import config
-    from prepos.server.app import parse_args
+    from prepos.server.options import parse_args
 
     siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})

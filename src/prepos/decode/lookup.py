@@ -123,7 +123,9 @@ class Lookup:
     for eight), so drafts pay only inside a span the answer copies, and only while few
     tasks share the forward: beside other sessions' steps, each draft row delays them all.
     Within an answer the width adapts: it starts at `START`, doubles (up to `k`) while
-    drafts are accepted whole, and falls to what was accepted when one is refused."""
+    drafts are accepted whole, and falls to what was accepted when one is refused. An answer
+    read token by token as it comes (`Stream.paced`: streamed to a client) drafts nothing:
+    its reader would see each refused draft's wider forward as a stall."""
 
     START = 2
 
@@ -156,7 +158,7 @@ class Lookup:
             ctx = index.tokens
             room = sampling.max_tokens - len(out.tokens) - 1  # the forward's own token aside
             drafts = (index.propose(min(width, room), self.min_ngram)
-                      if self.running() <= self.max_batch else [])
+                      if self.running() <= self.max_batch and not out.stream.paced else [])
             if not drafts:
                 step = yield Forward(kv, tuple(ctx))
                 tok = sample(step.logits, sampling, rng)

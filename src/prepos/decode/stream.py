@@ -4,9 +4,11 @@ caller as an iterator, an async iterator, or all at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from prepos.core import Result
 
@@ -17,6 +19,7 @@ class TokenEvent:
     text: str  # the text this token adds (may be empty while a character is incomplete)
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # the most likely tokens, when asked for
+    at: float = field(default_factory=time.perf_counter)  # when it was produced
 
 
 _DONE = object()
@@ -26,10 +29,17 @@ _MAKING = threading.Lock()  # makes a stream's delivered event once
 class Stream:
     def __init__(self) -> None:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        # an async reader waiting on the event loop for the next event (`aiter`): the
+        # producer wakes it there, with no thread in between
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._finished = False
         self.cancelled = False
+        # the reader takes the tokens one by one as they come (iteration, `aiter`), not the
+        # whole answer at once: its producer runs one token a step (no drafts), so the tokens
+        # come at the engine's pace, without the stall of a refused draft's wider forward
+        self.paced = False
         # whether the reader came back after the first event (it has been delivered: written
         # to the client, printed), or wants the whole result at once; the event to wait on
         # it is made only for a producer that waits (the fast path's never does)
@@ -42,16 +52,26 @@ class Stream:
     # -- producer side (worker or fast path) ---------------------------------------------
     def push(self, event: TokenEvent) -> None:
         self._events.put(event)
+        self._wake()
 
     def finish(self, result: Result) -> None:
         self._result = result
         self._finished = True
         self._events.put(_DONE)
+        self._wake()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._finished = True
         self._events.put(_DONE)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            loop, fut = waiter
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_resolve, fut)
 
     def wait_delivered(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until the first event was delivered."""
@@ -91,6 +111,7 @@ class Stream:
         return True
 
     def __iter__(self):
+        self.paced = True
         try:
             while not self._end(item := self._events.get()):
                 yield item
@@ -111,17 +132,37 @@ class Stream:
         return self._result
 
     async def aiter(self):
-        """Async iteration; each wait runs in the default executor, never in the loop."""
+        """Async iteration on the event loop: with no event queued it waits on a future the
+        producer resolves from its thread (`_wake`), so no thread waits on its behalf."""
         loop = asyncio.get_running_loop()
+        self.paced = True
         try:
             while True:
-                try:
-                    item = self._events.get_nowait()
-                except queue.Empty:
-                    item = await loop.run_in_executor(None, self._events.get)
+                item = await self._next(loop)
                 if self._end(item):
                     return
                 yield item
                 self.delivered()
         finally:
             self.delivered()
+
+    async def _next(self, loop: asyncio.AbstractEventLoop):
+        while True:
+            try:
+                return self._events.get_nowait()
+            except queue.Empty:
+                pass
+            fut = loop.create_future()
+            self._waiter = (loop, fut)
+            try:  # an event pushed before the waiter was seen: taken now, not waited for
+                item = self._events.get_nowait()
+            except queue.Empty:
+                await fut
+                continue
+            self._waiter = None
+            return item
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -19,6 +19,13 @@ TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 
                 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
+STAGE_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.015,
+                 0.02, 0.03, 0.05, 0.1, 0.25)
+# a streamed token's way through the server: `engine` since the previous token was produced
+# (the model's step, sampling, detokenizing), `handoff` from produced to read on the event
+# loop, `respond` from read to the next one asked for (its chunk encoded and written),
+# `write` the write alone
+TOKEN_STAGES = ("engine", "handoff", "respond", "write")
 PATHS = [p.value for p in AnswerPath]
 # the engine's path counters by the label they are exported with: the path names of
 # responses (`AnswerPath` values), the match or gate outcome after the fast path's
@@ -63,7 +70,11 @@ class Metrics:
                                       registry=r)
         self.journal_errors = Counter("prepos:journal_errors", "Journal writes that failed",
                                       registry=r)
+        self.token_stage = Histogram("prepos:token_stage_seconds", "A streamed token's time "
+                                     "in each stage of the server, by stage", ["stage"],
+                                     buckets=STAGE_BUCKETS, registry=r)
         # children bound once: a labels() lookup per observation costs the fast path
+        self.token_stages = {s: self.token_stage.labels(s).observe for s in TOKEN_STAGES}
         self._ttft = {p: self.ttft.labels(p) for p in PATHS}  # every path exported from 0
         self._e2e = {p: self.e2e.labels(p) for p in PATHS}
         self._requests: dict[tuple[str, str], object] = {}

@@ -41,8 +41,8 @@ from starlette.requests import Request
 from prepos.chat.conversation import session_messages
 from prepos.engine.session import STREAMING
 from prepos.errors import PreposError
-from prepos.server.auth import public
 from prepos.server import responses as R
+from prepos.server.auth import public
 from prepos.server.cluster import SESSION_ID
 from prepos.server.conversations import hop
 from prepos.server.errors import ApiError

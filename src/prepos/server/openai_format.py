@@ -183,7 +183,8 @@ async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=N
         return reply.whole(done)
     if len(streams) == 1:
         chunks = streaming.guarded(reply.chunks(streams[0]), cleanup, last=DONE)
-        return await streaming.stream_response(streams[0], chunks, reply.sid)
+        return await streaming.stream_response(streams[0], chunks, reply.sid,
+                                               state.metrics.token_stages)
 
     async def each(_source):  # the choices one after the other, each with its index
         for i, stream in enumerate(streams):

@@ -125,7 +125,7 @@ class Reply:
             return results.JSONBody(await self.finished(res),
                                          headers=results.headers(res, self.sid))
         return await streaming.stream_response(stream, self._guarded(stream, cleanup),
-                                               self.sid)
+                                               self.sid, state.metrics.token_stages)
 
     def _guarded(self, stream: Stream, cleanup) -> streaming.Chunks:
         async def run(source):

@@ -372,7 +372,7 @@ async def respond(c: Call, receive, stream, agentic: bool) -> Response:
         yield event(final(stream.result()), "result")
 
     return await streaming.stream_response(stream, streaming.guarded(chunks, error_event="error"),
-                                           sid)
+                                           sid, state.metrics.token_stages)
 
 
 # -- events -------------------------------------------------------------------------------

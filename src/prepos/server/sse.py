@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -45,11 +46,13 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 on_disconnect: Callable[[], None] | None = None):
+                 on_disconnect: Callable[[], None] | None = None,
+                 on_write: Callable[[float], None] | None = None):
         self.status_code = 200
         self.background = None
         self.chunks = chunks
         self.on_disconnect = on_disconnect
+        self.on_write = on_write  # each chunk's write time, in seconds
         self.init_headers(headers)  # no body attribute: chunked, no Content-Length
 
     async def __call__(self, scope, receive, send) -> None:
@@ -61,7 +64,10 @@ class EventStream(Response):
             gone.add_done_callback(self._gone)
         try:
             async for chunk in self.chunks:
+                t0 = time.perf_counter()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if self.on_write is not None:
+                    self.on_write(time.perf_counter() - t0)
         finally:
             if gone is not None:
                 gone.remove_done_callback(self._gone)

@@ -9,12 +9,13 @@ leaves cancels it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
 
 from prepos.core import Result
-from prepos.decode.stream import Stream
+from prepos.decode.stream import Stream, TokenEvent
 from prepos.errors import PreposError
 from prepos.server import results
 from prepos.server.errors import as_api_error, error_body
@@ -22,6 +23,7 @@ from prepos.server.sse import HEADERS as SSE_HEADERS
 from prepos.server.sse import EventStream, event
 
 Chunks = Callable[[AsyncIterator], AsyncIterator[bytes]]  # stream events -> response bytes
+Stages = dict[str, Callable[[float], None]]  # a stage's name -> its observation
 
 
 async def result(state, stream: Stream, receive,
@@ -55,9 +57,29 @@ def guarded(chunks: Chunks, cleanup: Callable[[], None] | None = None,
     return run
 
 
-async def stream_response(stream: Stream, chunks: Chunks, sid: str | None) -> Response:
+def timed(events: AsyncIterator[TokenEvent], stages: Stages) -> AsyncIterator[TokenEvent]:
+    """A stream's events, each one's time through the server observed by stage
+    (`metrics.TOKEN_STAGES`: engine, handoff, respond)."""
+
+    async def run():
+        last = None
+        async for ev in events:
+            now = time.perf_counter()
+            if last is not None:
+                stages["engine"](ev.at - last)
+            last = ev.at
+            stages["handoff"](now - ev.at)
+            yield ev
+            stages["respond"](time.perf_counter() - now)
+
+    return run()
+
+
+async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
+                          stages: Stages) -> Response:
     """A finished stream (the fast path) is written as one response with its path in the
-    headers; otherwise the chunks are streamed as the model worker produces them."""
+    headers; otherwise the chunks are streamed as the model worker produces them, each
+    token's stages observed (`stages`: `Metrics.token_stages`)."""
     if stream.done:
         async def done_source():
             for ev in stream:
@@ -70,6 +92,6 @@ async def stream_response(stream: Stream, chunks: Chunks, sid: str | None) -> Re
             headers = {}
         return Response(body, headers={**headers, **SSE_HEADERS},
                         media_type="text/event-stream")
-    return EventStream(chunks(stream.aiter()),
+    return EventStream(chunks(timed(stream.aiter(), stages)),
                        headers={**results.pending_headers(sid), **SSE_HEADERS},
-                       on_disconnect=stream.cancel)
+                       on_disconnect=stream.cancel, on_write=stages["write"])

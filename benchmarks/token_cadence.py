@@ -1,0 +1,306 @@
+"""Every token at the engine's pace: the gap between a stream's content chunks, timed at the
+client, prepos beside llama-server on the same GGUF with the same threads.
+
+Each stream is one streamed `/v1/chat/completions` (greedy, --max-tokens tokens, a prompt
+asking for a long answer, a different one each stream), read line by line as a stock SSE
+client reads it; a gap is the time between two chunks that carry content. Four cases:
+
+  single    one stream at a time (--runs streams)
+  four      four streams at once (--runs / 2 rounds); also aggregate tokens/s
+  busy      one stream at a time while --busy-sessions other sessions are fed a data line
+            every 100 ms in turn (`wait: false`: each append's KV is built at idle, with the
+            pre-position of its standing query and the pre-decode of its answer) and
+            /metrics is scraped every 250 ms; llama-server's arm: its /metrics scraped the
+            same way (it has no idle work)
+  remote    one stream at a time through `prepos serve --backend llama-server` against the
+            same llama-server directly, alternated stream by stream (both alive: prepos relays)
+
+Cases single, four and busy run with one server alive at a time (prepos, then llama-server,
+`-np 4`, `--jinja`). Reported per case and arm: gap P50, P90, P99, max and mean in ms, with
+the number of gaps, streams and tokens, and the ratios prepos over llama-server
+(`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio` at four streams).
+With --stages, prepos's own per-token stage times from its /metrics (histogram
+`prepos:token_stage_seconds`, P50 / P99 interpolated within buckets, in µs): the decode step,
+the hand-off to the event loop, the chunk's encoding and its write to the socket.
+
+    python benchmarks/token_cadence.py [--model smollm2] [--runs 8] [--max-tokens 128]
+The last line printed is the JSON summary (also results/token_cadence.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, machine, write  # noqa: E402
+from stock_clients import KEYS, resolve, start_prepos, stop  # noqa: E402
+
+from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
+
+KEY = KEYS["prepos"]
+TOPICS = ["the history of the printing press", "how a steam engine works",
+          "the water cycle", "the life of honey bees", "how bridges are built",
+          "the causes of the seasons", "how a compiler works", "the rise of the railways",
+          "how vaccines train the immune system", "the architecture of cathedrals",
+          "how tides are formed", "the invention of the telescope"]
+STAGES = ("engine", "handoff", "respond", "write")
+
+
+def prompt(i: int) -> list[dict]:
+    return [{"role": "system", "content": "You are a helpful assistant who writes at length."},
+            {"role": "user", "content": f"Write a long, detailed essay about "
+                                        f"{TOPICS[i % len(TOPICS)]}. Use several paragraphs."}]
+
+
+def one_stream(url: str, i: int, max_tokens: int, key: str | None) -> dict:
+    """One streamed chat completion: the client-side times of its content chunks."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": prompt(i), "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    times: list[float] = []
+    with httpx.Client(timeout=300) as http, \
+            http.stream("POST", url + "/v1/chat/completions", json=body,
+                        headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return {"times": times, "gaps": [b - a for a, b in zip(times, times[1:])]}
+
+
+def summary(streams: list[dict], wall_s: float | None = None) -> dict:
+    gaps = sorted(g * 1e3 for s in streams for g in s["gaps"])
+    n = len(gaps)
+
+    def pct(p: float) -> float:
+        return round(gaps[min(n - 1, round(p / 100 * (n - 1)))], 3) if n else float("nan")
+
+    tokens = sum(len(s["times"]) for s in streams)
+    out = {"streams": len(streams), "tokens": tokens, "gaps": n, "gap_p50_ms": pct(50),
+           "gap_p90_ms": pct(90), "gap_p99_ms": pct(99), "gap_max_ms": pct(100),
+           "mean_gap_ms": round(statistics.fmean(gaps), 3) if n else float("nan"),
+           "gaps_over_30_ms": sum(1 for g in gaps if g > 30)}
+    if wall_s:
+        out["tokens_per_s"] = round(tokens / wall_s, 2)
+    return out
+
+
+def run_single(url: str, args, key: str | None, offset: int = 0) -> list[dict]:
+    return [one_stream(url, offset + i, args.max_tokens, key) for i in range(args.runs)]
+
+
+def run_four(url: str, args, key: str | None) -> tuple[list[dict], float]:
+    streams: list[dict] = []
+    wall = 0.0
+    for r in range(max(1, args.runs // 2)):
+        got: list[dict] = [{}] * 4
+
+        def go(j: int) -> None:
+            got[j] = one_stream(url, 4 * r + j, args.max_tokens, key)
+
+        threads = [threading.Thread(target=go, args=(j,)) for j in range(4)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall += time.perf_counter() - t0
+        streams += got
+    return streams, wall
+
+
+class Busy:
+    """Background load while streams run: other sessions fed data (prepos) and /metrics
+    scraped every 250 ms (both servers)."""
+
+    def __init__(self, url: str, sessions: int, key: str | None, prepos: bool):
+        self.url, self.key, self.stop_ = url, key, threading.Event()
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.sids: list[str] = []
+        self.appends = self.scrapes = 0
+        if prepos:
+            for i in range(sessions):
+                r = httpx.post(url + "/sessions", headers=self.headers, timeout=60, json={
+                    "kind": "streaming", "system": "You watch a price feed.",
+                    "standing_queries": [f"Is ticker T{i} rising? Answer briefly."]})
+                r.raise_for_status()
+                self.sids.append(r.json()["id"])
+        self.threads = [threading.Thread(target=self._feed, daemon=True),
+                        threading.Thread(target=self._scrape, daemon=True)]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_.set()
+        for t in self.threads:
+            t.join()
+        for sid in self.sids:
+            httpx.delete(f"{self.url}/sessions/{sid}", headers=self.headers, timeout=60)
+
+    def _feed(self) -> None:
+        i = 0
+        with httpx.Client(timeout=60, headers=self.headers) as c:
+            while self.sids and not self.stop_.wait(0.1):
+                sid = self.sids[i % len(self.sids)]
+                c.post(f"{self.url}/sessions/{sid}/append", json={
+                    "data": f"T{i % 8} {100 + i % 17}.{i % 10} {101 + i % 13}.5",
+                    "wait": False})  # its KV built at idle, with the pre-position
+                self.appends += 1
+                i += 1
+
+    def _scrape(self) -> None:
+        with httpx.Client(timeout=60, headers=self.headers) as c:
+            while not self.stop_.wait(0.25):
+                c.get(self.url + "/metrics")
+                self.scrapes += 1
+
+
+def stage_buckets(url: str, key: str | None) -> dict[tuple[str, float], float]:
+    """prepos's `prepos:token_stage_seconds` buckets: (stage, le) -> count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {key}"} if key else {}).text
+    return {(s.labels["stage"], float(s.labels["le"])): s.value
+            for f in text_string_to_metric_families(text) if f.name == "prepos:token_stage_seconds"
+            for s in f.samples if s.name.endswith("_bucket")}
+
+
+def stage_times(before: dict, after: dict) -> dict:
+    """P50 / P99 per stage (µs) from the histogram's buckets between two scrapes,
+    interpolated linearly within a bucket."""
+    out = {}
+    for stage in STAGES:
+        buckets = sorted((le, v - before.get((st, le), 0.0)) for (st, le), v in after.items()
+                         if st == stage)
+        total = buckets[-1][1] if buckets else 0
+        if not total:
+            continue
+        row = {"n": int(total)}
+        for p in (50, 99):
+            want, lo, below = total * p / 100, 0.0, 0.0
+            for le, c in buckets:
+                if c >= want:
+                    hi = le if le != float("inf") else lo
+                    frac = (want - below) / (c - below) if c > below else 1.0
+                    row[f"p{p}_us"] = round((lo + frac * (hi - lo)) * 1e6, 1)
+                    break
+                lo, below = le, c
+        out[stage] = row
+    return out
+
+
+def arm(url: str, args, key: str | None, prepos: bool) -> dict:
+    scrape = (lambda: stage_buckets(url, key)) if prepos else dict
+    one_stream(url, 99, 8, key)  # warm-up: the template, the first allocation
+    before = scrape()
+    out = {"single": summary(run_single(url, args, key))}
+    if prepos and args.stages:
+        out["stages"] = stage_times(before, scrape())
+    streams, wall = run_four(url, args, key)
+    out["four"] = summary(streams, wall)
+    with Busy(url, args.busy_sessions, key, prepos) as busy:
+        out["busy"] = summary(run_single(url, args, key, offset=5))
+    out["busy"].update(appends=busy.appends, scrapes=busy.scrapes)
+    return out
+
+
+def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
+    llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096, threads=args.threads,
+                        extra=("--jinja",), log=log / "llama-remote.log").start(wait=300)
+    proc = None
+    try:
+        proc, url = start_prepos(served, log / "prepos-remote.log", args.threads,
+                                 ["--backend", "llama-server", "--engine-url", llama.url])
+        one_stream(url, 99, 8, KEY)
+        one_stream(llama.url, 99, 8, None)
+        through, direct = [], []
+        for i in range(args.runs):
+            through.append(one_stream(url, i, args.max_tokens, KEY))
+            direct.append(one_stream(llama.url, i, args.max_tokens, None))
+        return {"prepos": summary(through), "llama_server": summary(direct)}
+    finally:
+        if proc is not None:
+            stop(proc)
+        llama.stop()
+
+
+def ratios(p: dict, ls: dict) -> dict:
+    out = {k: round(p[f"{k[:-6]}_ms"] / ls[f"{k[:-6]}_ms"], 3)
+           for k in ("gap_p50_ratio", "gap_p99_ratio") if ls[f"{k[:-6]}_ms"]}
+    out["mean_gap_ratio"] = round(p["mean_gap_ms"] / ls["mean_gap_ms"], 3)
+    if "tokens_per_s" in p:
+        out["tokens_per_s_ratio"] = round(p["tokens_per_s"] / ls["tokens_per_s"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=8, help="streams a case (four: runs/2 rounds)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--busy-sessions", type=int, default=8)
+    ap.add_argument("--cases", default="local,remote", help="local (single, four, busy), "
+                    "remote, or both")
+    ap.add_argument("--stages", action="store_true", help="prepos's per-token stage times")
+    ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--out", type=Path, default=RESULTS / "token_cadence.json")
+    args = ap.parse_args(argv)
+    binary = find_binary()
+    if binary is None:
+        print("no llama-server binary: run scripts/build_llama_server.sh", file=sys.stderr)
+        return 2
+    served, gguf, label = resolve(args.model)
+    log = Path(tempfile.mkdtemp(prefix="token-cadence-"))
+    out: dict = {"benchmark": "token_cadence", "model": label, "machine": machine(),
+                 "threads": args.threads, "runs": args.runs, "max_tokens": args.max_tokens,
+                 "server_args": args.server_arg}
+    cases = set(args.cases.split(","))
+    if "local" in cases:
+        proc, url = start_prepos(served, log / "prepos.log", args.threads, args.server_arg)
+        try:
+            mine = arm(url, args, KEY, prepos=True)
+        finally:
+            stop(proc)
+        llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096, threads=args.threads,
+                            extra=("--jinja", "--metrics"), log=log / "llama.log")
+        llama.start(wait=300)
+        try:
+            peer = arm(llama.url, args, None, prepos=False)
+        finally:
+            llama.stop()
+        for case in ("single", "four", "busy"):
+            out[case] = {"prepos": mine[case], "llama_server": peer[case],
+                         **ratios(mine[case], peer[case])}
+        if "stages" in mine:
+            out["stages_us"] = mine["stages"]
+    if "remote" in cases:
+        r = remote_case(binary, gguf, served, args, log)
+        out["remote"] = {**r, **ratios(r["prepos"], r["llama_server"])}
+    write(args.out, out)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
