@@ -208,7 +208,6 @@ def test_the_agents_sdk_s_conversation_session_and_conversation_id(server, model
         Runner,
         set_tracing_disabled,
     )
-
     from pydantic import BaseModel
 
     set_tracing_disabled(True)

@@ -21,9 +21,9 @@ import httpx
 import pytest
 import uvicorn
 from cluster_harness import Postgres, missing_postgres
-from helpers import hold_worker
 from server_harness import ServerProc, sse_events
 
+from helpers import hold_worker
 from prepos.server.idempotency import Attempt, Records
 from prepos.server.store import Database
 

@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from helpers import hold_worker
 from server_harness import ServerProc, state_of
 
+from helpers import hold_worker
 from prepos.core import Request, SamplingParams
 from prepos.engine.session import TURN
 from prepos.errors import SessionBusy

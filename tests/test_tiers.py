@@ -6,7 +6,6 @@ one a task is using; idle work moves nobody's."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from helpers import greedy_agrees, hold_worker
