@@ -208,18 +208,22 @@ def stage_times(before: dict, after: dict) -> dict:
     return out
 
 
-def arm(url: str, args, key: str | None, prepos: bool) -> dict:
+def arm(url: str, args, key: str | None, prepos: bool, cases: set[str]) -> dict:
     scrape = (lambda: stage_buckets(url, key)) if prepos else dict
     one_stream(url, 99, 8, key)  # warm-up: the template, the first allocation
-    before = scrape()
-    out = {"single": summary(run_single(url, args, key))}
-    if prepos and args.stages:
-        out["stages"] = stage_times(before, scrape())
-    streams, wall = run_four(url, args, key)
-    out["four"] = summary(streams, wall)
-    with Busy(url, args.busy_sessions, key, prepos) as busy:
-        out["busy"] = summary(run_single(url, args, key, offset=5))
-    out["busy"].update(appends=busy.appends, scrapes=busy.scrapes)
+    out = {}
+    if "single" in cases:
+        before = scrape()
+        out["single"] = summary(run_single(url, args, key))
+        if prepos and args.stages:
+            out["stages"] = stage_times(before, scrape())
+    if "four" in cases:
+        streams, wall = run_four(url, args, key)
+        out["four"] = summary(streams, wall)
+    if "busy" in cases:
+        with Busy(url, args.busy_sessions, key, prepos) as busy:
+            out["busy"] = summary(run_single(url, args, key, offset=5))
+        out["busy"].update(appends=busy.appends, scrapes=busy.scrapes)
     return out
 
 
@@ -260,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=8, help="streams a case (four: runs/2 rounds)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--busy-sessions", type=int, default=8)
-    ap.add_argument("--cases", default="local,remote", help="local (single, four, busy), "
-                    "remote, or both")
+    ap.add_argument("--cases", default="single,four,busy,remote",
+                    help="which cases, comma-separated")
     ap.add_argument("--stages", action="store_true", help="prepos's per-token stage times")
     ap.add_argument("--server-arg", action="append", default=[])
     ap.add_argument("--out", type=Path, default=RESULTS / "token_cadence.json")
@@ -276,20 +280,21 @@ def main(argv: list[str] | None = None) -> int:
                  "threads": args.threads, "runs": args.runs, "max_tokens": args.max_tokens,
                  "server_args": args.server_arg}
     cases = set(args.cases.split(","))
-    if "local" in cases:
+    local = cases & {"single", "four", "busy"}
+    if local:
         proc, url = start_prepos(served, log / "prepos.log", args.threads, args.server_arg)
         try:
-            mine = arm(url, args, KEY, prepos=True)
+            mine = arm(url, args, KEY, True, local)
         finally:
             stop(proc)
         llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096, threads=args.threads,
                             extra=("--jinja", "--metrics"), log=log / "llama.log")
         llama.start(wait=300)
         try:
-            peer = arm(llama.url, args, None, prepos=False)
+            peer = arm(llama.url, args, None, False, local)
         finally:
             llama.stop()
-        for case in ("single", "four", "busy"):
+        for case in sorted(local):
             out[case] = {"prepos": mine[case], "llama_server": peer[case],
                          **ratios(mine[case], peer[case])}
         if "stages" in mine:

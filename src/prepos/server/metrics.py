@@ -19,8 +19,8 @@ TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 
                 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
-STAGE_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.015,
-                 0.02, 0.03, 0.05, 0.1, 0.25)
+STAGE_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 6e-3, 8e-3, 9e-3,
+                 0.01, 0.011, 0.012, 0.014, 0.017, 0.02, 0.025, 0.03, 0.04, 0.05, 0.1, 0.25)
 # a streamed token's way through the server: `engine` since the previous token was produced
 # (the model's step, sampling, detokenizing), `handoff` from produced to read on the event
 # loop, `respond` from read to the next one asked for (its chunk encoded and written),
