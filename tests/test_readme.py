@@ -45,3 +45,12 @@ def test_example_runs_as_written():
     # it prints the first answer's path first and the streamed answer's path last
     assert words and words[0] in PATHS, proc.stdout
     assert words[-1] in PATHS, proc.stdout
+
+
+def test_every_serve_option_is_in_the_readme():
+    from prepos.server.options import parser
+
+    flags = [f for a in parser()._actions for f in a.option_strings
+             if f.startswith("--") and f != "--help"]
+    text = README.read_text()
+    assert len(flags) > 40 and [f for f in flags if f"`{f}" not in text] == []

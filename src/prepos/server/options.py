@@ -49,6 +49,11 @@ def default_journal(model: Path) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
+    """`prepos serve`'s options (each named in the README: tests/test_readme.py checks)."""
     p = argparse.ArgumentParser(prog="prepos serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
@@ -207,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "%(default)s)")
     p.add_argument("--keep-alive", type=float, default=60.0,
                    help="seconds an idle keep-alive connection stays open")
-    return p.parse_args(argv)
+    return p
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
