@@ -290,3 +290,48 @@ def test_streamed_answers_on_llama_server(model, live):
         assert lengths and int(lengths[-1]) < 1000
     finally:
         be.close()
+
+
+def test_whole_answers_are_predecoded_on_llama_server(model, live):
+    """A standing query's whole answer is pre-decoded at idle as one streamed request to the
+    engine and served at once, equal to the greedy answer; with appends racing queries (each
+    append cancels a pre-decode in flight), every answer still equals the greedy answer of the
+    version it reports, and the engine is left with no request running."""
+    import httpx
+
+    _, _, _, lm = model
+    eng = make_engine(model, [r.url for r in live], predecode_tokens=12, predecode_min_hit=0.0)
+    q = "Is it rising?"
+    try:
+        sid = eng.create_session("streaming", system="You are a market analyst.",
+                                 standing=[q])
+        eng.append(sid, "AAPL 101.2 101.5 101.9 102.4")
+        eng.wait_idle()
+        s = eng.session(sid)
+
+        def greedy_equal(res):
+            snap = s.at(res.version)
+            prompt = snap.tokens + tuple(eng.fmt.encode(eng.fmt.frame(s.entries(snap).user, q)))
+            assert_greedy_equal(lm, prompt, res.tokens)
+
+        whole = eng.query(sid, q, Request(SamplingParams(max_tokens=12))).result()
+        assert whole.path == AnswerPath.FAST and whole.predecoded == len(whole.tokens) > 1
+        greedy_equal(whole)
+        longer = eng.query(sid, q, Request(SamplingParams(max_tokens=20))).result()
+        assert longer.predecoded == len(whole.tokens) and longer.tokens[:12] == whole.tokens
+        greedy_equal(longer)  # the rest decoded live, the pre-decoded tokens in its prompt
+        results = race_appends_with_queries(eng, sid, q, 10, SamplingParams(max_tokens=12))
+        for res in results:
+            greedy_equal(res)
+        assert eng.prepositioner.counters.predecoded_tokens > 0
+        eng.wait_idle()
+        for r in live:
+            for _ in range(300):
+                slots = httpx.get(r.url + "/slots", timeout=10).json()
+                if not any(x.get("is_processing") for x in slots):
+                    break
+                threading.Event().wait(0.1)
+            assert not any(x.get("is_processing") for x in slots)
+    finally:
+        eng.close()
+        eng.backend.close()

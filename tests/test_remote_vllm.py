@@ -380,3 +380,30 @@ def test_failover_mid_answer_then_moves_then_rejoins(model, live):
     finally:
         eng.close()
         eng.backend.close()
+
+
+def test_whole_answers_are_predecoded_on_vllm(model, live):
+    """A standing query's whole answer is pre-decoded at idle as one streamed request to vLLM
+    and served at once, greedy equal to PyTorch's; appends racing queries cancel pre-decodes
+    in flight, no answer is stale, and vLLM is left with no request running."""
+    _, _, lm = model
+    eng = make_engine(model, [live[0].url], predecode_tokens=8, predecode_min_hit=0.0)
+    q = "Is it rising?"
+    try:
+        sid = eng.create_session("streaming", system=SYSTEM, standing=[q])
+        eng.append(sid, "AAPL 101.2 101.5 101.9")
+        eng.wait_idle()
+        whole = eng.query(sid, q, Request(SamplingParams(max_tokens=8))).result()
+        assert whole.path == AnswerPath.FAST and whole.predecoded == len(whole.tokens) > 1
+        greedy_check(lm, prompt_of(eng, sid, whole, q), whole.tokens)
+        results = race_appends_with_queries(eng, sid, q, 8, SamplingParams(max_tokens=8))
+        for res in results:
+            greedy_check(lm, prompt_of(eng, sid, res, q), res.tokens)
+        eng.wait_idle()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _metric(live[0], "vllm:num_requests_running"):
+            time.sleep(0.1)
+        assert _metric(live[0], "vllm:num_requests_running") == 0
+    finally:
+        eng.close()
+        eng.backend.close()

@@ -12,11 +12,18 @@ Whether an entry's pre-decode pays is decided per entry from its session's obser
 per update (`prepos.engine.rate`): below `min_hit` the N decode steps would mostly be thrown
 away, and the entry keeps its record alone.
 
+On a back end that streams answers (a remote engine: its decode is the engine's own), the
+rest of the answer is asked of the engine as ONE streamed greedy request, sent at background
+priority where the engine has it, and read token by token within the pre-position job, each
+token stored as it comes. A mutation cancels it at the engine (`Prepositioner.invalidated`)
+and a request that takes the answer over stops it: either way the next token read ends it,
+and closing the stream aborts it at the engine.
+
 A greedy request on that entry is answered from it (`replay`): its tokens go through the
 request's own `Generation` (its stop sequences, max_tokens, logprobs) at once; where the
-answer needs more than was pre-decoded, the rest is decoded live from there, and the
-pre-decode of that entry stops. Back ends that stream answers (remote engines) do not
-pre-decode: their decode is the remote engine's own, one streamed request per answer.
+answer needs more than was pre-decoded, the rest is decoded live from there (on a remote
+engine, one streamed request with the pre-decoded tokens in its prompt), and the pre-decode
+of that entry stops.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from prepos.decode.sampling import sample
 from prepos.engine.rate import QueryRate
 from prepos.engine.ready import Predecoded, ReadySet
 from prepos.engine.session import TURN, Session
+from prepos.errors import PreposError
 from prepos.worker.kv import Forward, KVPool, KVSequence
 
 TOP = 20  # the likeliest tokens kept per pre-decoded token: OpenAI's top_logprobs at most
@@ -59,7 +67,7 @@ class Predecoder:
         self.fmt, self.pool, self.tokens, self.chunk = fmt, pool, tokens, chunk
         self.session_cells, self.max_context = session_cells, max_context
         self.bump, self.on_answer = bump, on_answer
-        self.enabled = tokens > 0 and not pool.backend.streams_answers
+        self.enabled = tokens > 0
         self.rate = QueryRate(min_hit)
 
     def budget(self, s: Session, key: tuple | None) -> Budget | None:
@@ -90,6 +98,9 @@ class Predecoder:
         tokens, lps, tops = [rec.argmax], [rec.top_logprobs[0]], [_top(first)]
         finish = self._finish(tokens, budget)
         cap = min(s.budget(self.session_cells), self.max_context)
+        if self.pool.backend.streams_answers:
+            self._streamed(s, ready, kv, key, seq, budget, cap, (tokens, lps, tops))
+            return
         yielded = stored = 0
         while True:
             answer = Predecoded(tuple(tokens), tuple(lps), tuple(tops), finish)
@@ -124,6 +135,54 @@ class Predecoder:
             finish = self._finish(tokens, budget)
         if self.on_answer is not None:
             self.on_answer(s, key, answer)
+
+    def _streamed(self, s: Session, ready: ReadySet, kv: KVSequence, key: tuple,
+                  seq: tuple[int, ...], budget: Budget, cap: int,
+                  answer: tuple[list[int], list[float], list]) -> None:
+        """A remote engine's pre-decode: the answer after its first token as one streamed
+        greedy request, each token stored as it is read, until the answer ends, the budget
+        or the session's room runs out, the set moves on or a request takes the answer over
+        (the stream closed: aborted at the engine), or the engine fails (what was read is
+        kept, the rest decoded live by the request that needs it)."""
+        tokens, lps, tops = answer
+        finish, stored, events = self._finish(tokens, budget), 0, None
+        try:
+            while True:
+                got = Predecoded(tuple(tokens), tuple(lps), tuple(tops), finish)
+                if not ready.predecoded(key, got):  # moved on, or a request took over
+                    self.bump("predecoded_tokens", len(tokens) - stored)
+                    self.bump("predecode_wasted", len(tokens) - stored)
+                    return
+                self.bump("predecoded_tokens", len(tokens) - stored)
+                stored = len(tokens)
+                if finish is not None:
+                    break
+                if events is None:
+                    n = min(budget.max_tokens, cap - len(seq)) - len(tokens)
+                    if n < 1:
+                        finish = "room"
+                        continue
+                    events = kv.stream(seq + tuple(tokens),
+                                       SamplingParams(max_tokens=n, top_logprobs=TOP), n,
+                                       self.fmt.end_of_turn)
+                try:
+                    tok, dist = next(events)
+                except StopIteration:  # the engine ended the answer itself
+                    finish = "end"
+                    continue
+                except PreposError:  # cancelled by a mutation, or the engine failed
+                    return
+                if dist is None:  # no logprobs from the engine: nothing honest to store
+                    return
+                tokens.append(tok)
+                lps.append(dict(zip(dist.top_ids, dist.top_logprobs)).get(tok, float("-inf")))
+                tops.append(_top(dist))
+                finish = self._finish(tokens, budget)
+        finally:
+            if events is not None:
+                events.close()
+        if self.on_answer is not None:
+            self.on_answer(s, key, got)
 
     def _finish(self, tokens: list[int], budget: Budget) -> str | None:
         if tokens[-1] in self.fmt.end_of_turn:
