@@ -28,8 +28,12 @@ rotated, so a change in the machine's load falls on all of them.
                (on) pre-decoding every update, and a fourth server that pre-decodes where
                the policy says it pays (`--predecode-min-hit`).
 
+With `--engine llama-server` each prepos server runs in front of a llama-server of its own
+(`prepos serve --backend llama-server`; its pre-decode one streamed request to that engine),
+and the peer is the engine alone: `standing_answer_ratio_vs_engine`.
+
     python benchmarks/whole_answer.py [--model smollm2|timing|FILE.gguf] [--samples 64]
-        [--tokens 40] [--only standing window cold waste]
+        [--tokens 40] [--only standing window cold waste] [--engine llama-server]
 The last line printed is the JSON summary.
 """
 
@@ -429,6 +433,9 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=None,
                     help="the window figure's PNG (default docs/figures/"
                     "whole_answer_window_MODEL.png)")
+    ap.add_argument("--engine", choices=["in-process", "llama-server"], default="in-process",
+                    help="prepos's back end: llama.cpp in process, or each prepos server in "
+                    "front of a llama-server of its own (`--backend llama-server`)")
     ap.add_argument("--out", type=Path, default=RESULTS / "whole_answer.json")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers stop too
@@ -442,22 +449,35 @@ def main() -> None:
     data = base(random.Random(1), args.state)
     logs = RESULTS / "whole_answer_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    common = ["--backend", "llama.cpp", "--max-session-tokens", "8192"]
-    procs = []
+    procs, engines = [], []
+
+    def backend(name: str) -> list[str]:
+        """A prepos server's back end: llama.cpp in process, or (--engine llama-server) in
+        front of a llama-server of its own (the same GGUF and threads)."""
+        if args.engine == "in-process":
+            return ["--backend", "llama.cpp", "--max-session-tokens", "8192"]
+        eng = LlamaServer(binary, gguf, slots=4, ctx_per_slot=8192, threads=args.threads,
+                          log=logs / f"engine_{name}.log")
+        engines.append(eng)
+        eng.start(wait=300)
+        return ["--backend", "llama-server", "--engine-url", eng.url]
+
     try:
         p_on, url_on = start_prepos(str(gguf), logs / "prepos_on.log", args.threads,
-                                    [*common, "--predecode-tokens", str(args.tokens),
+                                    [*backend("on"), "--predecode-tokens", str(args.tokens),
                                      "--predecode-min-hit", "0"])
         procs.append(p_on)
         p_off, url_off = start_prepos(str(gguf), logs / "prepos_off.log", args.threads,
-                                      [*common, "--predecode-tokens", "0"])
+                                      [*backend("off"), "--predecode-tokens", "0"])
         procs.append(p_off)
         p_pol, url_pol = start_prepos(str(gguf), logs / "prepos_policy.log", args.threads,
-                                      [*common, "--predecode-tokens", str(args.tokens),
-                                       "--predecode-min-hit", str(args.min_hit)])
+                                      [*backend("policy"), "--predecode-tokens",
+                                       str(args.tokens), "--predecode-min-hit",
+                                       str(args.min_hit)])
         procs.append(p_pol)
         on, off, policy = Prepos(url_on), Prepos(url_off), Prepos(url_pol)
         out: dict = {"benchmark": "whole_answer", "model": gguf.name, "threads": args.threads,
+                     "engine": args.engine,
                      "samples": args.samples, "answer_budget": args.tokens,
                      "machine": {**machine(), "cpu_model": cpu_model()},
                      "llama_server": str(binary)}
@@ -473,6 +493,10 @@ def main() -> None:
         if "standing" in parts:
             st = out["standing"]
             out["standing_answer_ratio_vs_llama_server"] = ratio(st["on"], st["peer"])
+            if args.engine != "in-process":  # the engine alone, its prefix cache warm
+                out["standing_answer_ratio_vs_engine"] = out[
+                    "standing_answer_ratio_vs_llama_server"]
+                keys.append("standing_answer_ratio_vs_engine")
             out["standing_answer_ratio_vs_first_token_only"] = ratio(st["on"], st["off"])
             out["first_token_only_ratio_vs_llama_server"] = ratio(st["off"], st["peer"])
             out["idle_window_needed_ms"] = round(st["idle_needed"]["p50_ms"], 1)
@@ -513,11 +537,13 @@ def main() -> None:
     finally:
         for p in procs:
             stop(p)
+        for e in engines:
+            e.stop()
     write(args.out, out)
     if "closed_form" in out:  # for `prepos simulate --constants`
         write(args.out.with_name(args.out.stem + "_constants.json"),
               out["closed_form"]["constants"])
-    print(json.dumps({"benchmark": "whole_answer", "model": gguf.name,
+    print(json.dumps({"benchmark": "whole_answer", "model": gguf.name, "engine": args.engine,
                       "samples": args.samples, "cpu": out["machine"]["cpu_model"],
                       "loadavg_1m": [out["machine"]["loadavg_1m_at_start"],
                                      out["loadavg_1m_at_end"]],
