@@ -104,12 +104,9 @@ class Predecoder:
         yielded = stored = 0
         while True:
             answer = Predecoded(tuple(tokens), tuple(lps), tuple(tops), finish)
-            if not ready.predecoded(key, answer):  # moved on, or a request took over: drop
-                self.bump("predecoded_tokens", len(tokens) - stored)
-                self.bump("predecode_wasted", len(tokens) - stored)
+            stored = self._store(ready, key, answer, stored)
+            if stored is None:  # moved on, or a request took over: dropped
                 return
-            self.bump("predecoded_tokens", len(tokens) - stored)
-            stored = len(tokens)
             if finish is not None:
                 break
             target = seq + tuple(tokens)
@@ -128,10 +125,7 @@ class Predecoder:
                 continue
             dist = step.logits if isinstance(step.logits, Dist) else Dist.from_logits(
                 step.logits, TOP)
-            tok = sample(step.logits, GREEDY, None)
-            tokens.append(tok)
-            lps.append(dict(zip(dist.top_ids, dist.top_logprobs)).get(tok, float("-inf")))
-            tops.append(_top(dist))
+            _take((tokens, lps, tops), sample(step.logits, GREEDY, None), dist)
             finish = self._finish(tokens, budget)
         if self.on_answer is not None:
             self.on_answer(s, key, answer)
@@ -149,12 +143,9 @@ class Predecoder:
         try:
             while True:
                 got = Predecoded(tuple(tokens), tuple(lps), tuple(tops), finish)
-                if not ready.predecoded(key, got):  # moved on, or a request took over
-                    self.bump("predecoded_tokens", len(tokens) - stored)
-                    self.bump("predecode_wasted", len(tokens) - stored)
+                stored = self._store(ready, key, got, stored)
+                if stored is None:  # moved on, or a request took over: dropped
                     return
-                self.bump("predecoded_tokens", len(tokens) - stored)
-                stored = len(tokens)
                 if finish is not None:
                     break
                 if events is None:
@@ -174,9 +165,7 @@ class Predecoder:
                     return
                 if dist is None:  # no logprobs from the engine: nothing honest to store
                     return
-                tokens.append(tok)
-                lps.append(dict(zip(dist.top_ids, dist.top_logprobs)).get(tok, float("-inf")))
-                tops.append(_top(dist))
+                _take(answer, tok, dist)
                 finish = self._finish(tokens, budget)
         finally:
             if events is not None:
@@ -184,12 +173,31 @@ class Predecoder:
         if self.on_answer is not None:
             self.on_answer(s, key, got)
 
+    def _store(self, ready: ReadySet, key: tuple, answer: Predecoded,
+               stored: int) -> int | None:
+        """Keep `answer` in the ready set: the tokens now stored, or None where the set has
+        moved on or a request took the answer over (those not stored before are waste)."""
+        n = len(answer.tokens) - stored
+        self.bump("predecoded_tokens", n)
+        if not ready.predecoded(key, answer):
+            self.bump("predecode_wasted", n)
+            return None
+        return len(answer.tokens)
+
     def _finish(self, tokens: list[int], budget: Budget) -> str | None:
         if tokens[-1] in self.fmt.end_of_turn:
             return "end"
         if budget.stop and any(x in self.fmt.decode(tokens) for x in budget.stop):
             return "stop"
         return "length" if len(tokens) >= budget.max_tokens else None
+
+
+def _take(answer: tuple[list[int], list[float], list], tok: int, dist: Dist) -> None:
+    """Append a pre-decoded token, its logprob and its likeliest alternatives."""
+    tokens, lps, tops = answer
+    tokens.append(tok)
+    lps.append(dict(zip(dist.top_ids, dist.top_logprobs)).get(tok, float("-inf")))
+    tops.append(_top(dist))
 
 
 def _top(dist: Dist) -> tuple[tuple[int, ...], tuple[float, ...]]:
