@@ -235,3 +235,42 @@ def test_a_replica_added_later_with_a_smaller_context_lowers_it():
     be.add_replica("http://a")
     assert be.max_context == 300
     be.close()
+
+
+def test_a_foreground_request_preempts_background_streams_without_priorities():
+    """On an engine with no priority scheduling (llama.cpp), a foreground request in flight
+    preempts a background stream at its next token, a new background stream gives way while
+    one is in flight, and runs once none is; with priorities nothing is preempted."""
+    from prepos.backends.base import Preempted
+
+    cl = FakeCluster("llama.cpp", hash_logits(), ["a"])
+    be = RemoteBackend(make_adapter("llama.cpp"), cl.urls, vocab_size=50, top_k=4,
+                       transport=cl.transport, health_interval=None)
+    bg_kv = be.new_kv("bg")
+    with idle_work():
+        bg = be.stream_answer(bg_kv, PROMPT, SamplingParams(), 20, frozenset())
+        next(bg)
+    fg = be.stream_answer(be.new_kv("fg"), PROMPT, SamplingParams(), 20, frozenset())
+    next(fg)  # in flight
+    with idle_work(), pytest.raises(Preempted):
+        next(bg)
+    late = be.stream_answer(be.new_kv("late"), PROMPT, SamplingParams(), 5, frozenset())
+    with idle_work(), pytest.raises(Preempted):
+        next(late)
+    fg.close()  # no foreground request in flight any more
+    with idle_work():
+        again = be.stream_answer(bg_kv, PROMPT, SamplingParams(), 5, frozenset())
+        assert len(list(again)) == 5
+    be.close()
+
+    ranked = backend(FakeCluster("vllm", hash_logits(), ["a"]))  # priority scheduling
+    with idle_work():
+        bg = ranked.stream_answer(ranked.new_kv("bg"), PROMPT, SamplingParams(), 6,
+                                  frozenset())
+        next(bg)
+    fg = ranked.stream_answer(ranked.new_kv("fg"), PROMPT, SamplingParams(), 6, frozenset())
+    next(fg)
+    with idle_work():
+        assert len(list(bg)) == 5
+    fg.close()
+    ranked.close()

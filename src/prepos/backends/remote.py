@@ -60,7 +60,7 @@ from typing import Any, Iterator, Sequence
 
 import httpx
 
-from prepos.backends.base import Backend, Dist, in_idle_work
+from prepos.backends.base import Backend, Dist, Preempted, in_idle_work
 from prepos.backends.remote_adapters import (  # noqa: F401  (re-exported)
     ADAPTERS,
     LlamaCppAdapter,
@@ -85,6 +85,11 @@ log = logging.getLogger("prepos.remote")
 
 def _is_priority_refusal(exc: RemoteError) -> bool:
     return "priority" in str(exc).lower()
+
+
+# where the engine has no priority scheduling, a background stream (a pre-decode) waits this
+# long for the foreground requests in flight to end, then gives way (Preempted: retried later)
+GIVE_WAY_S = 0.05
 
 
 class RemoteBackend(Backend):
@@ -323,8 +328,10 @@ class RemoteBackend(Backend):
         t0 = time.perf_counter()
         kv.rid = rid
         try:
-            body = self._call(rep, lambda prio: self.adapter.request(
-                prompt, self.top_k, rid=rid, background=prio, slot=slot), background, rep.call)
+            with contextlib.nullcontext() if background else rep.foreground_request():
+                body = self._call(rep, lambda prio: self.adapter.request(
+                    prompt, self.top_k, rid=rid, background=prio, slot=slot), background,
+                    rep.call)
         except (ReplicaFailure, RemoteError) as exc:
             if kv.cancelled_rid == rid:  # the abort, not the replica, ended it
                 raise Abandoned(f"request {rid} was cancelled") from exc
@@ -365,6 +372,12 @@ class RemoteBackend(Backend):
             slot = rep.slot_for(kv.key)
             parser = self.adapter.stream_parser()
             delivered = 0
+            turn = contextlib.ExitStack()  # its turn beside foreground requests on the replica
+            if not background:
+                turn.enter_context(rep.foreground_request())
+            elif not turn.enter_context(rep.background_stream(rid, kv, GIVE_WAY_S)):
+                turn.close()
+                raise Preempted(f"{rep.url} is serving foreground requests")
             sem = rep._bg if background else None
             if sem is not None:
                 sem.acquire()
@@ -388,6 +401,8 @@ class RemoteBackend(Backend):
                                         parser.feed(rest)
                             if kv.cancelled_rid == rid:
                                 raise Abandoned(f"request {rid} was cancelled")
+                            if kv.preempted_rid == rid:
+                                raise Preempted(f"request {rid} gave way to a foreground one")
                             delivered += 1
                             kv.sent = len(prompt) + delivered - 1
                             kv.last = top
@@ -414,6 +429,7 @@ class RemoteBackend(Backend):
                 kv.rid = None
                 if sem is not None:
                     sem.release()
+                turn.close()
                 if not done:  # closed early (client gone, error): abort where there is an API
                     c = self.adapter.abort(rid)
                     if c is not None:

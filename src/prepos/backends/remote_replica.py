@@ -34,6 +34,11 @@ class Replica:
         self._slots: OrderedDict[str, int] = OrderedDict()  # session key -> slot, LRU order
         self._bg = threading.BoundedSemaphore(background_cap)
         self.lock = threading.Lock()
+        # foreground requests in flight, and the background streams they preempt where the
+        # engine has no priority scheduling (it would share each of its steps between them)
+        self.foreground = 0
+        self._quiet = threading.Condition(self.lock)
+        self._background: dict[str, RemoteKV] = {}  # request id -> its handle
         self.counters = {"requests": 0, "streams": 0, "streamed_tokens": 0, "failures": 0,
                          "interrupted": 0, "background": 0, "cached_tokens": 0,
                          "prompt_tokens": 0, "moved_in": 0, "rejoins": 0, "seconds": 0.0}
@@ -107,6 +112,46 @@ class Replica:
             except ValueError as exc:
                 raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
 
+    @contextlib.contextmanager
+    def foreground_request(self) -> Iterator[None]:
+        """A foreground request in flight: where the engine has no priority scheduling, the
+        background streams in flight are preempted (each ends at its next token, and is
+        aborted at the engine where it has an abort API), and new ones wait until no
+        foreground request is in flight (`background_turn`)."""
+        with self.lock:
+            self.foreground += 1
+            preempted = [] if self.priority else list(self._background.items())
+        for rid, kv in preempted:
+            kv.preempted_rid = rid
+            c = self.adapter.abort(rid)
+            if c is not None:
+                with contextlib.suppress(ReplicaFailure, RemoteError):
+                    self.call(c)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.foreground -= 1
+                self._quiet.notify_all()
+
+    @contextlib.contextmanager
+    def background_stream(self, rid: str, kv: RemoteKV, wait: float) -> Iterator[bool]:
+        """A background stream's turn: yields False where the engine has no priority
+        scheduling and a foreground request stayed in flight for `wait` seconds (the caller
+        gives way), else True, the stream preemptible by a foreground request meanwhile."""
+        with self.lock:
+            ok = self.priority or self._quiet.wait_for(lambda: self.foreground == 0, wait)
+            if ok:
+                self._background[rid] = kv
+        if not ok:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self.lock:
+                self._background.pop(rid, None)
+
     def slot_for(self, key: str) -> int | None:
         """llama.cpp slot affinity: a session keeps its slot while it is among the
         `n_slots` most recently used sessions of this replica."""
@@ -165,6 +210,7 @@ class RemoteKV:
     last: TopK | None = None  # what the last request reported (cached tokens included)
     rid: str | None = None  # the request in flight
     cancelled_rid: str | None = None  # the in-flight request `cancel` abandoned
+    preempted_rid: str | None = None  # the background stream a foreground request preempted
 
 
 def _score(key: str, url: str) -> int:

@@ -99,7 +99,7 @@ class Predecoder:
         finish = self._finish(tokens, budget)
         cap = min(s.budget(self.session_cells), self.max_context)
         if self.pool.backend.streams_answers:
-            self._streamed(s, ready, kv, key, seq, budget, cap, (tokens, lps, tops))
+            yield from self._streamed(s, ready, kv, key, seq, budget, cap, (tokens, lps, tops))
             return
         yielded = stored = 0
         while True:
@@ -132,12 +132,14 @@ class Predecoder:
 
     def _streamed(self, s: Session, ready: ReadySet, kv: KVSequence, key: tuple,
                   seq: tuple[int, ...], budget: Budget, cap: int,
-                  answer: tuple[list[int], list[float], list]) -> None:
+                  answer: tuple[list[int], list[float], list]) -> Generator:
         """A remote engine's pre-decode: the answer after its first token as one streamed
         greedy request, each token stored as it is read, until the answer ends, the budget
         or the session's room runs out, the set moves on or a request takes the answer over
         (the stream closed: aborted at the engine), or the engine fails (what was read is
-        kept, the rest decoded live by the request that needs it)."""
+        kept, the rest decoded live by the request that needs it). On an engine without
+        priority scheduling a foreground request preempts it; it asks for the rest again,
+        from what it has, once none is in flight."""
         tokens, lps, tops = answer
         finish, stored, events = self._finish(tokens, budget), 0, None
         try:
@@ -160,6 +162,12 @@ class Predecoder:
                     tok, dist = next(events)
                 except StopIteration:  # the engine ended the answer itself
                     finish = "end"
+                    continue
+                except Preempted:  # a foreground request on an engine without priorities
+                    events.close()
+                    events = None
+                    self.bump("preempted", 1)
+                    yield  # the rest asked again from here, in a later idle step
                     continue
                 except PreposError:  # cancelled by a mutation, or the engine failed
                     return
