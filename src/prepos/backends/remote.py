@@ -36,7 +36,9 @@ smallest over the replicas, capped by any `max_context` given), llama.cpp's slot
 runs priority scheduling: vLLM documents that a non-zero priority is an error without
 `--scheduling-policy priority` (0.32.0's CPU build in fact accepts and ignores it), so the
 first refusal naming the priority (HTTP 400) turns priority off for that replica and the
-request is resent without it; no engine reports its scheduling policy.
+request is resent without it; no engine reports its scheduling policy. Where a replica runs
+no priority scheduling (llama-server), a foreground request preempts the background streams
+in flight there (`Replica.foreground_request`): each ends at its next token.
 
 Cached-token accounting (`metrics()`: `cached_tokens`, `prompt_tokens` per replica) is the
 engine's own report, and it has the engine's granularity: vLLM caches whole KV blocks
@@ -82,15 +84,6 @@ from prepos.backends.remote_protocol import (  # noqa: F401  (re-exported)
 from prepos.backends.remote_replica import RemoteKV, Replica, _score
 
 log = logging.getLogger("prepos.remote")
-
-def _is_priority_refusal(exc: RemoteError) -> bool:
-    return "priority" in str(exc).lower()
-
-
-# where the engine has no priority scheduling, a background stream (a pre-decode) waits this
-# long for the foreground requests in flight to end, then gives way (Preempted: retried later)
-GIVE_WAY_S = 0.05
-
 
 class RemoteBackend(Backend):
     """A `Backend` over one or more replicas of a serving engine."""
@@ -306,18 +299,6 @@ class RemoteBackend(Backend):
             kv.sent, kv.last = len(prompt), top
             return top
 
-    def _call(self, rep: Replica, make, background: bool, opener):
-        """Make the request `make(priority)` builds with `opener`; a replica that refuses
-        background priority (it runs no priority scheduling) gets it resent without."""
-        prio = background and rep.priority
-        try:
-            return opener(make(prio))
-        except RemoteError as exc:
-            if not (prio and _is_priority_refusal(exc)):
-                raise
-            rep.priority_refused = True
-            return opener(make(False))
-
     def _post(self, rep: Replica, kv: RemoteKV, prompt: Sequence[int],
               background: bool) -> TopK:
         rid = f"prepos-{kv.key}-{next(self._ids)}"
@@ -329,7 +310,7 @@ class RemoteBackend(Backend):
         kv.rid = rid
         try:
             with contextlib.nullcontext() if background else rep.foreground_request():
-                body = self._call(rep, lambda prio: self.adapter.request(
+                body = rep.send(lambda prio: self.adapter.request(
                     prompt, self.top_k, rid=rid, background=prio, slot=slot), background,
                     rep.call)
         except (ReplicaFailure, RemoteError) as exc:
@@ -372,12 +353,7 @@ class RemoteBackend(Backend):
             slot = rep.slot_for(kv.key)
             parser = self.adapter.stream_parser()
             delivered = 0
-            turn = contextlib.ExitStack()  # its turn beside foreground requests on the replica
-            if not background:
-                turn.enter_context(rep.foreground_request())
-            elif not turn.enter_context(rep.background_stream(rid, kv, GIVE_WAY_S)):
-                turn.close()
-                raise Preempted(f"{rep.url} is serving foreground requests")
+            turn = rep.turn(background, rid, kv)  # beside foreground requests on the replica
             sem = rep._bg if background else None
             if sem is not None:
                 sem.acquire()
@@ -386,7 +362,7 @@ class RemoteBackend(Backend):
             done = False
             try:
                 with contextlib.ExitStack() as stack:
-                    events = self._call(rep, lambda prio: self.adapter.stream_request(
+                    events = rep.send(lambda prio: self.adapter.stream_request(
                         prompt, k, sampling, max_tokens, stop_ids, rid=rid, background=prio,
                         slot=slot), background, lambda c: stack.enter_context(rep.stream(c)))
                     for event in events:

@@ -14,7 +14,12 @@ from typing import Any, Iterator
 
 import httpx
 
+from prepos.backends.base import Preempted
 from prepos.backends.remote_protocol import Adapter, Call, RemoteError, ReplicaFailure, TopK
+
+# where the engine has no priority scheduling, a background stream (a pre-decode) waits this
+# long for the foreground requests in flight to end, then gives way (Preempted: retried later)
+GIVE_WAY_S = 0.05
 
 
 class Replica:
@@ -111,6 +116,30 @@ class Replica:
                 yield json.loads(line)
             except ValueError as exc:
                 raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
+
+    def send(self, make, background: bool, opener):
+        """Make the request `make(priority)` builds with `opener`; where the engine refuses
+        background priority (it runs no priority scheduling) it is resent without."""
+        prio = background and self.priority
+        try:
+            return opener(make(prio))
+        except RemoteError as exc:
+            if not (prio and "priority" in str(exc).lower()):
+                raise
+            self.priority_refused = True
+            return opener(make(False))
+
+    def turn(self, background: bool, rid: str, kv: RemoteKV) -> contextlib.ExitStack:
+        """A streamed request's turn beside the others here, closed when it ends: a
+        foreground one preempts background streams, a background one raises Preempted where
+        it must give way (`foreground_request`, `background_stream`)."""
+        turn = contextlib.ExitStack()
+        if not background:
+            turn.enter_context(self.foreground_request())
+        elif not turn.enter_context(self.background_stream(rid, kv, GIVE_WAY_S)):
+            turn.close()
+            raise Preempted(f"{self.url} is serving foreground requests")
+        return turn
 
     @contextlib.contextmanager
     def foreground_request(self) -> Iterator[None]:
