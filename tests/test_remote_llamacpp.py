@@ -76,6 +76,18 @@ def make_engine(model, urls, **cfg) -> Engine:
     return Engine(be, ChatFormat(tok), config)
 
 
+def assert_slots_idle(url: str) -> None:
+    """No slot of the llama-server at `url` is processing a task (waited for up to 60 s)."""
+    import httpx
+
+    for _ in range(600):
+        slots = httpx.get(url + "/slots", timeout=10).json()
+        if not any(x.get("is_processing") for x in slots):
+            return
+        threading.Event().wait(0.1)
+    assert not any(x.get("is_processing") for x in slots)
+
+
 @torch.inference_mode()
 def torch_logprobs(lm, tokens) -> torch.Tensor:
     return torch.log_softmax(lm(input_ids=torch.tensor([list(tokens)])).logits[0, -1], -1)
@@ -245,7 +257,6 @@ def test_streamed_answers_on_llama_server(model, live):
     end-of-generation token ends it (prepos closes the stream), the engine's own seeded
     sampling is reproducible, closing the stream aborts the task, and the context length
     is the server's per-slot n_ctx."""
-    import httpx
 
     _, _, tok, lm = model
     be = RemoteBackend.from_urls("llama.cpp", [live[0].url], len(tok), top_k=8,
@@ -277,12 +288,7 @@ def test_streamed_answers_on_llama_server(model, live):
                                   2000 - len(prompt), frozenset())
         next(events)
         events.close()
-        for _ in range(600):
-            slots = httpx.get(live[0].url + "/slots", timeout=10).json()
-            if not any(s.get("is_processing") for s in slots):
-                break
-            threading.Event().wait(0.1)
-        assert not any(s.get("is_processing") for s in slots)
+        assert_slots_idle(live[0].url)
         # the aborted task stopped far short of its 2000 tokens (the server's log says)
         import re
 
@@ -297,7 +303,6 @@ def test_whole_answers_are_predecoded_on_llama_server(model, live):
     engine and served at once, equal to the greedy answer; with appends racing queries (each
     append cancels a pre-decode in flight), every answer still equals the greedy answer of the
     version it reports, and the engine is left with no request running."""
-    import httpx
 
     _, _, _, lm = model
     eng = make_engine(model, [r.url for r in live], predecode_tokens=12, predecode_min_hit=0.0)
@@ -326,12 +331,7 @@ def test_whole_answers_are_predecoded_on_llama_server(model, live):
         assert eng.prepositioner.counters.predecoded_tokens > 0
         eng.wait_idle()
         for r in live:
-            for _ in range(300):
-                slots = httpx.get(r.url + "/slots", timeout=10).json()
-                if not any(x.get("is_processing") for x in slots):
-                    break
-                threading.Event().wait(0.1)
-            assert not any(x.get("is_processing") for x in slots)
+            assert_slots_idle(r.url)
     finally:
         eng.close()
         eng.backend.close()

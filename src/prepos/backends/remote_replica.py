@@ -146,7 +146,7 @@ class Replica:
         """A foreground request in flight: where the engine has no priority scheduling, the
         background streams in flight are preempted (each ends at its next token, and is
         aborted at the engine where it has an abort API), and new ones wait until no
-        foreground request is in flight (`background_turn`)."""
+        foreground request is in flight (`background_stream`)."""
         with self.lock:
             self.foreground += 1
             preempted = [] if self.priority else list(self._background.items())

@@ -155,9 +155,8 @@ class Predecoder:
                     if n < 1:
                         finish = "room"
                         continue
-                    events = kv.stream(seq + tuple(tokens),
-                                       SamplingParams(max_tokens=n, top_logprobs=TOP), n,
-                                       self.fmt.end_of_turn)
+                    events, opened = kv.stream(seq + tuple(tokens), SamplingParams(
+                        max_tokens=n, top_logprobs=TOP), n, self.fmt.end_of_turn), len(tokens)
                 try:
                     tok, dist = next(events)
                 except StopIteration:  # the engine ended the answer itself
@@ -166,7 +165,7 @@ class Predecoder:
                 except Preempted:  # a foreground request on an engine without priorities
                     events.close()
                     events = None
-                    self.bump("preempted", 1)
+                    self.bump("preempted", int(len(tokens) > opened))  # stopped part way
                     yield  # the rest asked again from here, in a later idle step
                     continue
                 except PreposError:  # cancelled by a mutation, or the engine failed

@@ -261,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--backend {args.backend} needs --engine-url (the engine's URL)")
         remote = RemoteEngine(REMOTE_ENGINES[args.backend], tuple(args.engine_url),
                               args.engine_model)
+        # the in-process back-end choice does not apply in front of an engine
         engine = remote_config(replace(engine, backend="auto"))
     elif args.engine_url:
         raise ValueError("--engine-url needs --backend llama-server, vllm or sglang")

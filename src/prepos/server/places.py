@@ -44,7 +44,7 @@ class Places:
         self.chains = ImplicitSessions(loaded, self._close_chain, None, response_sessions)
 
     def persistent_sessions(self, engine: Engine) -> int:
-        return self._held(engine)[0]
+        return self._held(engine)
 
     @contextmanager
     def new_session(self, engine: Engine, owner: str | None, requested: str | None = None):
@@ -60,15 +60,16 @@ class Places:
         finally:
             del self.creating[sid]
 
-    def _held(self, engine: Engine, owner: str | None = None) -> tuple[int, int]:
-        """The persistent sessions held or being created, all and `owner`'s, counted from one
-        snapshot of the engine's sessions: a session a worker thread adds (or an ephemeral
-        one it closes) while this counts is counted once, never missed."""
+    def _held(self, engine: Engine, owner: str | None = None, mine: bool = False) -> int:
+        """The persistent sessions held or being created (with `mine`, `owner`'s), counted
+        from one snapshot of the engine's sessions: a session a worker thread adds (or an
+        ephemeral one it closes) while this counts is counted once, never missed."""
         snap = engine.all_sessions()
-        ids = {s.id for s in snap}
-        kept = [s.spec.owner for s in snap if not is_ephemeral(s.id)]
-        kept += [o for sid, o in list(self.creating.items()) if sid not in ids]
-        return len(kept), sum(1 for o in kept if o == owner)
+        creating = list(self.creating.items())
+        ids = {s.id for s in snap} if creating else set()
+        return sum(1 for s in snap if not is_ephemeral(s.id) and
+                   (not mine or s.spec.owner == owner)) + sum(
+            1 for sid, o in creating if sid not in ids and (not mine or o == owner))
 
     def cap(self, engine: Engine) -> None:
         """The persistent sessions this server admits (`session_cap`): --max-sessions, or fewer
@@ -89,7 +90,7 @@ class Places:
         could give way (the least recently used free one: the key's own first, then, at the
         server's limit, any key's; its responses stay stored)."""
         lim = self.limits
-        while self._held(engine)[0] >= self.session_cap:
+        while self._held(engine) >= self.session_cap:
             if self.chains.evict_one(owner) or self.chains.evict_one():
                 continue
             self.metrics.rejected.labels("sessions").inc()
@@ -97,7 +98,7 @@ class Places:
                            f"{self.session_cap} sessions; close one first",
                            headers={"Retry-After": "60"})
         if lim.max_sessions_per_key is not None and owner is not None:
-            while self._held(engine, owner)[1] >= lim.max_sessions_per_key:
+            while self._held(engine, owner, mine=True) >= lim.max_sessions_per_key:
                 if self.chains.evict_one(owner):
                     continue
                 self.metrics.rejected.labels("sessions_per_key").inc()

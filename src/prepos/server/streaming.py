@@ -57,22 +57,19 @@ def guarded(chunks: Chunks, cleanup: Callable[[], None] | None = None,
     return run
 
 
-def timed(events: AsyncIterator[TokenEvent], stages: Stages) -> AsyncIterator[TokenEvent]:
+async def timed(events: AsyncIterator[TokenEvent], stages: Stages
+                ) -> AsyncIterator[TokenEvent]:
     """A stream's events, each one's time through the server observed by stage
     (`metrics.TOKEN_STAGES`: engine, handoff, respond)."""
-
-    async def run():
-        last = None
-        async for ev in events:
-            now = time.perf_counter()
-            if last is not None:
-                stages["engine"](ev.at - last)
-            last = ev.at
-            stages["handoff"](now - ev.at)
-            yield ev
-            stages["respond"](time.perf_counter() - now)
-
-    return run()
+    last = None
+    async for ev in events:
+        now = time.perf_counter()
+        if last is not None:
+            stages["engine"](ev.at - last)
+        last = ev.at
+        stages["handoff"](now - ev.at)
+        yield ev
+        stages["respond"](time.perf_counter() - now)
 
 
 async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
