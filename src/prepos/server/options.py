@@ -263,8 +263,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                               args.engine_model)
         # the in-process back-end choice does not apply in front of an engine
         engine = remote_config(replace(engine, backend="auto"))
-    elif args.engine_url:
-        raise ValueError("--engine-url needs --backend llama-server, vllm or sglang")
+    elif args.engine_url or args.engine_model:
+        flag = "--engine-url" if args.engine_url else "--engine-model"
+        raise ValueError(f"{flag} needs --backend llama-server, vllm or sglang")
     if not args.store_timeout > 0:
         raise ValueError(f"--store-timeout must be > 0, got {args.store_timeout}")
     return ServerConfig(model=args.model, engine=engine, remote=remote, journal=journal,
