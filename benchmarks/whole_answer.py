@@ -28,12 +28,16 @@ rotated, so a change in the machine's load falls on all of them.
                (on) pre-decoding every update, and a fourth server that pre-decodes where
                the policy says it pays (`--predecode-min-hit`).
 
-With `--engine llama-server` each prepos server runs in front of a llama-server of its own
-(`prepos serve --backend llama-server`; its pre-decode one streamed request to that engine),
-and the peer is the engine alone: `standing_answer_ratio_vs_engine`.
+With `--engine llama-server` (or `--engine vllm`) each prepos server runs in front of an
+engine of its own (`prepos serve --backend llama-server|vllm`; its pre-decode one streamed
+request to that engine, at background priority on vLLM), and the peer is the engine alone
+(llama-server with one slot; vLLM with its prefix cache): `standing_answer_ratio_vs_engine`.
+vLLM (its CPU build, `scripts/install_vllm.sh`) serves the GGUF's weights dequantized to an
+HF float32 directory (`prepos.engine.loading.dequantized_dir`), prepos the GGUF's tokenizer
+and chat template, the same tokens.
 
     python benchmarks/whole_answer.py [--model smollm2|timing|FILE.gguf] [--samples 64]
-        [--tokens 40] [--only standing window cold waste] [--engine llama-server]
+        [--tokens 40] [--only standing window cold waste] [--engine llama-server|vllm]
 The last line printed is the JSON summary.
 """
 
@@ -56,7 +60,8 @@ from stock_clients import KEYS, metrics, start_prepos, stop
 
 from common import RESULTS, ROOT, cpu_model, machine, summarize, timing_model_dir, write
 from prepos.backends.llama_server import LlamaServer, find_binary
-from prepos.engine.loading import exported_gguf, resolve_model
+from prepos.backends.vllm_server import VLLMServer, find_python
+from prepos.engine.loading import dequantized_dir, exported_gguf, resolve_model
 
 SYSTEM = "You are a market analyst. Readings of ACME arrive as lines of six prices."
 ASK = "Is ACME going up or down? Explain the trend in two sentences."
@@ -433,15 +438,19 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=None,
                     help="the window figure's PNG (default docs/figures/"
                     "whole_answer_window_MODEL.png)")
-    ap.add_argument("--engine", choices=["in-process", "llama-server"], default="in-process",
+    ap.add_argument("--engine", choices=["in-process", "llama-server", "vllm"],
+                    default="in-process",
                     help="prepos's back end: llama.cpp in process, or each prepos server in "
-                    "front of a llama-server of its own (`--backend llama-server`)")
+                    "front of an engine of its own (`--backend llama-server` or `vllm`)")
     ap.add_argument("--out", type=Path, default=RESULTS / "whole_answer.json")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers stop too
     binary = find_binary()
     if binary is None:
         sys.exit("no llama-server: scripts/build_llama_server.sh")
+    vllm = find_python() if args.engine == "vllm" else None
+    if args.engine == "vllm" and vllm is None:
+        sys.exit("no vLLM: scripts/install_vllm.sh")
     if args.model == "timing":  # the timing model (seeded random weights) as F32 GGUF
         gguf = exported_gguf(timing_model_dir("125m"))
     else:
@@ -450,17 +459,27 @@ def main() -> None:
     logs = RESULTS / "whole_answer_logs"
     logs.mkdir(parents=True, exist_ok=True)
     procs, engines = [], []
+    hf = dequantized_dir(gguf) if vllm else None
+
+    def engine(name: str, slots: int):
+        """An engine of its own, started: llama-server (`slots` slots, the same GGUF and
+        threads) or vLLM (the dequantized weights, priority scheduling, prefix caching)."""
+        if vllm:
+            eng = VLLMServer(vllm, hf, max_model_len=8192, kv_cache_gb=1,
+                             log=logs / f"engine_{name}.log")
+        else:
+            eng = LlamaServer(binary, gguf, slots=slots, ctx_per_slot=8192,
+                              threads=args.threads, log=logs / f"engine_{name}.log")
+        engines.append(eng)
+        eng.start(wait=900)
+        return eng
 
     def backend(name: str) -> list[str]:
-        """A prepos server's back end: llama.cpp in process, or (--engine llama-server) in
-        front of a llama-server of its own (the same GGUF and threads)."""
+        """A prepos server's back end: llama.cpp in process, or (--engine) in front of an
+        engine of its own."""
         if args.engine == "in-process":
             return ["--backend", "llama.cpp", "--max-session-tokens", "8192"]
-        eng = LlamaServer(binary, gguf, slots=4, ctx_per_slot=8192, threads=args.threads,
-                          log=logs / f"engine_{name}.log")
-        engines.append(eng)
-        eng.start(wait=300)
-        return ["--backend", "llama-server", "--engine-url", eng.url]
+        return ["--backend", args.engine, "--engine-url", engine(name, 4).url]
 
     try:
         p_on, url_on = start_prepos(str(gguf), logs / "prepos_on.log", args.threads,
@@ -480,16 +499,18 @@ def main() -> None:
                      "engine": args.engine,
                      "samples": args.samples, "answer_budget": args.tokens,
                      "machine": {**machine(), "cpu_model": cpu_model()},
-                     "llama_server": str(binary)}
+                     "llama_server": str(binary), **({"vllm": str(vllm)} if vllm else {})}
         keys = []
         parts = set(args.only or ["standing", "window", "cold", "waste"])
-        if parts & {"standing", "window"}:
-            with LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192,
-                             threads=args.threads) as srv:
+        if parts & {"standing", "window"}:  # the peer: the engine alone
+            srv = engine("peer", 1)
+            try:
                 if "standing" in parts:
                     out["standing"] = measure_standing(on, off, Peer(srv.url), args, data)
                 if "window" in parts:
                     out["window"] = measure_window(on, off, Peer(srv.url), args, data)
+            finally:
+                srv.stop()
         if "standing" in parts:
             st = out["standing"]
             out["standing_answer_ratio_vs_llama_server"] = ratio(st["on"], st["peer"])
