@@ -153,3 +153,13 @@ def test_the_architecture_doc_names_every_module_within_300_lines():
 
 def test_no_source_file_over_450_lines():
     assert [m for m, f in modules().items() if len(f.read_text().splitlines()) > 450] == []
+
+
+def test_the_server_reaches_the_engine_not_what_runs_under_it():
+    """server/ uses the engine, the streams it returns, the chat formats and the leaf; never
+    the worker, the gate or a back end directly."""
+    below = {m for rooms in LAYERS[LAYERS.index(("engine",)) + 1:] for m in rooms} - {"leaf"}
+    allowed = {"prepos.decode.stream"} | {m for m in graph() if room(m) == "chat"}
+    reached = {b for a, targets in graph().items() if room(a) == "server" for b in targets
+               if room(b) in below and b not in allowed}
+    assert reached == set()

@@ -348,7 +348,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
 
     from prepos.chat.tool_formats import PREPOS
     from prepos.errors import PreposError
-    from prepos.server.responses_format import Reply
+    from prepos.server.openai.responses_format import Reply
 
     class Failing:
         done = False
@@ -520,7 +520,7 @@ def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(mod
     stay within the bound, and a chain whose first response went still continues from its
     whole conversation: the evicted one's messages are kept once, by reference, never
     copied into the responses that continue it."""
-    from prepos.server.responses_store import ResponseStore
+    from prepos.server.durable.responses_store import ResponseStore
 
     journal = tmp_path / "journal.sqlite3"
     bound = 40_000
