@@ -199,7 +199,7 @@ class Cluster:
         self._dropping: set[str] = set()  # copies being closed here, their lease kept
         self.directory = None  # the stateless conversations' (server/durable/directory.py)
         journal.fence = self.leases.fence
-        engine.listeners.append(self._on_event)
+        engine.subscribe(self._on_event)
 
     def start(self, url: str) -> None:
         self.leases.start(url)
@@ -351,12 +351,7 @@ class Cluster:
             return
         finally:
             self._dropping.discard(sid)
-
-        def settled():
-            return
-            yield
-
-        eng.scheduler.submit(settled(), key=sid).done.wait(timeout=30)
+        eng.settle(sid)
 
     def _give_up(self, sids: list[str]) -> None:
         for sid in sids:

@@ -110,7 +110,7 @@ class Journal:
     def attach(self, engine) -> None:
         """Journal every session of `engine`: its store calls `created`, `committed` and
         `closing` before each change."""
-        engine.sessions.durable = self
+        engine.write_ahead(self)
 
     # -- meta ------------------------------------------------------------------------------
     def check_model(self, model: str) -> str | None:

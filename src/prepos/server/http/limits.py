@@ -104,7 +104,7 @@ class Limits:
                            f"{self.max_input_tokens} tokens per request", what)
 
     def backpressure(self, engine, step_seconds: float) -> None:
-        fg, _ = engine.scheduler.queue_lengths()
+        fg, _ = engine.queue_lengths()
         if fg >= self.max_queue:
             wait = max(1, math.ceil(fg * step_seconds))
             raise ApiError(429, "overloaded",

@@ -83,7 +83,7 @@ class Places:
             return
         self.session_cap = cap = min(lim.max_sessions, held - max(1, held // 8))
         log.warning("the %s back end holds the KV of %d sessions: at most %d persistent "
-                    "sessions, the rest for stateless requests", engine.backend.name, held, cap)
+                    "sessions, the rest for stateless requests", engine.backend_name, held, cap)
 
     def check_new_session(self, engine: Engine, owner: str | None) -> None:
         """A 429 at the server's or the key's session limit, once no Responses chain session

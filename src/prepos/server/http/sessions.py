@@ -83,9 +83,9 @@ async def create_session(request: Request):
                        f"{lim.max_tokens}], got {body.push_max_tokens}", "push_max_tokens")
     answer_tokens, answer_stop = _answer_budget(body, lim.max_tokens)
     cells = body.budget_cells
-    if cells is not None and not 1 <= cells <= eng.pool.engine_cells:
+    if cells is not None and not 1 <= cells <= eng.engine_cells:
         raise ApiError(400, "invalid_input", f"budget_cells must be in [1, "
-                       f"{eng.pool.engine_cells}] (the engine's KV budget), got {cells}",
+                       f"{eng.engine_cells}] (the engine's KV budget), got {cells}",
                        "budget_cells")
     if body.tools and body.kind != AGENTIC:
         raise ApiError(409, "wrong_session_kind", "tools belong to agentic sessions; a "
@@ -164,10 +164,10 @@ def _prepared(eng, s) -> dict:
     comes before its next update (what its idle work goes by)."""
     snap, ready = s.current()
     answers = [ready.answer(k) for k in list(ready.records)]
-    return {"kv": eng.pool.tier(s.id),
+    return {"kv": eng.kv_tier(s.id),
             "prepared": ready.valid and ready.done and ready.version == snap.version,
             "predecoded_tokens": sum(len(a.tokens) for a in answers if a is not None),
-            "hit": round(eng.prepositioner.worth(s), 4)}
+            "hit": round(eng.hit_rate(s.id), 4)}
 
 
 @routes.add("GET", "/sessions", 50, summary="List the caller's sessions",

@@ -135,7 +135,7 @@ class Hub:
     def attach(self, engine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self.loop = loop
-        engine.listeners.append(self._listener)
+        engine.subscribe(self._listener)
 
     # -- engine side (model worker or request threads): hand off, nothing more ---------------
     def _listener(self, name: str, s, payload) -> None:

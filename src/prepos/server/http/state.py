@@ -154,7 +154,7 @@ class ServerState:
         try:
             engine = self._factory(self.config)
             self.places.cap(engine)
-            engine.observers.append(self.metrics.observe)
+            engine.observe(self.metrics.observe)
             if self.config.journal is not None:
                 self.journal = Journal(self.config.journal, engine.config.max_versions,
                                        metrics=self.metrics,

@@ -22,7 +22,7 @@ def logit_bias(engine, raw: dict | None) -> tuple[tuple[int, float], ...]:
     to a bias in [-100, 100]."""
     if not raw:
         return ()
-    vocab = engine.backend.vocab_size
+    vocab = engine.vocab_size
     out, bad_keys, bad_values = [], [], []
     for key, bias in raw.items():
         try:
@@ -73,8 +73,8 @@ def check_common(state, body: OpenAISampling) -> None:
         if v is not None and not -2.0 <= v <= 2.0:
             raise ApiError(400, "invalid_request", f"{name} must be in [-2, 2], got {v}", name)
     shaped = body.logit_bias or body.presence_penalty or body.frequency_penalty
-    if shaped and state.engine.backend.streams_answers:
-        raise ApiError(400, "unsupported", f"the {state.engine.backend.name} back end samples "
+    if shaped and state.engine.streams_answers:
+        raise ApiError(400, "unsupported", f"the {state.engine.backend_name} back end samples "
                        "on the remote engine: logit_bias and penalties are not supported there",
                        "logit_bias" if body.logit_bias else "presence_penalty")
     if body.stop is not None and not isinstance(body.stop, str) and len(body.stop) > 4:
@@ -121,11 +121,10 @@ def response_format(state, body: ChatCompletion) -> str | None:
         raise ApiError(400, "invalid_request", str(exc), "response_format") from None
     if fmt is None:
         return None
-    backend = state.engine.backend
-    if backend.streams_answers or not backend.full_distribution:
-        raise ApiError(400, "unsupported", f"the {backend.name} back end samples answers on "
-                       "the remote engine: response_format (constrained decoding) is not "
-                       "supported there", "response_format")
+    if not state.engine.samples_in_process:
+        raise ApiError(400, "unsupported", f"the {state.engine.backend_name} back end samples "
+                       "answers on the remote engine: response_format (constrained decoding) "
+                       "is not supported there", "response_format")
     if body.tool_choice not in (None, "auto", "none"):  # checked by name in `tool_choice`
         raise ApiError(400, "invalid_request", f"response_format constrains the answer's text: "
                        f"tool_choice must be 'auto' or 'none', got {body.tool_choice!r}",
@@ -228,7 +227,7 @@ def completion_input(state, body: Completion) -> tuple[list[str | list[int]],
     if not prompts or len(prompts) > MAX_N:
         raise ApiError(400, "invalid_request", f"prompt must be a string, a list of token ids, "
                        f"or a list of 1 to {MAX_N} of those", "prompt")
-    vocab = state.engine.backend.vocab_size
+    vocab = state.engine.vocab_size
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):

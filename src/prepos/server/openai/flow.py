@@ -72,7 +72,7 @@ class ChatCall:
     @staticmethod
     def constrains(eng) -> bool:
         """Whether the back end samples in process, so a grammar can constrain a call."""
-        return not eng.backend.streams_answers and eng.backend.full_distribution
+        return eng.samples_in_process
 
     def _constrained(self, eng, msgs: list[dict], tools: list[dict]) -> bool:
         """tool_choice 'required' or named, where the back end samples in process: the
@@ -84,7 +84,7 @@ class ChatCall:
                                            parallel=self.body.parallel_tool_calls is not False)
         self.sampling = replace(self.sampling, grammar=grammar)
         try:  # compiled now: a call this model's vocabulary cannot write is refused by name
-            eng.answers.grammars.check(self.sampling)
+            eng.check_grammar(self.sampling)
         except InvalidResponseFormat as exc:
             raise ApiError(400, "unsupported", f"{exc}: tool_choice must be 'auto' or 'none'",
                            "tool_choice") from None
@@ -269,7 +269,7 @@ class ChatCall:
                 bias = dict(self.sampling.logit_bias)
                 bias[ids[0]] = -100.0
                 return replace(self.sampling, logit_bias=tuple(bias.items()))
-        raise ApiError(400, "unsupported", f"the {eng.backend.name} back end samples "
+        raise ApiError(400, "unsupported", f"the {eng.backend_name} back end samples "
                        "itself, so a forced call cannot be constrained on a session: "
                        "tool_choice must be 'auto' or 'none' ('required' and named "
                        "functions work statelessly)", "tool_choice")

@@ -83,7 +83,7 @@ class ResponsesApi:
                                    ttl=config.responses_ttl)
         self.conversations = ConversationStore(target, max_bytes=config.responses_bytes)
         self.chains = state.places.chains
-        eng.listeners.append(self._on_event)
+        eng.subscribe(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
             if eng.has_session(sid) and eng.session(sid).spec.owner == owner:
                 self.chains.keep(sid, owner)
