@@ -15,8 +15,10 @@ from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, Result, SamplingParams
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
+from prepos.engine import conversation
 from prepos.engine.admission import Room, check_request, check_session, one_turn, prompt_ids
 from prepos.engine.answers import Answers
+from prepos.engine.conversation import ChatPlan
 from prepos.engine.loading import load_parts
 from prepos.engine.logits import answers_from, keeps_top
 from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
@@ -343,6 +345,16 @@ class Engine(EngineView):
         task.done.wait()
         if err:
             raise err[0]
+
+    # == a conversation sent whole (engine/conversation.py) ================================
+    def plan_chat(self, sid: str, messages: list[dict], rollback: bool = False) -> ChatPlan:
+        """Where a whole conversation meets agentic session `sid`, before anything changes:
+        ConversationError where it diverges (unless `rollback`) or is out of order."""
+        return conversation.plan(self, sid, messages, rollback)
+
+    def chat(self, plan: ChatPlan, req: Request = DEFAULT) -> Stream:
+        """Commit what `plan` says the session lacks, then answer (a turn or a tool result)."""
+        return conversation.carry_out(self, plan, req)
 
     # == wiring ============================================================================
     def subscribe(self, listener: Callable[[str, Session, object], None]) -> None:

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from starlette.responses import Response
 
-from prepos.chat.conversation import check_order, resume
+from prepos.chat.conversation import check_order
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
@@ -279,58 +279,19 @@ class ChatCall:
         """Delta-only: commit what the session lacks, then answer. `public`: the answer
         names the session (not an implicit one); `cleanup(stream)` runs once it is out."""
         self.sampling = sampling = self._session_sampling(eng, s, msgs)
-        snap = eng.snapshot(s.id)
-        rollback = self.body.on_divergence == "rollback"
-        r = resume(s.id, snap.version, snap.messages, msgs,
-                   (lambda: eng.versions(s.id)) if rollback else None)
-        target, held, delta = r.rollback_to, r.held, r.delta
-        check_order(r.sent, delta, len(held))
+        plan = eng.plan_chat(s.id, msgs, rollback=self.body.on_divergence == "rollback")
         req = self._req(sampling, self.body.fast_path)
         tools = bool(s.spec.tools) and self.choice != "none"
-        if target is None and not delta and (
+        if plan.commits_nothing and (
                 self.state.will_be_fast(eng, s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
                 or self.body.stream and eng.serves_exact(s.id, TURN, req)):
-            stream = await self.state.committing(eng.turn, s.id, None, req)
-            return await self._respond([stream], s.id if public else None, agentic=True,
-                                       tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))
-        self.state.backpressure(eng)
-
-        def start():
-            if target is not None or len(delta) > 1:
-                self._check_fits(eng, s, held + delta)
-            if target is not None:
-                eng.rollback(s.id, target, wait=False)
-            last = delta[-1] if delta else None
-            if last is not None and last["role"] not in ("user", "tool"):
-                last = None  # a system message alone: committed, then the turn
-            for m in delta[:-1] if last is not None else delta:
-                eng.add_message(s.id, m["role"], m["content"], m.get("tool_calls"), wait=False)
-            if last is None:
-                return eng.turn(s.id, None, req)
-            if last["role"] == "tool":
-                return eng.tool_result(s.id, last["content"], req)
-            return eng.turn(s.id, last["content"], req)
-
-        stream = await self.state.run(start)
+            stream = await self.state.committing(eng.chat, plan, req)
+        else:
+            self.state.backpressure(eng)
+            stream = await self.state.run(eng.chat, plan, req)
         return await self._respond([stream], s.id if public else None, agentic=True,
                                    tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))
-
-    def _check_fits(self, eng, s, msgs: list[dict]) -> None:
-        """A multi-message delta is committed message by message: check the whole of it
-        fits before the first, so a refusal leaves the session unchanged."""
-        try:
-            text = eng.fmt.render(msgs, s.spec.tools, generation_prompt=True)
-        except InvalidInput as exc:
-            raise ApiError(400, "invalid_input", str(exc), "messages") from None
-        n = len(eng.fmt.encode(text))
-        room = min(eng.max_context, s.budget(eng.config.budget.session_cells))
-        answer = 1 if self.sampling.fit_context else self.sampling.max_tokens
-        need = n + max(answer, eng.config.reserve_tokens)
-        if need > room:
-            raise ApiError(400, "context_length_exceeded", f"the conversation is {n} tokens; "
-                           f"with max_tokens {self.sampling.max_tokens} it needs {need} of the "
-                           f"{room} this session can hold", "messages")
 
 
 def prompt_text(eng, prompt: str | list[int], where: str) -> str:
