@@ -205,7 +205,6 @@ class Engine(EngineView):
     def _ingest(self, s: Session, snap: Snapshot):
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
-            self.room.make(s, snap.tokens)
             yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
