@@ -125,7 +125,7 @@ class Room:
         check_room(prompt_len, sampling, self.max_context, budget)
         return sampling
 
-    def admit(self, s: Session, n: int) -> None:
+    def check_commit(self, s: Session, n: int) -> None:
         """`s` may commit `n` tokens: committed state across all sessions fits the pool (an
         implicit session's counts for nothing: its KV is reclaimable whole)."""
         if s.spec.implicit:

@@ -115,7 +115,7 @@ class Engine(EngineView):
         c = self.config
         self.pool.claim(sid, spec.owner)
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
-                    c.reserve_tokens, history, admit=self.room.admit,
+                    c.reserve_tokens, history, check_commit=self.room.check_commit,
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s)
         self._emit("create", s, s.snap)
