@@ -244,9 +244,9 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
 def lookup_cost(sizes: tuple[int, ...], lookups: int) -> dict:
     from prepos.config import EngineConfig
     from prepos.engine import Engine
+    from prepos.engine.implicit import ImplicitSessions
     from prepos.engine.session import SessionSpec
     from prepos.paths import DEFAULT_MODEL
-    from prepos.server.openai.implicit import ImplicitSessions
 
     eng = Engine.from_pretrained(DEFAULT_MODEL, EngineConfig(preposition=False, threads=1))
     out = {}

@@ -2,7 +2,7 @@
 
 A stock client names no session, so a router in front of several nodes cannot know which
 node holds its conversation. Each node publishes its kept conversations
-(`server/openai/implicit.py`) in the shared store: the conversation's hash (the chain hash
+(`engine/implicit.py`) in the shared store: the conversation's hash (the chain hash
 of API key, tools and messages) and the node keeping it, written by one writer thread, off
 the request. A stateless chat request that no kept conversation of this node extends looks
 up the hashes of its message prefixes there (one query) and, where a live other node keeps
@@ -25,9 +25,9 @@ import threading
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from prepos.engine.implicit import conversation_keys
 from prepos.server.durable.forwarding import FORWARDED, HOP
 from prepos.server.durable.store import Database
-from prepos.server.openai.implicit import conversation_keys
 
 log = logging.getLogger("prepos.server.durable.directory")
 

@@ -13,13 +13,13 @@ from typing import TypeVar
 
 from prepos.decode.stream import Stream
 from prepos.engine import Engine
+from prepos.engine.implicit import ImplicitSessions
 from prepos.engine.session import SessionSpec
 from prepos.errors import PreposError, TooManySessions
 from prepos.server.durable.journal import EPHEMERAL, is_ephemeral
 from prepos.server.http.errors import ApiError
 from prepos.server.http.limits import Limits
 from prepos.server.http.metrics import Metrics
-from prepos.server.openai.implicit import ImplicitSessions
 
 log = logging.getLogger("prepos.server")
 T = TypeVar("T")

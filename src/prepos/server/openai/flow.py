@@ -1,7 +1,7 @@
 """Which engine calls answer an OpenAI request, once its input is checked.
 
 Chat: stateless (one choice on the implicit session the conversation extends, or a new one
-kept for its next turn, `server/openai/implicit.py`, a constrained forced call included; several
+kept for its next turn, `engine/implicit.py`, a constrained forced call included; several
 choices, a continued assistant message, or a forced call a back end cannot constrain, on
 ephemeral sessions closed after the answer), a streaming session's
 query (one user message), or an agentic session's turn:
@@ -146,7 +146,7 @@ class ChatCall:
     async def implicit(self, eng, owner, system: str | None, msgs: list[dict],
                        tools: list[dict]) -> Response:
         """A stateless conversation on the implicit session it extends, or on a new one kept
-        for its next turn (`server/openai/implicit.py`): the delta only, as on a named session."""
+        for its next turn (`engine/implicit.py`): the delta only, as on a named session."""
         state = self.state
         sid = state.places.implicit.find(eng, owner, tools, msgs)
         if sid is None:

@@ -2,7 +2,7 @@
 /v1/models/{id}.
 
 Without `session_id` a request is stateless: answered as its messages ask, a chat
-conversation kept for its next turn and found again by its content (`server/openai/implicit.py`),
+conversation kept for its next turn and found again by its content (`engine/implicit.py`),
 a completion on a session closed after it. A `session_id` (or `x-session-id`) that names no
 session of the caller's key is the client's name for its conversation: accepted, and answered
 statelessly the same way (the name keeps a router sending the conversation to one node; an
