@@ -191,14 +191,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--implicit-memory", type=size, default=ServerConfig.implicit_memory,
                    help="bytes of bookkeeping (tokens, text, messages; their KV is the "
                    "tiers') for stateless chat conversations kept as implicit sessions, so a "
-                   "stock client's next turn pays only its new messages; a kept one whose KV "
-                   "the tiers dropped is closed (K/M/G; 0: none kept; default 1G)")
+                   "stock client's next turn pays only its new messages, and as many for "
+                   "stored Responses API chains; a kept one whose KV the tiers dropped is "
+                   "closed (K/M/G; 0: none kept; default 1G)")
     p.add_argument("--implicit-sessions", type=int, default=None,
                    help="at most this many implicit sessions too (default: no count, only "
                    "--implicit-memory; 0: none kept)")
     p.add_argument("--response-sessions", type=int, default=ServerConfig.response_sessions,
-                   help="stored Responses API chains kept as sessions, least recently used "
-                   "closed first (their responses stay stored; 0: none; default %(default)s)")
+                   help="at most this many stored Responses API chains kept as sessions too, "
+                   "least recently used closed first (their responses stay stored; default: "
+                   "no count, only --implicit-memory; 0: none kept)")
     p.add_argument("--responses-bytes", type=size, default=ServerConfig.responses_bytes,
                    help="bytes of stored responses per API key, the oldest evicted first, "
                    "and as many of conversations (K/M/G suffixes; default 256M)")

@@ -31,7 +31,7 @@ class Places:
 
     def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
                  run: Callable, implicit_memory: int, implicit_sessions: int | None,
-                 response_sessions: int):
+                 response_sessions: int | None):
         self.limits, self.metrics, self.loaded, self.run = limits, metrics, loaded, run
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
@@ -39,9 +39,11 @@ class Places:
                                          implicit_sessions,
                                          lambda outcome: metrics.implicit.labels(
                                              outcome).inc())
-        # Responses chain sessions (`responses_api.py`): persistent, but kept on a client's
-        # behalf, so they give way to any other session at a limit
-        self.chains = ImplicitSessions(loaded, self._close_chain, None, response_sessions)
+        # Responses chain sessions (`openai/responses.py`): persistent, but kept on a client's
+        # behalf, so they give way to any other session at a limit; kept by memory as the
+        # implicit ones are (their own bytes, the same bound), a count only where one is given
+        self.chains = ImplicitSessions(loaded, self._close_chain, implicit_memory,
+                                       response_sessions)
 
     def persistent_sessions(self, engine: Engine) -> int:
         return self._held(engine)

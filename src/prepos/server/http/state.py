@@ -76,7 +76,7 @@ class ServerConfig:
     # their KV is the tiers'), and at most this many (None: no count)
     implicit_memory: int = 1 << 30
     implicit_sessions: int | None = None
-    response_sessions: int = 64  # stored response chains kept as sessions (0: none)
+    response_sessions: int | None = None  # and at most this many chains (0: none kept)
     responses_bytes: int = responses_store.MAX_BYTES  # stored responses' bytes per key
     responses_ttl: float = responses_store.TTL_S  # seconds a stored response is kept
     idempotency_ttl: float = idempotency.TTL_S  # seconds an Idempotency-Key's result is kept

@@ -18,9 +18,10 @@ replaces (`responses_format.py`):
   `previous_response_id` (the Agents SDK's default) continues it the same way. A
   conversation that extends none (a first response, a fork from an older response of a
   chain, other instructions) starts a new chain session holding it, its KV shared through
-  the prefix index with the sessions it has in common. At most `--response-sessions` are
-  kept, least recently used closed first: a closed one's responses stay stored and are
-  continued on a new session.
+  the prefix index with the sessions it has in common. Chain sessions are kept as implicit
+  ones are, by memory (while a tier holds their KV, within `--implicit-memory`; a count only
+  with `--response-sessions`), least recently used closed first: a closed one's responses
+  stay stored and are continued on a new session.
 - `store: false`: the stateless chat path, on an implicit session; nothing is kept by id
   (a conversation's turn is added all the same).
 - a forced tool call (`tool_choice` required or a function) is constrained by its grammar
