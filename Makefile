@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 # built llama.cpp wheels and binaries live outside the clone, so a fresh clone reuses them
 LLAMA_CACHE ?= $(HOME)/.cache/prepos-llama-cpp
 
-.PHONY: install test demo serve bench simulate llama-cpp llama-server clean
+.PHONY: install test demo serve bench results simulate llama-cpp llama-server clean
 
 $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ simulate: install
 
 bench: install
 	$(BIN)/prepos bench
+
+# docs/RESULTS.md from results/ (each section whose benchmark ran) and benchmarks/findings.md
+results: install
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -66,9 +66,9 @@ from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
 from prepos.engine.session import SessionSpec  # noqa: E402
 from prepos.lab.retrying import new_key, retrying  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
-from prepos.server.journal import Journal  # noqa: E402
-from prepos.server.lease import LeaseConfig, Leases  # noqa: E402
-from prepos.server.store import Database  # noqa: E402
+from prepos.server.durable.journal import Journal  # noqa: E402
+from prepos.server.durable.lease import LeaseConfig, Leases  # noqa: E402
+from prepos.server.durable.store import Database  # noqa: E402
 
 TAKEOVER = re.compile(r"takeover (\S+) at ([0-9.]+): (.*)")
 

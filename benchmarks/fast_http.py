@@ -1,7 +1,7 @@
 """The exact fast path over HTTP against the floor of the server it runs on.
 
 One server process, `prepos serve`'s own (its uvicorn settings: the guarded h11 protocol of
-server/guard.py, the event loop uvicorn picks, the same limits and timeouts), serves four
+server/http/guard.py, the event loop uvicorn picks, the same limits and timeouts), serves four
 endpoints side by side:
 
 - fast: prepos's exact fast path, a streaming session's standing query asked with
@@ -119,7 +119,7 @@ def around(app):
 
 
 def serve(argv: list[str]) -> int:
-    from prepos.server.app import main
+    from prepos.server.http.app import main
 
     return main(argv, around=around)
 
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {
         "benchmark": "fast_http", "machine": machine(),
         "model": str(args.model or "prepos serve's default"), "backend": args.backend,
-        "server": "prepos serve's uvicorn settings: h11 with server/guard.py, loop "
+        "server": "prepos serve's uvicorn settings: h11 with server/http/guard.py, loop "
                   f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'} (auto)",
         "client": "http.client, one keep-alive connection per endpoint, loopback",
         "series_count": args.series, "requests": args.requests, "warmup": args.warmup,

@@ -54,10 +54,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine, summarize, write  # noqa: E402
 from many_sessions import long_system_prompt  # noqa: E402
 from stock_clients import metrics, resolve, start_prepos, stop  # noqa: E402
 
+from common import RESULTS, machine, summarize, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 
 KEY = "stock-client"  # stock_clients.start_prepos's first key
@@ -244,9 +244,9 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
 def lookup_cost(sizes: tuple[int, ...], lookups: int) -> dict:
     from prepos.config import EngineConfig
     from prepos.engine import Engine
+    from prepos.engine.implicit import ImplicitSessions
     from prepos.engine.session import SessionSpec
     from prepos.paths import DEFAULT_MODEL
-    from prepos.server.implicit import ImplicitSessions
 
     eng = Engine.from_pretrained(DEFAULT_MODEL, EngineConfig(preposition=False, threads=1))
     out = {}
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prepos.chat.format import ChatFormat
     from prepos.engine.loading import load_tokenizer, resolve_model
-    from prepos.server.options import size
+    from prepos.server.http.options import size
 
     ram = size(args.kv_ram)
     served, gguf, label = resolve(args.model)

@@ -39,10 +39,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine, write  # noqa: E402
 from many_conversations import KEY, ask, llama_arm, run_arm, system_prompt  # noqa: E402
 from stock_clients import resolve, start_prepos, stop  # noqa: E402
 
+from common import RESULTS, machine, write  # noqa: E402
 from prepos.backends.llama_server import find_binary  # noqa: E402
 
 MODES = ("header", "prompt_cache_key", "conversations")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prepos.chat.format import ChatFormat
     from prepos.engine.loading import load_tokenizer, resolve_model
-    from prepos.server.options import size
+    from prepos.server.http.options import size
 
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)

@@ -42,9 +42,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine, write  # noqa: E402
 from stock_clients import KEYS, resolve, start_prepos, stop  # noqa: E402
 
+from common import RESULTS, machine, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 
 KEY = KEYS["prepos"]

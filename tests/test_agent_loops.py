@@ -250,7 +250,7 @@ def test_required_with_parallel_calls_lets_the_model_call_again_or_end(family, m
     from prepos.chat.format import ChatFormat
     from prepos.core import SamplingParams
     from prepos.decode.structured import Grammars
-    from prepos.server.openai_checks import forced_call
+    from prepos.server.openai.checks import forced_call
 
     fmt = ChatFormat(AutoTokenizer.from_pretrained(str(model_dirs[family])))
     grammars = Grammars(fmt)
@@ -475,8 +475,8 @@ def test_a_back_end_without_grammars_continues_the_call_unconstrained(model_dirs
     from prepos.core import Request, SamplingParams
     from prepos.engine.admission import check_request
     from prepos.errors import InvalidSampling
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     app = create_app(ServerConfig(model=model_dirs["chatml"],
                                   engine=EngineConfig(backend="torch", threads=2)))

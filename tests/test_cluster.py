@@ -28,8 +28,8 @@ from cluster_harness import Postgres, Router, SessionClients, missing_postgres, 
 from server_harness import ServerProc
 
 from prepos.paths import DEFAULT_MODEL
-from prepos.server.journal import Journal
-from prepos.server.store import Database
+from prepos.server.durable.journal import Journal
+from prepos.server.durable.store import Database
 
 LEASE, RENEW = 2.0, 0.5
 STREAMING, AGENTIC = ["st-0", "st-1", "st-2"], ["ag-0", "ag-1", "ag-2"]

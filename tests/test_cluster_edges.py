@@ -21,9 +21,9 @@ import pytest
 from cluster_harness import Postgres, missing_postgres
 from server_harness import ServerProc
 
-from prepos.server.auth import owner_id, scoped
-from prepos.server.lease import LeaseConfig, Leases
-from prepos.server.store import Database
+from prepos.server.durable.lease import LeaseConfig, Leases
+from prepos.server.durable.store import Database
+from prepos.server.http.auth import owner_id, scoped
 
 K1, K2 = "key-one", "key-two"
 SID = "edge-0"

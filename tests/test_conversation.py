@@ -16,7 +16,7 @@ from prepos.chat.conversation import (
     session_messages,
 )
 from prepos.chat.format import normalize_tool_call, without_ids
-from prepos.server.schemas import ChatMessage
+from prepos.server.http.schemas import ChatMessage
 
 
 def test_conversation_matching():

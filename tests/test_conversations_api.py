@@ -17,8 +17,8 @@ import pytest
 from openai_helpers import ext, held, openai_client
 from server_harness import ServerProc, sse_events
 
-from prepos.server.conversation_store import ConversationStore
-from prepos.server.errors import ApiError
+from prepos.server.durable.conversation_store import ConversationStore
+from prepos.server.http.errors import ApiError
 
 INSTR = "You are a market analyst. Answer in one word."
 KEYS = ("key-a", "key-b")

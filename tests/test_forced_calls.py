@@ -20,8 +20,8 @@ import pytest
 from prepos.chat.format import ChatFormat
 from prepos.core import Result, SamplingParams
 from prepos.decode.structured import Grammars
-from prepos.server.openai_checks import forced_call
-from prepos.server.openai_format import message
+from prepos.server.openai.checks import forced_call
+from prepos.server.openai.format import message
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "trend-reader"
 PRICE = {"type": "function", "function": {"name": "get_price", "parameters": {
@@ -195,8 +195,8 @@ def client():
     from starlette.testclient import TestClient
 
     from prepos.config import EngineConfig
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     app = create_app(ServerConfig(model=BUNDLED, engine=EngineConfig(threads=2)))
     with TestClient(app) as c:

@@ -24,8 +24,8 @@ from cluster_harness import Postgres, missing_postgres
 from server_harness import ServerProc, sse_events
 
 from helpers import hold_worker
-from prepos.server.idempotency import Attempt, Records
-from prepos.server.store import Database
+from prepos.server.durable.idempotency import Attempt, Records
+from prepos.server.durable.store import Database
 
 KEY_A, KEY_B = "key-a", "key-b"
 KEYS = ["--api-key", KEY_A, "--api-key", KEY_B]
@@ -256,8 +256,8 @@ def _until(condition, what: str, timeout: float = 60.0) -> None:
 
 
 def test_a_retry_while_the_first_attempt_runs_waits_for_it(model_dirs, tmp_path):
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     app = create_app(ServerConfig(model=model_dirs["chatml"], journal=tmp_path / "j.sqlite3"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -250,7 +250,7 @@ def test_kept_conversations_are_bounded_by_their_memory(model_dirs, tmp_path):
 def test_a_conversation_is_found_by_its_hash_not_by_a_scan(make_engine, monkeypatch):
     """Finding a conversation checks one kept session, however many the key has, and never
     one of another key's."""
-    import prepos.server.implicit as implicit
+    import prepos.engine.implicit as implicit
     from prepos.engine.session import SessionSpec
 
     eng = make_engine(preposition=False)

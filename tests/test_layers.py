@@ -153,3 +153,41 @@ def test_the_architecture_doc_names_every_module_within_300_lines():
 
 def test_no_source_file_over_450_lines():
     assert [m for m, f in modules().items() if len(f.read_text().splitlines()) > 450] == []
+
+
+def test_the_server_reaches_the_engine_not_what_runs_under_it():
+    """server/ uses the engine, the streams it returns, the chat formats and the leaf; never
+    the worker, the gate or a back end directly."""
+    below = {m for rooms in LAYERS[LAYERS.index(("engine",)) + 1:] for m in rooms} - {"leaf"}
+    allowed = {"prepos.decode.stream"} | {m for m in graph() if room(m) == "chat"}
+    reached = {b for a, targets in graph().items() if room(a) == "server" for b in targets
+               if room(b) in below and b not in allowed}
+    assert reached == set()
+
+
+def engine_reads(root: Path = SRC / "server") -> dict[str, list[str]]:
+    """Every attribute server/ reads off an engine (`eng.x`, `engine.x`, `<...>.engine.x`),
+    with where."""
+    found: dict[str, list[str]] = {}
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value
+            if (isinstance(v, ast.Name) and v.id in ("eng", "engine")) or \
+                    (isinstance(v, ast.Attribute) and v.attr == "engine"):
+                found.setdefault(node.attr, []).append(f"{f.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def test_the_server_reads_the_engine_through_its_public_api_only():
+    """The engine's methods and properties (`Engine`, its read-only `EngineView`) and the
+    plain fields `prepos.engine.view.FIELDS`: never the scheduler, the KV pool, the
+    pre-positioner or the back end behind them."""
+    from prepos.engine import Engine
+    from prepos.engine.view import FIELDS
+
+    public = {n for cls in Engine.__mro__ for n in vars(cls) if not n.startswith("_")}
+    reads = engine_reads()
+    assert "snapshot" in reads and "turn" in reads  # the scan sees what it looks for
+    assert {n: at for n, at in reads.items() if n not in public | set(FIELDS)} == {}

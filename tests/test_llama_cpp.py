@@ -209,9 +209,9 @@ def test_the_server_serves_more_sessions_than_the_back_end_holds(model_dirs):
     KV moving down a tier and back), and still answers stateless requests."""
     from fastapi.testclient import TestClient
 
-    from prepos.server.app import create_app
-    from prepos.server.limits import Limits
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.limits import Limits
+    from prepos.server.http.state import ServerConfig
 
     cfg = EngineConfig(backend="llama.cpp", max_sequences=8, threads=2,
                        gate=GateConfig(tau=0.0, answers=()))

@@ -9,7 +9,7 @@ from helpers import cold_logits, greedy_agrees, tolerance
 from prepos.config import EngineConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.decode.lookup import Lookup, NgramIndex, accepted
-from prepos.server.metrics import Metrics
+from prepos.server.http.metrics import Metrics
 from prepos.worker.sequence import Forward, KVSequence, run_forwards
 
 REPEAT = "the cat sat on the mat " * 3  # a context the tiny models continue by repeating

@@ -19,8 +19,8 @@ from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 from server_harness import ServerProc, sse_events
 
-from prepos.server.app import create_app
-from prepos.server.state import ServerConfig
+from prepos.server.http.app import create_app
+from prepos.server.http.state import ServerConfig
 
 SYSTEM = "Live price feed. Answer in one word."
 Q = "Which way is ACME moving?"

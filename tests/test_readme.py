@@ -48,7 +48,7 @@ def test_example_runs_as_written():
 
 
 def test_every_serve_option_is_in_the_readme():
-    from prepos.server.options import parser
+    from prepos.server.http.options import parser
 
     flags = [f for a in parser()._actions for f in a.option_strings
              if f.startswith("--") and f != "--help"]

@@ -115,7 +115,7 @@ def test_the_window_forgets_old_evidence():
 
 
 def test_cold_start_the_default_serves_nothing_until_promoted():
-    from prepos.server.options import config_from_args, parse_args
+    from prepos.server.http.options import config_from_args, parse_args
 
     assert config_from_args(parse_args(["--journal", "none"])).engine.relaxed.start == "cold"
     gate = ClassGate(RelaxedConfig(min_verified=24))

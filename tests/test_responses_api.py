@@ -348,7 +348,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
 
     from prepos.chat.tool_formats import PREPOS
     from prepos.errors import PreposError
-    from prepos.server.responses_format import Reply
+    from prepos.server.openai.responses_format import Reply
 
     class Failing:
         done = False
@@ -520,7 +520,7 @@ def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(mod
     stay within the bound, and a chain whose first response went still continues from its
     whole conversation: the evicted one's messages are kept once, by reference, never
     copied into the responses that continue it."""
-    from prepos.server.responses_store import ResponseStore
+    from prepos.server.durable.responses_store import ResponseStore
 
     journal = tmp_path / "journal.sqlite3"
     bound = 40_000
@@ -565,3 +565,19 @@ def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(mod
         store = read()
         used, live = store.used(None)
         assert used <= bound and store.get(None, others[0].id) is None
+
+
+def test_chain_sessions_are_kept_by_memory_not_by_a_count(model_dirs, tmp_path):
+    """With no count given, more stored conversations than the count that used to bound them
+    (64), asked round robin, are each continued on the session that answered their first
+    turn (under a count, LRU over a round robin larger than it would keep none)."""
+    srv = ServerProc(model_dirs["chatml"], tmp_path, journal=tmp_path / "journal.sqlite3")
+    model = model_dirs["chatml"].name
+    with srv, sdk(srv, "unused") as c:
+        first = [c.responses.create(model=model, input=f"Conversation {i}?", instructions=INSTR,
+                                    max_output_tokens=1) for i in range(70)]
+        later = [c.responses.create(model=model, input="And then?", instructions=INSTR,
+                                    previous_response_id=r.id, max_output_tokens=1)
+                 for r in first]
+        assert [ext(r)["session_id"] for r in later] == [ext(r)["session_id"] for r in first]
+        assert all(r.usage.input_tokens_details.cached_tokens > 0 for r in later)

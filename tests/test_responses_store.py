@@ -10,8 +10,8 @@ import json
 import pytest
 from cluster_harness import Postgres, missing_postgres
 
-from prepos.server.responses_store import ResponseStore, Stored
-from prepos.server.store import Database
+from prepos.server.durable.responses_store import ResponseStore, Stored
+from prepos.server.durable.store import Database
 
 NO_PG = missing_postgres()
 

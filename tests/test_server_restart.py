@@ -110,8 +110,8 @@ def test_sessions_survive_a_crash_and_restarts(model_dirs, tmp_path):
 
 def test_health_is_503_while_loading(model_dirs):
     from prepos.engine import Engine
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     gate = threading.Event()
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepos.chat.tool_formats import safe_prefix
-from prepos.server.errors import ApiError
-from prepos.server.journal import Journal, apply, diff
-from prepos.server.limits import Limits
+from prepos.server.durable.journal import Journal, apply, diff
+from prepos.server.http.errors import ApiError
+from prepos.server.http.limits import Limits
 
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
                                            "content": st.sampled_from(list("abcde"))}),
@@ -117,8 +117,8 @@ def test_limits():
 
 
 def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
-    from prepos.server.app import main
-    from prepos.server.options import config_from_args, parse_args
+    from prepos.server.http.app import main
+    from prepos.server.http.options import config_from_args, parse_args
 
     cfg = config_from_args(parse_args(["--lookup-tokens", "0", "--relaxed-start", "serve",
                                        "--relaxed-r-max", "0.1", "--lookup-said-tokens", "64",
@@ -148,7 +148,7 @@ def test_default_threads_count_each_physical_core_once(monkeypatch):
     from pathlib import Path
 
     from prepos import config
-    from prepos.server.options import parse_args
+    from prepos.server.http.options import parse_args
 
     siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})

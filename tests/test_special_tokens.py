@@ -116,8 +116,8 @@ def plain_client(tmp_path_factory):
     from starlette.testclient import TestClient
 
     from prepos.lab.tiny import build_model
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     model = build_model(tmp_path_factory.mktemp("plain") / "plain-llama", "plain", "llama",
                         seed=1)

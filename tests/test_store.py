@@ -14,10 +14,10 @@ import pytest
 from cluster_harness import Postgres, missing_postgres
 
 from prepos.engine.session import SessionSpec
-from prepos.server.journal import Journal
-from prepos.server.lease import LeaseConfig, LeaseLost, Leases
-from prepos.server.responses_store import ResponseStore, Stored
-from prepos.server.store import MIGRATIONS, Database, StoreUnavailable, redacted
+from prepos.server.durable.journal import Journal
+from prepos.server.durable.lease import LeaseConfig, LeaseLost, Leases
+from prepos.server.durable.responses_store import ResponseStore, Stored
+from prepos.server.durable.store import MIGRATIONS, Database, StoreUnavailable, redacted
 
 NO_PG = missing_postgres()
 

@@ -27,8 +27,8 @@ from helpers import hold_worker
 from prepos.core import Request, SamplingParams
 from prepos.engine.session import TURN
 from prepos.errors import SessionBusy
-from prepos.server.journal import Journal
-from prepos.server.store import StoreUnavailable
+from prepos.server.durable.journal import Journal
+from prepos.server.durable.store import StoreUnavailable
 
 SYSTEM = "You are a market analyst. Answer with one word."
 TWO = SamplingParams(max_tokens=2)

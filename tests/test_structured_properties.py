@@ -96,8 +96,8 @@ def requests(draw) -> dict:
 def client(request, tmp_path_factory):
     from starlette.testclient import TestClient
 
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     cfg = backend_config(request.param)
     model = build_model(tmp_path_factory.mktemp("qwen") / "qwen-qwen2", "qwen", "qwen2", seed=1)

@@ -27,8 +27,8 @@ from server_harness import ServerProc
 
 from prepos.lab.demo_client import DemoError, Http
 from prepos.paths import DEFAULT_MODEL
-from prepos.server.journal import Journal
-from prepos.server.store import Database
+from prepos.server.durable.journal import Journal
+from prepos.server.durable.store import Database
 
 LEASE, RENEW = 4.0, 1.0
 pytestmark = pytest.mark.slow

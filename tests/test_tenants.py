@@ -185,7 +185,7 @@ def test_a_responses_item_role_of_another_type_is_a_400(server, role):
 
 def test_the_warning_of_an_open_server_on_a_non_loopback_address(server, model_dirs,
                                                                  tmp_path):
-    from prepos.server.auth import open_warning
+    from prepos.server.http.auth import open_warning
 
     for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.1.2.3"):
         assert open_warning(host, ()) is None, host

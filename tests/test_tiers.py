@@ -335,7 +335,7 @@ def test_a_killed_process_kv_directory_is_removed_at_start(tmp_path):
 def test_a_500_body_names_no_path_nor_the_exception(caplog):
     """An unexpected failure is a 500 whose body names a reference into the log, never the
     exception's text or a file path (the log has them)."""
-    from prepos.server.errors import as_api_error
+    from prepos.server.http.errors import as_api_error
 
     err = as_api_error(FileNotFoundError(2, "No such file or directory", "/var/kv/s-1.kv"))
     assert err.status == 500 and err.code == "internal_error"

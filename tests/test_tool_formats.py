@@ -155,8 +155,8 @@ def test_fallback_writes_tools_and_calls_the_template_does_not(formats):
 @pytest.fixture(scope="module")
 def plain_app(tmp_path_factory):
     from prepos.config import EngineConfig
-    from prepos.server.app import create_app
-    from prepos.server.state import ServerConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
 
     model = build_model(tmp_path_factory.mktemp("plain-model") / "plain-llama", "plain",
                         "llama", seed=1)

@@ -6,7 +6,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("prepos.server.app", "start the HTTP server"),
+    "serve": ("prepos.server.http.app", "start the HTTP server"),
     "demo": ("prepos.lab.demo", "replay a streaming and an agentic session, print each path"),
     "train": ("prepos.lab.train", "train the bundled model (and its weak contrast)"),
     "calibrate": ("prepos.lab.calibration", "calibrate the confidence gate (risk-coverage)"),

@@ -94,8 +94,8 @@ def valid_ids(ids: Sequence[object], vocab: int) -> bool:
 class Room:
     """Room for sessions' tokens: in the context and the session's budget (a request's
     prompt and answer), in the engine's cell budget (committed state across sessions: only
-    speculative cells are reclaimable, live state never is), and the cells a task frees in
-    the pool before it runs (`make`)."""
+    speculative cells are reclaimable, live state never is). The cells a forward needs are
+    the pool's to find, in one place: `KVPool.admit`, when the batch it runs in is admitted."""
 
     def __init__(self, max_context: int, session_cells: int, pool: KVPool,
                  sessions: SessionStore):
@@ -125,7 +125,7 @@ class Room:
         check_room(prompt_len, sampling, self.max_context, budget)
         return sampling
 
-    def admit(self, s: Session, n: int) -> None:
+    def check_commit(self, s: Session, n: int) -> None:
         """`s` may commit `n` tokens: committed state across all sessions fits the pool (an
         implicit session's counts for nothing: its KV is reclaimable whole)."""
         if s.spec.implicit:
@@ -140,10 +140,6 @@ class Room:
         if others + n > self.pool.engine_cells:
             raise OverBudget(f"the engine's KV budget of {self.pool.engine_cells} cells cannot "
                              f"hold {n} more committed tokens ({others} committed elsewhere)")
-
-    def make(self, s: Session, target: Sequence[int]) -> None:
-        """On the worker: free cells for `s`'s KV to hold `target`."""
-        self.pool.make_room(s.id, target)
 
     def _committed_len(self, sid: str) -> int:
         s = self.sessions.find(sid)

@@ -161,7 +161,6 @@ class Answers:
             if stream.cancelled:  # the client left while this waited: no model work
                 out.finish("cancelled")
                 return
-            self.room.make(s, seq)
             kv = self.pool.get(s.id)
             if self.backend.streams_answers:  # the first token is the stream's first event
                 kept = kv.common_prefix(seq)

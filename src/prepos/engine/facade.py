@@ -6,23 +6,23 @@ import contextlib
 import contextvars
 import json
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat, normalize_tool_call
 from prepos.config import EngineConfig, GateConfig
-from prepos.core import ReadyRecord, Request, Result, SamplingParams
+from prepos.core import Request, Result, SamplingParams
 from prepos.decode.lookup import Lookup
 from prepos.decode.stream import Stream
+from prepos.engine import conversation
 from prepos.engine.admission import Room, check_request, check_session, one_turn, prompt_ids
 from prepos.engine.answers import Answers
+from prepos.engine.conversation import ChatPlan
 from prepos.engine.loading import load_parts
 from prepos.engine.logits import answers_from, keeps_top
-from prepos.engine.predecode import Budget
 from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
-from prepos.engine.ready import Predecoded, ReadySet
+from prepos.engine.ready import ReadySet
 from prepos.engine.session import (
     AGENTIC,
     HEADER,
@@ -34,6 +34,7 @@ from prepos.engine.session import (
     Snapshot,
     query_key,
 )
+from prepos.engine.view import DEFAULT, EngineView
 from prepos.errors import Conflict, InvalidInput, OverBudget
 from prepos.gate.calibrated import Gate
 from prepos.gate.relaxed import Relaxed
@@ -41,10 +42,8 @@ from prepos.worker.kv import Forward, KVPool
 from prepos.worker.scheduler import Scheduler
 from prepos.worker.tiers import Tiers
 
-DEFAULT = Request()
 
-
-class Engine:
+class Engine(EngineView):
     def __init__(self, backend: Backend, fmt: ChatFormat, config: EngineConfig | None = None,
                  model_name: str = "model"):
         self.config = config = config or EngineConfig()
@@ -116,7 +115,7 @@ class Engine:
         c = self.config
         self.pool.claim(sid, spec.owner)
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
-                    c.reserve_tokens, history, admit=self.room.admit,
+                    c.reserve_tokens, history, check_commit=self.room.check_commit,
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s)
         self._emit("create", s, s.snap)
@@ -145,35 +144,6 @@ class Engine:
             yield
 
         self._call(crop(), key=s.id)
-
-    def session(self, sid: str) -> Session:
-        return self.sessions.get(sid)
-
-    def all_sessions(self) -> list[Session]:
-        return self.sessions.all()
-
-    def session_count(self) -> int:
-        return len(self.sessions)
-
-    def has_session(self, sid: str) -> bool:  # open, or closing and not yet removed
-        return self.sessions.find(sid) is not None
-
-    def new_session_id(self) -> str:
-        return self.sessions.new_id()
-
-    @property
-    def session_limit(self) -> int:  # the sessions it holds at most (the back end's bound)
-        return self.sessions.max_sessions
-
-    def limit_sessions(self, n: int) -> None:  # at most the back end's bound
-        self.sessions.max_sessions = min(n, self.sessions.max_sessions)
-
-    def info(self, sid: str) -> dict:
-        s = self.sessions.get(sid)
-        return {**s.info(), "kv": self.pool.tier(s.id), "relaxed": self.relaxed.info(s)}
-
-    def kv_kept(self, sid: str) -> bool:  # False once the tiers dropped it (unbuilt: True)
-        return self.pool.find(sid) is None or self.pool.tier(sid) != "none"
 
     # == mutations =========================================================================
     def append(self, sid: str, text: str, wait=True, expected_version=None) -> int:
@@ -235,7 +205,6 @@ class Engine:
     def _ingest(self, s: Session, snap: Snapshot):
         kv = self.pool.get(s.id)
         if kv.common_prefix(snap.tokens) < len(snap.tokens):
-            self.room.make(s, snap.tokens)
             yield Forward(kv, snap.tokens)
 
     # == requests (Algorithm 2) ============================================================
@@ -376,64 +345,51 @@ class Engine:
         if err:
             raise err[0]
 
-    @property
-    def paths(self) -> Counter[str]:
-        """Answers by path so far: fast_exact, fast_relaxed, gate_miss, fall, cold."""
-        return self.answers.path_counts()
+    # == a conversation sent whole (engine/conversation.py) ================================
+    def plan_chat(self, sid: str, messages: list[dict], rollback: bool = False) -> ChatPlan:
+        """Where a whole conversation meets agentic session `sid`, before anything changes:
+        ConversationError where it diverges (unless `rollback`) or is out of order."""
+        return conversation.plan(self, sid, messages, rollback)
+
+    def chat(self, plan: ChatPlan, req: Request = DEFAULT) -> Stream:
+        """Commit what `plan` says the session lacks, then answer (a turn or a tool result)."""
+        return conversation.carry_out(self, plan, req)
+
+    # == wiring ============================================================================
+    def subscribe(self, listener: Callable[[str, Session, object], None]) -> None:
+        """`listener(event, session, payload)` on every create, commit, ready, answer,
+        correction and close, on the thread that made it."""
+        self.listeners.append(listener)
+
+    def observe(self, observer: Callable[[Result], None]) -> None:
+        """`observer(result)` for every finished answer."""
+        self.observers.append(observer)
+
+    def write_ahead(self, durable) -> None:
+        """Every session's creation, commits and closing written to `durable` (the journal)
+        before each takes effect."""
+        self.sessions.durable = durable
+
+    def new_session_id(self) -> str:
+        return self.sessions.new_id()
+
+    def limit_sessions(self, n: int) -> None:  # at most the back end's bound
+        self.sessions.max_sessions = min(n, self.sessions.max_sessions)
+
+    def settle(self, sid: str, timeout: float = 30.0) -> None:
+        """Wait until the work queued for `sid` so far (its KV's drop, after a close) is done."""
+        def settled():
+            return
+            yield
+
+        self.scheduler.submit(settled(), key=sid).done.wait(timeout=timeout)
 
     def set_gate(self, config: GateConfig) -> None:
         """Load a (re)calibrated gate; it applies to the next request."""
         self.gate = Gate(config, self.fmt)
 
-    def ready_header(self, sid: str) -> ReadyRecord | None:
-        """The question-independent ready record of a streaming session, if recorded."""
-        return self.sessions.get(sid).ready_record(HEADER)
-
     def wait_idle(self, timeout: float | None = None) -> bool:
         return self.scheduler.wait_idle(timeout)
-
-    def metrics(self) -> dict:
-        fg, idle = self.scheduler.queue_lengths()
-        return {
-            "prepositions": self.prepositioner.counters.as_dict(),
-            "paths": dict(self.paths),
-            "sessions": len(self.sessions),
-            "kv_cells_used": self.pool.used,
-            "prefix_reuse": {"hits": self.pool.index.hits, "tokens": self.pool.index.tokens},
-            "kv_tiers": self.pool.metrics(),
-            "kv_cells_budget": self.pool.engine_cells,
-            "ready_logits": {"bytes": self.prepositioner.kept.used,
-                             "budget": self.prepositioner.kept.budget,
-                             "stripped": self.prepositioner.kept.stripped},
-            "queue_foreground": fg, "queue_idle": idle,
-            "lookup": self.lookup.stats.metrics(),
-            "relaxed": self.relaxed.gate.metrics(),
-        }
-
-    # == for the server (read-only views) ==================================================
-    def serves_exact(self, sid: str, key: tuple, req: Request = DEFAULT) -> bool:
-        """Whether `req` for entry `key` would be an exact match now: its fast path is on and
-        a valid ready record holds the entry and the distribution its sampling needs."""
-        s = self.sessions.get(sid)
-        rec = s.ready_record(key) if (req.fast_path or s.spec.fast_path) != "off" else None
-        return rec is not None and answers_from(rec, req.sampling,
-                                                self.backend.full_distribution)
-
-    def predecoding(self, sid: str, key: tuple) -> tuple[Budget | None, Predecoded | None]:
-        """The answer budget the entry at `key` pre-decodes (None: it does not), and its
-        answer so far (None before its record, and once its version is gone)."""
-        s = self.sessions.get(sid)
-        return self.prepositioner.predecoder.budget(s, key), s.current()[1].answer(key)
-
-    def ready_now(self, sid: str) -> tuple[Snapshot, dict[tuple, ReadyRecord]]:  # together
-        return self.sessions.get(sid).ready_now()
-
-    def snapshot(self, sid: str, version: int | None = None) -> Snapshot:
-        """A committed version of a session: `version` while it is kept, else the current."""
-        return self.sessions.get(sid).at(version)
-
-    def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:  # kept for rollback, oldest first
-        return self.sessions.get(sid).versions()
 
     def close(self) -> None:
         self.scheduler.close()

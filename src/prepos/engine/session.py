@@ -116,12 +116,13 @@ class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
                  max_versions: int, shift_keep: float, reserve: int,
                  history: Sequence[tuple[int, Sequence[dict]]] = (),
-                 admit: Callable[[Session, int], None] | None = None, said_tokens: int = 0):
+                 check_commit: Callable[[Session, int], None] | None = None,
+                 said_tokens: int = 0):
         """A new session, or with `history` ((version, messages) pairs, oldest first, the
-        last being current) one restored from a journal. `admit(session, n)` may refuse, by
-        raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
+        last being current) one restored from a journal. `check_commit(session, n)` may
+        refuse, by raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
         how many tokens of its latest answers it keeps as draft material (`said`)."""
-        self.admit = admit
+        self.check_commit = check_commit
         self.persist: Callable[[Session, Snapshot], None] | None = None  # SessionStore.add
         self.id, self.spec, self.fmt, self.max_context = sid, spec, fmt, max_context
         self.max_versions, self.shift_keep, self.reserve = max_versions, shift_keep, reserve
@@ -367,8 +368,8 @@ class Session:
         if limit is not None and n > limit:
             raise OverBudget(f"session {self.id} would hold {n} tokens, over its budget of "
                              f"{limit} KV cells")
-        if self.admit is not None:
-            self.admit(self, n)
+        if self.check_commit is not None:
+            self.check_commit(self, n)
 
     def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
         """Write the next version ahead, then swap the snapshot, bump the version, clear the

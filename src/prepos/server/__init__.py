@@ -1,3 +1,6 @@
-"""The HTTP server: the session API, OpenAI-compatible endpoints, SSE, metrics, the
-journal. `prepos.server.app.create_app(ServerConfig(model=...))` builds the app;
-`prepos serve` (`prepos.server.app:main`) runs it."""
+"""The HTTP server, in three rooms: `http/` (the app, the session API, its guard, limits, keys,
+errors, SSE and metrics), `openai/` (the OpenAI-compatible routes: chat, completions,
+Responses, Conversations, their checks and bodies) and `durable/` (what outlives a process or
+a node: the journal, its store, leases, the cluster, idempotency keys, stored responses and
+conversations). `prepos.server.http.app.create_app(ServerConfig(model=...))` builds the app;
+`prepos serve` (`prepos.server.http.app:main`) runs it."""

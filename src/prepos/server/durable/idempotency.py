@@ -1,0 +1,333 @@
+"""Idempotency keys: a mutation of the session API (and a chat completion on a named
+session) sent with `Idempotency-Key` is safe to retry.
+
+The first attempt's result (status, headers, body: a streamed answer's events, all of them)
+is recorded per API key and key, with a digest of the request (method, path and query,
+`x-session-id`, body bytes). A retry with the same key and request is answered the recorded
+result with `Idempotent-Replayed: true` and commits nothing, on any node (the records are in
+the session store); the same key on another request is 422 `idempotency_key_reused`. A retry
+that arrives while the first attempt still runs on this node waits for it, then replays it.
+
+The key rides the commit: a request's `Attempt` is a context variable that the server
+carries to the threads that commit (`ServerState.run`, and the engine for a turn's answer),
+and the journal's transaction of the request's first commit of its session inserts the
+record's row (`claim`), so the commit and its key are in the store together or not at all.
+An attempt whose claim finds the row taken (a second attempt that got past the check, on
+another node or after a takeover) fails its commit, which changes nothing, and is answered
+what is recorded. The result is written into the row when the request ends (`finish`); a row
+claimed and not finished (its request runs on another node, or was interrupted: its node
+stopped, its client left) is 409 `idempotency_key_pending`, naming the version committed.
+
+What is recorded: every result of a request that committed; else 2xx and 4xx, but for what a
+retry may change (408, 429, 409 `session_busy` and `session_moved`); never a 5xx: a retry of a
+failure that committed nothing runs again. Records are kept `ttl` seconds, at most `keep` per
+API key (the oldest dropped first). Without a journal, they are an in-memory SQLite table,
+lost with the sessions on a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import wraps
+
+from starlette.responses import Response
+
+from prepos.errors import PreposError
+from prepos.server.durable.store import Database
+from prepos.server.http.auth import public
+from prepos.server.http.errors import ApiError, as_api_error, error_body
+
+log = logging.getLogger("prepos.server.durable.idempotency")
+HEADER = "Idempotency-Key"
+TTL_S = 86400.0  # how long a result is kept
+KEEP = 10000  # results kept per API key
+TRANSIENT = frozenset({"session_busy", "session_moved", "idempotency_key_pending"})
+UNKEPT = (b"content-length", b"transfer-encoding")  # headers a replay makes anew
+PARAMETER = {"name": HEADER, "in": "header", "required": False,  # in /openapi.json
+             "schema": {"type": "string", "minLength": 1, "maxLength": 255,
+                        "pattern": "^[ -~]+$"},
+             "description": "makes the request safe to retry: a retry with the same key and "
+                            "request is answered the first result (Idempotent-Replayed: true) "
+                            "and commits nothing"}
+
+
+class KeyClaimed(PreposError):
+    """Another attempt with this key committed first: this one commits nothing."""
+
+    code = "idempotency_key_claimed"
+    status = 409
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One request with a key, while it runs: `sid`, the name of the session it mutates
+    (None: the one it creates); `claimed` once its row is in the store with its first commit."""
+
+    owner: str
+    key: str
+    digest: str
+    sid: str | None
+    records: Records
+    done: asyncio.Future
+    claimed: bool = False
+    interrupted: bool = False  # its client left before its answer: nothing to record
+
+
+CURRENT: ContextVar[Attempt | None] = ContextVar("prepos_idempotency", default=None)
+
+
+def riding(event: str, sid: str) -> Attempt | None:
+    """The attempt whose key the journal's write of `event` on session `sid` claims: the
+    request's own first commit of its session (or of the session it creates)."""
+    a = CURRENT.get()
+    if a is None or a.claimed or (a.sid != public(sid) if a.sid is not None
+                                  else event != "create"):
+        return None
+    return a
+
+
+def interrupted() -> None:
+    """The request's answer was cancelled (its client left): its result is not recorded."""
+    a = CURRENT.get()
+    if a is not None:
+        a.interrupted = True
+
+
+@dataclass(frozen=True)
+class Recorded:
+    digest: str
+    status: int | None  # None: claimed, not finished
+    headers: str | None
+    body: str
+
+
+class Records:
+    """The recorded results, in the `idempotency` table of `db` (the journal's store, or an
+    in-memory SQLite), and the attempts running on this node."""
+
+    def __init__(self, db: Database, ttl: float = TTL_S, keep: int = KEEP,
+                 clock: Callable[[], float] = time.time):
+        self.db, self.ttl, self.keep, self.clock = db, ttl, keep, clock
+        self._running: dict[tuple[str, str], Attempt] = {}
+        self._swept = -float("inf")
+        self.waited = 0  # retries that waited for their first attempt here
+
+    # -- the store (off the event loop) ----------------------------------------------------
+    def get(self, owner: str, key: str) -> Recorded | None:
+        try:
+            row = self.db.q("SELECT digest, status, headers, body FROM idempotency WHERE "
+                            "owner=? AND key=? AND created>=?",
+                            (owner, key, self.clock() - self.ttl)).fetchone()
+        except Exception as exc:  # the driver's: logged, a 503 naming the store
+            log.error("idempotency: the %s store did not answer: %s", self.db.name, exc)
+            raise self.db.unavailable() from None
+        return None if row is None else Recorded(*row)
+
+    def claim(self, db: Database, a: Attempt, sid: str, version: int | None) -> None:
+        """In the transaction of the attempt's first commit (the journal's, on the store's
+        writer thread): its row, or KeyClaimed where another attempt's is there."""
+        now = self.clock()
+        db.q("DELETE FROM idempotency WHERE owner=? AND key=? AND created<?",
+             (a.owner, a.key, now - self.ttl))
+        cur = db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, NULL, NULL, ?) ON CONFLICT "
+                   "(owner, key) DO NOTHING", (a.owner, a.key, a.digest, now,
+                                               json.dumps({"session_id": public(sid),
+                                                           "version": version})))
+        if cur.rowcount != 1:
+            raise KeyClaimed(f"another request with this {HEADER} committed first")
+
+    def finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:
+        """The attempt's result in its row (inserted where no commit claimed one), then the
+        bounds kept."""
+        now, hdrs, text = self.clock(), json.dumps(headers), body.decode()
+        with self.db.tx():
+            if a.claimed:
+                self.db.q("UPDATE idempotency SET status=?, headers=?, body=? WHERE owner=? "
+                          "AND key=?", (status, hdrs, text, a.owner, a.key))
+            else:
+                self.db.q("DELETE FROM idempotency WHERE owner=? AND key=? AND created<?",
+                          (a.owner, a.key, now - self.ttl))
+                self.db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                          "(owner, key) DO NOTHING",
+                          (a.owner, a.key, a.digest, now, status, hdrs, text))
+            if now - self._swept >= min(self.ttl / 10, 60.0):
+                self._swept = now
+                self.db.q("DELETE FROM idempotency WHERE created<?", (now - self.ttl,))
+            row = self.db.q("SELECT created FROM idempotency WHERE owner=? ORDER BY created "
+                            "DESC LIMIT 1 OFFSET ?", (a.owner, self.keep)).fetchone()
+            if row is not None:
+                self.db.q("DELETE FROM idempotency WHERE owner=? AND created<=?",
+                          (a.owner, row[0]))
+
+    # -- a request (on the event loop) -----------------------------------------------------
+    async def serve(self, state, owner: str, key: str, digest: str, sid: str | None,
+                    run: Callable[[], Awaitable[Response]]) -> Response:
+        """The recorded result, or `run()`'s, recorded."""
+        slot = (owner, key)
+        while (first := self._running.get(slot)) is not None:  # running here: wait for it
+            if first.digest != digest:
+                raise reused()
+            self.waited += 1
+            await asyncio.shield(first.done)
+        a = Attempt(owner, key, digest, sid, self, asyncio.get_running_loop().create_future())
+        self._running[slot] = a
+        handed = False  # to a stream, which ends the attempt when it ends
+        try:
+            found = await state.run(self.get, owner, key)
+            if found is not None:
+                return replay(found, digest)
+            token = CURRENT.set(a)
+            try:
+                response = await run()
+            except KeyClaimed:
+                found = await state.run(self.get, owner, key)
+                if found is None:
+                    raise ApiError(409, "idempotency_key_pending", f"another request with "
+                                   f"this {HEADER} is running", HEADER,
+                                   {"Retry-After": "1"}) from None
+                return replay(found, digest)
+            except Exception as exc:
+                err = as_api_error(exc)  # logged once, here, where it is a 500
+                if a.claimed or kept(err.status, err.code):
+                    body = json.dumps(error_body(err.status, err.code, err.message, err.param))
+                    headers = [["content-type", "application/json"],
+                               *([k.lower(), v] for k, v in err.headers.items())]
+                    await self._finish(a, err.status, headers, body.encode())
+                raise err from None
+            finally:
+                CURRENT.reset(token)
+            if getattr(response, "chunks", None) is not None:  # an sse.EventStream
+                response.chunks = self._relay(state, a, response, response.chunks)
+                left = response.on_disconnect
+
+                def gone() -> None:  # its client left: the answer cancelled, not recorded
+                    a.interrupted = True
+                    if left is not None:
+                        left()
+
+                response.on_disconnect = gone
+                handed = True
+                return response
+            if not a.interrupted and (a.claimed or kept(response.status_code, None)):
+                await self._finish(a, response.status_code, _headers(response),
+                                   bytes(response.body))
+            return response
+        finally:
+            if not handed:
+                self._end(a)
+
+    async def _relay(self, state, a: Attempt, response, chunks):
+        """The stream's chunks as they go; recorded whole at its end, unless its client left
+        (its answer cancelled)."""
+        parts: list[bytes] = []
+        try:
+            async for chunk in chunks:
+                parts.append(chunk)
+                yield chunk
+            if not a.interrupted:
+                await self._finish(a, response.status_code, _headers(response),
+                                   b"".join(parts))
+        finally:
+            self._end(a)
+
+    async def _finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:
+        """`finish`, on the store's writer thread (after the commits it follows)."""
+        try:
+            await asyncio.wrap_future(self.db.submit(
+                lambda db: self.finish(a, status, headers, body)))
+        except PreposError as exc:  # the answer stands; a retry finds the key pending
+            log.error("idempotency: the result for a key was not recorded: %s", exc)
+
+    def _end(self, a: Attempt) -> None:
+        if self._running.get((a.owner, a.key)) is a:
+            del self._running[(a.owner, a.key)]
+        if not a.done.done():
+            a.done.set_result(None)
+
+
+def kept(status: int, code: str | None) -> bool:
+    """Whether the result of a request that committed nothing is recorded."""
+    return status < 500 and status not in (408, 429) and code not in TRANSIENT
+
+
+def replay(found: Recorded, digest: str) -> Response:
+    if found.digest != digest:
+        raise reused()
+    if found.status is None:
+        first = json.loads(found.body)
+        raise ApiError(409, "idempotency_key_pending", f"a request with this {HEADER} "
+                       f"committed (session {first['session_id']}, version {first['version']}) "
+                       "and its result is not recorded: it still runs on another node, or "
+                       "was interrupted before its answer; retry shortly, or read the session",
+                       HEADER, {"Retry-After": "1"})
+    response = Response(found.body.encode(), found.status)
+    response.raw_headers = [*(h for h in response.raw_headers if h[0] == b"content-length"),
+                            *((k.encode("latin-1"), v.encode("latin-1"))
+                              for k, v in json.loads(found.headers)),
+                            (b"idempotent-replayed", b"true")]
+    return response
+
+
+def reused() -> ApiError:
+    return ApiError(422, "idempotency_key_reused", f"this {HEADER} was used for another "
+                    "request (method, path or body): a key names one request; send a new key "
+                    "with a new request", HEADER)
+
+
+def _headers(response: Response) -> list:
+    return [[k.decode("latin-1"), v.decode("latin-1")] for k, v in response.raw_headers
+            if k not in UNKEPT]
+
+
+def check(key: str) -> None:
+    if not 1 <= len(key) <= 255 or not all(" " <= ch <= "~" for ch in key):
+        raise ApiError(400, "invalid_idempotency_key", f"{HEADER} must be 1 to 255 printable "
+                       "ASCII characters", HEADER)
+
+
+def named_session(raw: bytes) -> str | None:
+    """A chat request's `session_id` (None: a stateless one, which no key records)."""
+    try:
+        sid = json.loads(raw).get("session_id")
+    except (ValueError, AttributeError):
+        return None
+    return sid if isinstance(sid, str) else None
+
+
+def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None):
+    """A route made safe to retry with `Idempotency-Key`. The session it mutates is the
+    path's `sid`, or `session(body)`'s (None there: the header is ignored)."""
+
+    def wrap(fn):
+        @wraps(fn)
+        async def route(request, **params):
+            key = request.headers.get("idempotency-key")
+            if key is None:
+                return await fn(request=request, **params)
+            state = request.app.state.prepos
+            state.engine  # 503 while loading
+            owner = state.keys.owner_of(request.headers.get("authorization"))  # 401
+            check(key)
+            raw = await request.body()
+            sid = session(raw) if session is not None else params.get("sid")
+            if session is not None and sid is None:
+                return await fn(request=request, **params)
+            h = hashlib.sha256()
+            for part in (request.method, request.url.path, request.url.query,
+                         request.headers.get("x-session-id", "")):
+                h.update(part.encode() + b"\0")
+            h.update(raw)
+            return await state.idempotency.serve(state, owner or "", key, h.hexdigest(), sid,
+                                                 lambda: fn(request=request, **params))
+
+        route.idempotent = True  # documented with the header
+        return route
+
+    return wrap if fn is None else wrap(fn)

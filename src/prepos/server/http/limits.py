@@ -1,0 +1,180 @@
+"""Limits: body size (an ASGI middleware, before anything parses), tokens per request and
+per session, sessions per server and per key, and backpressure (429 + Retry-After when the
+model worker's foreground queue is full). Every check runs before the engine is called, so
+a refused request leaves every session as it was."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from prepos.core import SamplingParams
+from prepos.errors import InvalidSampling
+from prepos.server.http.errors import ApiError, error_body
+
+KNOWN_SAMPLINGS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_sessions: int = 100_000  # journalled; their KV moves down the tiers
+    max_sessions_per_key: int | None = None
+    max_tokens: int = 1024  # generated tokens per request
+    default_max_tokens: int = 64
+    max_input_tokens: int = 8192  # tokens of input text per request
+    max_queue: int = 256  # foreground tasks queued on the model worker before 429
+    max_header_bytes: int = 64 * 1024  # a request's line and headers (431 beyond)
+    # the sampling of each set of values asked for lately (a dashboard asks alike every time)
+    _known: dict[tuple, SamplingParams] = field(default_factory=dict, init=False, repr=False,
+                                                compare=False)
+
+    def sampling(self, max_tokens: int | None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop=None, param: str = "max_tokens",
+                 top_logprobs: int = 0, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None,
+                 logit_bias: tuple[tuple[int, float], ...] = (),
+                 fit: bool = False) -> SamplingParams:
+        """A request's sampling, checked: 400 naming the field beyond a limit or out of its
+        range. max_tokens left out is `default_max_tokens`, or with `fit` (OpenAI's) the rest
+        of the context, up to `max_tokens`. Remembered per distinct request (the fast path's
+        are the same request again and again)."""
+        key = (max_tokens, temperature, top_k, top_p, seed,
+               tuple(stop) if isinstance(stop, list) else stop, param, top_logprobs,
+               presence_penalty, frequency_penalty, logit_bias, fit)
+        try:
+            known = self._known.get(key)
+        except TypeError:  # a value that cannot be a key: checked, not remembered
+            return self._sampling(*key)
+        if known is None:
+            known = self._sampling(*key)
+            if len(self._known) >= KNOWN_SAMPLINGS:
+                self._known.clear()
+            self._known[key] = known
+        return known
+
+    def _sampling(self, max_tokens, temperature, top_k, top_p, seed, stop, param: str,
+                  top_logprobs: int, presence_penalty, frequency_penalty,
+                  logit_bias, fit: bool) -> SamplingParams:
+        n = self.default_max_tokens if max_tokens is None else max_tokens
+        fit = fit and max_tokens is None
+        if fit:
+            n = self.max_tokens
+        if isinstance(n, int) and n > self.max_tokens:
+            raise ApiError(400, "max_tokens_limit",
+                           f"{param} {n} is over this server's limit of {self.max_tokens}",
+                           param)
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop is not None and len(stop) > 16:
+            raise ApiError(400, "invalid_sampling", "at most 16 stop sequences", "stop")
+        if temperature is not None and temperature > 100:
+            raise ApiError(400, "invalid_sampling",
+                           f"temperature must be <= 100, got {temperature}", "temperature")
+        try:
+            return SamplingParams(
+                max_tokens=n, temperature=0.0 if temperature is None else float(temperature),
+                top_k=top_k or 0, top_p=1.0 if top_p is None else float(top_p), seed=seed,
+                stop=tuple(stop or ()), top_logprobs=top_logprobs,
+                presence_penalty=float(presence_penalty or 0.0),
+                frequency_penalty=float(frequency_penalty or 0.0), logit_bias=logit_bias,
+                fit_context=fit)
+        except InvalidSampling as exc:  # the field it names is the param
+            first = str(exc).split(" ", 1)[0]
+            name = param if first == "max_tokens" else first
+            raise ApiError(400, "invalid_sampling", str(exc).replace("max_tokens", param, 1),
+                           name if name.isidentifier() else None) from None
+
+    def check_input(self, engine, text: str, what: str, context: bool = False) -> None:
+        """At most `max_input_tokens` tokens; with `context` (OpenAI's routes), text over the
+        model's context is refused as the engine would (400 `context_length_exceeded` there)
+        whatever the limit. A byte-level token covers at least one byte, so text within the
+        limit in bytes is never tokenized here."""
+        if len(text) <= self.max_input_tokens and len(text.encode()) <= self.max_input_tokens:
+            return
+        n = len(engine.fmt.encode(text))
+        if context and n > engine.max_context:
+            raise ApiError(413, "over_budget", f"{what} is {n} tokens, over the model's "
+                           f"context of {engine.max_context}", what)
+        if n > self.max_input_tokens:
+            raise ApiError(413, "input_too_large",
+                           f"{what} is {n} tokens, over this server's limit of "
+                           f"{self.max_input_tokens} tokens per request", what)
+
+    def backpressure(self, engine, step_seconds: float) -> None:
+        fg, _ = engine.queue_lengths()
+        if fg >= self.max_queue:
+            wait = max(1, math.ceil(fg * step_seconds))
+            raise ApiError(429, "overloaded",
+                           f"the model worker has {fg} requests queued (limit "
+                           f"{self.max_queue}); retry after {wait} s",
+                           headers={"Retry-After": str(wait)})
+
+
+class BodyLimit:
+    """Refuse headers over `max_header_bytes` with 431 (the HTTP protocol's guard bounds
+    them while they arrive; this counts a head that came whole), and bodies over `max_bytes`
+    with 413, by Content-Length when sent and by counting otherwise (chunked uploads)."""
+
+    def __init__(self, app, max_bytes: int, max_header_bytes: int = 64 * 1024):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + \
+            sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        if head > self.max_header_bytes:
+            return await _refuse(send, 431, "headers_too_large",
+                                 f"the request line and headers are {head} bytes, over this "
+                                 f"server's limit of {self.max_header_bytes} bytes")
+        limit = self.max_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return await _refuse(send, 400, "invalid_request",
+                                         "Content-Length is not a number")
+                if declared > limit:
+                    return await _refuse(send, 413, "body_too_large",
+                                         f"the body is {declared} bytes, over this server's "
+                                         f"limit of {limit} bytes")
+                return await self.app(scope, receive, send)
+        seen = 0
+        started = False
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # the app's ApiError handler answers 413
+                    raise ApiError(413, "body_too_large", f"the body is over this server's "
+                                   f"limit of {limit} bytes (read {seen})")
+            return message
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except ApiError as exc:
+            if started:
+                raise
+            await _refuse(send, exc.status, exc.code, exc.message)
+
+
+async def _refuse(send, status: int, code: str, message: str) -> None:
+    body = json.dumps(error_body(status, code, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,177 @@
+"""The server's session places: how many persistent sessions it admits (its own and each key's
+limit, 429 beyond), the places held for sessions being created, the ephemeral sessions of
+stateless requests, and the sessions kept on a client's behalf (implicit conversations,
+Responses chains), which give way to any other session at a limit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
+from typing import TypeVar
+
+from prepos.decode.stream import Stream
+from prepos.engine import Engine
+from prepos.engine.implicit import ImplicitSessions
+from prepos.engine.session import SessionSpec
+from prepos.errors import PreposError, TooManySessions
+from prepos.server.durable.journal import EPHEMERAL, is_ephemeral
+from prepos.server.http.errors import ApiError
+from prepos.server.http.limits import Limits
+from prepos.server.http.metrics import Metrics
+
+log = logging.getLogger("prepos.server")
+T = TypeVar("T")
+
+
+class Places:
+    """The one owner of the counts and lists above. `loaded()`, the server's engine once
+    loaded (else None); `run`, its coroutine running blocking work off the event loop."""
+
+    def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
+                 run: Callable, implicit_memory: int, implicit_sessions: int | None,
+                 response_sessions: int | None):
+        self.limits, self.metrics, self.loaded, self.run = limits, metrics, loaded, run
+        self.session_cap = limits.max_sessions  # persistent sessions, once loaded
+        self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
+        self.implicit = ImplicitSessions(loaded, self.close_ephemeral, implicit_memory,
+                                         implicit_sessions,
+                                         lambda outcome: metrics.implicit.labels(
+                                             outcome).inc())
+        # Responses chain sessions (`openai/responses.py`): persistent, but kept on a client's
+        # behalf, so they give way to any other session at a limit; kept by memory as the
+        # implicit ones are (their own bytes, the same bound), a count only where one is given
+        self.chains = ImplicitSessions(loaded, self._close_chain, implicit_memory,
+                                       response_sessions)
+
+    def persistent_sessions(self, engine: Engine) -> int:
+        return self._held(engine)
+
+    @contextmanager
+    def new_session(self, engine: Engine, owner: str | None, requested: str | None = None):
+        """Check the session limits and hold a place for the session being created (its id
+        is yielded) until the block ends: concurrent creations at the limit never overshoot
+        it (the check and the reservation happen on the event loop, with no await between
+        them)."""
+        self.check_new_session(engine, owner)
+        sid = requested or engine.new_session_id()
+        self.creating[sid] = owner
+        try:
+            yield sid
+        finally:
+            del self.creating[sid]
+
+    def _held(self, engine: Engine, owner: str | None = None, mine: bool = False) -> int:
+        """The persistent sessions held or being created (with `mine`, `owner`'s), counted
+        from one snapshot of the engine's sessions: a session a worker thread adds (or an
+        ephemeral one it closes) while this counts is counted once, never missed."""
+        snap = engine.all_sessions()
+        creating = list(self.creating.items())
+        ids = {s.id for s in snap} if creating else set()
+        return sum(1 for s in snap if not is_ephemeral(s.id) and
+                   (not mine or s.spec.owner == owner)) + sum(
+            1 for sid, o in creating if sid not in ids and (not mine or o == owner))
+
+    def cap(self, engine: Engine) -> None:
+        """The persistent sessions this server admits (`session_cap`): --max-sessions, or fewer
+        where the back end holds fewer sessions' KV, an eighth of those kept for stateless
+        requests."""
+        lim = self.limits
+        held = engine.session_limit  # the back end's bound, where it has one
+        engine.limit_sessions(lim.max_sessions + lim.max_queue)
+        if held >= lim.max_sessions + lim.max_queue:
+            self.session_cap = lim.max_sessions
+            return
+        self.session_cap = cap = min(lim.max_sessions, held - max(1, held // 8))
+        log.warning("the %s back end holds the KV of %d sessions: at most %d persistent "
+                    "sessions, the rest for stateless requests", engine.backend_name, held, cap)
+
+    def check_new_session(self, engine: Engine, owner: str | None) -> None:
+        """A 429 at the server's or the key's session limit, once no Responses chain session
+        could give way (the least recently used free one: the key's own first, then, at the
+        server's limit, any key's; its responses stay stored)."""
+        lim = self.limits
+        while self._held(engine) >= self.session_cap:
+            if self.chains.evict_one(owner) or self.chains.evict_one():
+                continue
+            self.metrics.rejected.labels("sessions").inc()
+            raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
+                           f"{self.session_cap} sessions; close one first",
+                           headers={"Retry-After": "60"})
+        if lim.max_sessions_per_key is not None and owner is not None:
+            while self._held(engine, owner, mine=True) >= lim.max_sessions_per_key:
+                if self.chains.evict_one(owner):
+                    continue
+                self.metrics.rejected.labels("sessions_per_key").inc()
+                raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
+                               f"{lim.max_sessions_per_key} sessions; close one first",
+                               headers={"Retry-After": "60"})
+
+    def _close_chain(self, sid: str) -> None:
+        eng = self.loaded()
+        if eng is not None:
+            with suppress(PreposError):
+                eng.close_session(sid)
+
+    def new_ephemeral(self, engine: Engine, spec: SessionSpec,
+                      history=()) -> str:
+        """A session for one stateless request (or kept as an implicit one, `spec.implicit`):
+        never journalled, never listed."""
+        sid = f"{EPHEMERAL}{engine.new_session_id()}"
+        self.with_room(lambda: engine.restore_session(sid, spec, history))
+        if spec.implicit:
+            self.implicit.keep(sid, spec.owner)
+        return sid
+
+    def with_room(self, create: Callable[[], T]) -> T:
+        """`create()` a session, closing kept implicit, then chain, sessions while the
+        engine is full."""
+        while True:
+            try:
+                return create()
+            except TooManySessions:
+                if not (self.implicit.evict_one() or self.chains.evict_one()):
+                    raise
+
+    def after(self, stream: Stream, then: Callable[[], None], what: str) -> None:
+        """`then()` once `stream` has finished (or was cancelled by a client that went
+        away), off the request: its own error was already reported to it."""
+        if stream.done:
+            then()
+            return
+
+        async def wait_then():
+            try:
+                await self.run(stream.result)
+            except Exception as exc:
+                log.debug("%s ended with %s", what, exc)
+            then()
+
+        asyncio.ensure_future(wait_then())
+
+    def release_after(self, stream: Stream, sid: str) -> None:
+        """Free an implicit session for the next request once its answer has finished."""
+        self.after(stream, lambda: self.implicit.release(sid), f"implicit session {sid}")
+
+    def start_ephemeral(self, engine: Engine, spec: SessionSpec,
+                        start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
+        """`start(sid)` on a new ephemeral session, closed again if that fails."""
+        sid = self.new_ephemeral(engine, spec, history)
+        try:
+            return sid, start(sid)
+        except BaseException:
+            self.close_ephemeral(sid)
+            raise
+
+    def close_after(self, stream, sid: str) -> None:
+        """Close an ephemeral session once its stream has finished."""
+        self.after(stream, lambda: self.close_ephemeral(sid), f"ephemeral session {sid}")
+
+    def close_ephemeral(self, sid: str) -> None:
+        eng = self.loaded()
+        if eng is None:
+            return
+        self.implicit.forget(sid)
+        with suppress(PreposError):
+            eng.close_session(sid)

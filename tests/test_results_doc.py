@@ -1,0 +1,46 @@
+"""docs/RESULTS.md is made one way, by benchmarks/report.py: regenerating it with no benchmark
+output at hand changes nothing (every hand-written line is in benchmarks/findings.md), and a
+benchmark's output rebuilds its own section and nothing else."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def report(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")  # no benchmark has run here
+    return mod
+
+
+def test_regenerating_results_changes_nothing(report):
+    old = (ROOT / "docs" / "RESULTS.md").read_text()
+    text, rebuilt = report.build(old)
+    assert rebuilt == ["## Figures"]  # drawn from the tracked figures, always
+    assert text == old, "docs/RESULTS.md differs from what benchmarks/report.py makes: " \
+        "hand-written lines belong in benchmarks/findings.md"
+
+
+def test_a_benchmarks_output_rebuilds_its_section_only(report, monkeypatch):
+    old = (ROOT / "docs" / "RESULTS.md").read_text()
+    heading = "## Structured output (`benchmarks/structured.py`)"
+    sections = tuple((h, (lambda: "a fresh table") if h == heading else make)
+                     for h, make in report.SECTIONS)
+    monkeypatch.setattr(report, "SECTIONS", sections)
+    text, rebuilt = report.build(old)
+    assert heading in rebuilt
+    before, after = report.written_sections(old), report.written_sections(text)
+    assert list(before) == list(after)
+    assert after[heading] == f"{heading}\na fresh table\n"
+    assert {h: b for h, b in after.items() if h != heading} == \
+        {h: b for h, b in before.items() if h != heading}
+    findings = report.FINDINGS_HEADING
+    assert text[text.index("\n" + findings):] == old[old.index("\n" + findings):]
