@@ -442,6 +442,8 @@ def main() -> None:
                     default="in-process",
                     help="prepos's back end: llama.cpp in process, or each prepos server in "
                     "front of an engine of its own (`--backend llama-server` or `vllm`)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more `prepos serve` argument for every prepos server (repeatable)")
     ap.add_argument("--out", type=Path, default=RESULTS / "whole_answer.json")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers stop too
@@ -478,8 +480,8 @@ def main() -> None:
         """A prepos server's back end: llama.cpp in process, or (--engine) in front of an
         engine of its own."""
         if args.engine == "in-process":
-            return ["--backend", "llama.cpp", "--max-session-tokens", "8192"]
-        return ["--backend", args.engine, "--engine-url", engine(name, 4).url]
+            return ["--backend", "llama.cpp", "--max-session-tokens", "8192", *args.server_arg]
+        return ["--backend", args.engine, "--engine-url", engine(name, 4).url, *args.server_arg]
 
     try:
         p_on, url_on = start_prepos(str(gguf), logs / "prepos_on.log", args.threads,
@@ -496,7 +498,7 @@ def main() -> None:
         procs.append(p_pol)
         on, off, policy = Prepos(url_on), Prepos(url_off), Prepos(url_pol)
         out: dict = {"benchmark": "whole_answer", "model": gguf.name, "threads": args.threads,
-                     "engine": args.engine,
+                     "engine": args.engine, "server_args": args.server_arg,
                      "samples": args.samples, "answer_budget": args.tokens,
                      "machine": {**machine(), "cpu_model": cpu_model()},
                      "llama_server": str(binary), **({"vllm": str(vllm)} if vllm else {})}

@@ -274,3 +274,21 @@ def test_a_foreground_request_preempts_background_streams_without_priorities():
         assert len(list(bg)) == 5
     fg.close()
     ranked.close()
+
+
+def test_background_streams_give_way_on_a_ranked_engine_when_told():
+    """`give_way`: on an engine with priority scheduling too, a foreground request in flight
+    preempts a background stream at its next token (as on llama-server)."""
+    from prepos.backends.base import Preempted
+
+    be = backend(FakeCluster("vllm", hash_logits(), ["a"]), give_way=True)
+    assert be.replicas[0].priority and not be.replicas[0].shares_steps
+    with idle_work():
+        bg = be.stream_answer(be.new_kv("bg"), PROMPT, SamplingParams(), 6, frozenset())
+        next(bg)
+    fg = be.stream_answer(be.new_kv("fg"), PROMPT, SamplingParams(), 6, frozenset())
+    next(fg)
+    with idle_work(), pytest.raises(Preempted):
+        next(bg)
+    fg.close()
+    be.close()

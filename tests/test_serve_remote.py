@@ -95,6 +95,7 @@ def test_the_openai_sdk_streams_and_continues_a_conversation(server):
     (["--backend", "llama-server"], "needs --engine-url"),
     (["--engine-url", "http://127.0.0.1:1"], "--engine-url needs --backend"),
     (["--engine-model", "m"], "--engine-model needs --backend"),
+    (["--background-gives-way"], "--background-gives-way needs --backend"),
 ])
 def test_a_remote_backend_without_its_partner_option_is_refused(model_dirs, args, says):
     r = subprocess.run([sys.executable, "-m", "prepos.cli", "serve", "--model",

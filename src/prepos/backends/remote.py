@@ -96,7 +96,7 @@ class RemoteBackend(Backend):
                  max_context: int | None = None, top_k: int = 8, timeout: float = 60.0,
                  health_interval: float | None = 1.0, health_timeout: float = 1.0,
                  background_cap: int = 1, retry_down_after: float = 5.0,
-                 transport: httpx.BaseTransport | None = None):
+                 transport: httpx.BaseTransport | None = None, give_way: bool = False):
         if not urls:
             raise ValueError("at least one replica URL is needed")
         if top_k < 2:
@@ -110,6 +110,7 @@ class RemoteBackend(Backend):
         self.background_cap = background_cap
         self.timeout = timeout
         self.transport = transport  # tests: an httpx.MockTransport standing in for the network
+        self.give_way = give_way  # background streams give way on every engine (`Replica`)
         self.replicas: list[Replica] = []
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -142,7 +143,8 @@ class RemoteBackend(Backend):
 
     # -- replicas ------------------------------------------------------------------------
     def add_replica(self, url: str) -> Replica:
-        rep = Replica(url, self.adapter, self.timeout, self.background_cap, self.transport)
+        rep = Replica(url, self.adapter, self.timeout, self.background_cap, self.transport,
+                      self.give_way)
         with contextlib.suppress(ReplicaFailure, RemoteError, ValueError):
             rep.discover()
         with self._lock:

@@ -26,7 +26,7 @@ class Replica:
     """One engine endpoint: its connection pool, health, slots, facts and counters."""
 
     def __init__(self, url: str, adapter: Adapter, timeout: float, background_cap: int,
-                 transport: httpx.BaseTransport | None = None):
+                 transport: httpx.BaseTransport | None = None, give_way: bool = False):
         self.url = url.rstrip("/")
         self.adapter = adapter
         self.client = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
@@ -36,6 +36,9 @@ class Replica:
         self.n_slots: int | None = None
         self.max_context: int | None = None
         self.priority_refused = False  # the engine runs no priority scheduling
+        # background streams give way to foreground requests even where the engine schedules
+        # by priority (which batches them together: on a CPU a step costs its batch's width)
+        self.give_way = give_way
         self._slots: OrderedDict[str, int] = OrderedDict()  # session key -> slot, LRU order
         self._bg = threading.BoundedSemaphore(background_cap)
         self.lock = threading.Lock()
@@ -52,6 +55,12 @@ class Replica:
     def priority(self) -> bool:
         """Whether background work is sent here with the adapter's background priority."""
         return self.adapter.background_priority is not None and not self.priority_refused
+
+    @property
+    def shares_steps(self) -> bool:
+        """Whether background streams run beside foreground requests here (the engine's
+        priority scheduling orders them), rather than giving way to them."""
+        return self.priority and not self.give_way
 
     def bump(self, **kw: float) -> None:
         with self.lock:
@@ -143,13 +152,14 @@ class Replica:
 
     @contextlib.contextmanager
     def foreground_request(self) -> Iterator[None]:
-        """A foreground request in flight: where the engine has no priority scheduling, the
-        background streams in flight are preempted (each ends at its next token, and is
+        """A foreground request in flight: where background streams do not share the engine's
+        steps (no priority scheduling, or `give_way`), the background streams in flight are
+        preempted (each ends at its next token, and is
         aborted at the engine where it has an abort API), and new ones wait until no
         foreground request is in flight (`background_stream`)."""
         with self.lock:
             self.foreground += 1
-            preempted = [] if self.priority else list(self._background.items())
+            preempted = [] if self.shares_steps else list(self._background.items())
         for rid, kv in preempted:
             kv.preempted_rid = rid
             c = self.adapter.abort(rid)
@@ -165,11 +175,11 @@ class Replica:
 
     @contextlib.contextmanager
     def background_stream(self, rid: str, kv: RemoteKV, wait: float) -> Iterator[bool]:
-        """A background stream's turn: yields False where the engine has no priority
-        scheduling and a foreground request stayed in flight for `wait` seconds (the caller
+        """A background stream's turn: yields False where it does not share the engine's steps
+        (`shares_steps`) and a foreground request stayed in flight for `wait` seconds (the caller
         gives way), else True, the stream preemptible by a foreground request meanwhile."""
         with self.lock:
-            ok = self.priority or self._quiet.wait_for(lambda: self.foreground == 0, wait)
+            ok = self.shares_steps or self._quiet.wait_for(lambda: self.foreground == 0, wait)
             if ok:
                 self._background[rid] = kv
         if not ok:

@@ -69,6 +69,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-url", action="append", default=[],
                    help="a remote engine's base URL, e.g. http://127.0.0.1:8080 (repeatable: "
                    "replicas of one model, each session on one of them)")
+    p.add_argument("--background-gives-way", action="store_true",
+                   help="in front of vLLM or SGLang: idle work (a pre-decode) gives way to every "
+                   "foreground request on its replica (stopped, resumed once none is in "
+                   "flight), as on llama-server, instead of running beside it at background "
+                   "priority; for engines on CPUs, where a batched step costs its width")
     p.add_argument("--engine-model",
                    help="the model name the remote engine serves, sent in its requests "
                    "(vLLM, SGLang; default: the engine's only model)")
@@ -262,11 +267,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if not args.engine_url:
             raise ValueError(f"--backend {args.backend} needs --engine-url (the engine's URL)")
         remote = RemoteEngine(REMOTE_ENGINES[args.backend], tuple(args.engine_url),
-                              args.engine_model)
+                              args.engine_model, args.background_gives_way)
         # the in-process back-end choice does not apply in front of an engine
         engine = remote_config(replace(engine, backend="auto"))
-    elif args.engine_url or args.engine_model:
-        flag = "--engine-url" if args.engine_url else "--engine-model"
+    elif args.engine_url or args.engine_model or args.background_gives_way:
+        flag = ("--engine-url" if args.engine_url else "--engine-model" if args.engine_model
+                else "--background-gives-way")
         raise ValueError(f"{flag} needs --backend llama-server, vllm or sglang")
     if not args.store_timeout > 0:
         raise ValueError(f"--store-timeout must be > 0, got {args.store_timeout}")

@@ -49,12 +49,14 @@ REMOTE_ENGINES = {"llama-server": "llama.cpp", "vllm": "vllm", "sglang": "sglang
 
 @dataclass(frozen=True)
 class RemoteEngine:
-    """A running engine the server fronts: its kind, replicas' base URLs and served model name
-    (None: the engine's only one)."""
+    """A running engine the server fronts: its kind, replicas' base URLs, served model name
+    (None: the engine's only one), and whether background work gives way to every foreground
+    request there even where the engine schedules by priority."""
 
     kind: str
     urls: tuple[str, ...]
     model: str | None = None
+    give_way: bool = False
 
 
 @dataclass
@@ -396,5 +398,6 @@ def _load_engine(config: ServerConfig) -> Engine:
         from prepos.engine.remote import remote_engine
 
         r = config.remote
-        return remote_engine(r.kind, r.urls, path, config.engine, model=r.model)
+        return remote_engine(r.kind, r.urls, path, config.engine, model=r.model,
+                             give_way=r.give_way)
     return Engine.from_pretrained(path, config.engine)
