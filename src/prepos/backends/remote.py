@@ -37,8 +37,9 @@ runs priority scheduling: vLLM documents that a non-zero priority is an error wi
 `--scheduling-policy priority` (0.32.0's CPU build in fact accepts and ignores it), so the
 first refusal naming the priority (HTTP 400) turns priority off for that replica and the
 request is resent without it; no engine reports its scheduling policy. Where a replica runs
-no priority scheduling (llama-server), a foreground request preempts the background streams
-in flight there (`Replica.foreground_request`): each ends at its next token.
+no priority scheduling (llama-server), or that is told to (`give_way`: an engine on CPUs, where
+a batched step costs its width), a foreground request preempts the background streams in
+flight there (`Replica.foreground_request`): each ends at its next token.
 
 Cached-token accounting (`metrics()`: `cached_tokens`, `prompt_tokens` per replica) is the
 engine's own report, and it has the engine's granularity: vLLM caches whole KV blocks

@@ -17,8 +17,9 @@ import httpx
 from prepos.backends.base import Preempted
 from prepos.backends.remote_protocol import Adapter, Call, RemoteError, ReplicaFailure, TopK
 
-# where the engine has no priority scheduling, a background stream (a pre-decode) waits this
-# long for the foreground requests in flight to end, then gives way (Preempted: retried later)
+# where background streams do not share the engine's steps (`Replica.shares_steps`), one (a
+# pre-decode) waits this long for the foreground requests in flight to end, then gives way
+# (Preempted: retried later)
 GIVE_WAY_S = 0.05
 
 
@@ -154,9 +155,9 @@ class Replica:
     def foreground_request(self) -> Iterator[None]:
         """A foreground request in flight: where background streams do not share the engine's
         steps (no priority scheduling, or `give_way`), the background streams in flight are
-        preempted (each ends at its next token, and is
-        aborted at the engine where it has an abort API), and new ones wait until no
-        foreground request is in flight (`background_stream`)."""
+        preempted (each ends at its next token, and is aborted at the engine where it has an
+        abort API), and new ones wait until no foreground request is in flight
+        (`background_stream`)."""
         with self.lock:
             self.foreground += 1
             preempted = [] if self.shares_steps else list(self._background.items())

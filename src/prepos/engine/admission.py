@@ -95,7 +95,9 @@ class Room:
     """Room for sessions' tokens: in the context and the session's budget (a request's
     prompt and answer), in the engine's cell budget (committed state across sessions: only
     speculative cells are reclaimable, live state never is). The cells a forward needs are
-    the pool's to find, in one place: `KVPool.admit`, when the batch it runs in is admitted."""
+    the pool's to find where the batch it runs in is admitted (`KVPool.admit`); an answer a
+    remote engine streams runs no forward and makes its room before it starts
+    (`KVPool.make_room`)."""
 
     def __init__(self, max_context: int, session_cells: int, pool: KVPool,
                  sessions: SessionStore):

@@ -161,11 +161,12 @@ class Answers:
             if stream.cancelled:  # the client left while this waited: no model work
                 out.finish("cancelled")
                 return
-            kv = self.pool.get(s.id)
             if self.backend.streams_answers:  # the first token is the stream's first event
-                kept = kv.common_prefix(seq)
-                step = None
+                self.pool.make_room(s.id, seq)  # no Forward, so no batch admits it
+                kv = self.pool.get(s.id)
+                kept, step = kv.common_prefix(seq), None
             else:
+                kv = self.pool.get(s.id)
                 step = yield Forward(kv, seq, logits_from=0 if prompt_logprobs else None)
                 if prompt_logprobs:
                     stream.prompt_logprobs = res.prompt_logprobs = _prompt_logprobs(

@@ -125,6 +125,18 @@ class KVPool:
             return False
         return self.used + self.extra_cells(sid, target) <= self.engine_cells
 
+    def make_room(self, sid: str, target: Sequence[int]) -> None:
+        """For a foreground answer on a back end that streams answers, which runs no
+        `Forward` (the engine decodes), so no batch admits it: room for `sid`'s KV to hold
+        `target`, as `admit` makes it for a batch. Without tiers what the last of `keeps`
+        keeps is never evicted: if that is not enough, the request is refused."""
+        kv = self._kv.get(sid)
+        handle = (kv is None or kv.handle is None) and self.tiers is not None
+        if not self._room(self.extra_cells(sid, target), handle, {sid}, [], True) \
+                and self.tiers is None:
+            raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells is "
+                             f"full ({self.used} in use by committed session state)")
+
     # -- admission and the tiers (on the worker) ----------------------------------------
     def admit(self, forwards: Sequence[Forward],
               plans: Sequence[tuple[int, int, int]] | None,
