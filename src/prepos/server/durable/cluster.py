@@ -37,7 +37,7 @@ from prepos.server.durable.store import Database
 from prepos.server.http.auth import public, scoped
 from prepos.server.http.errors import ApiError
 
-log = logging.getLogger("prepos.server.durable.cluster")
+log = logging.getLogger("prepos.server.cluster")
 HEADER = b"x-session-id"
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 SLOW_S = 5.0  # a request on a session slower than this is logged

@@ -35,7 +35,7 @@ from prepos.server.durable.responses_store import MAX_BYTES, SAME_OWNER
 from prepos.server.durable.store import Database
 from prepos.server.http.errors import ApiError
 
-log = logging.getLogger("prepos.server.durable.directory")
+log = logging.getLogger("prepos.server.conversations")
 KEEP = 10000  # conversations per API key
 CONV = "openai_conversations"
 ITEMS = "openai_conversation_items"

@@ -29,7 +29,7 @@ from prepos.engine.implicit import conversation_keys
 from prepos.server.durable.forwarding import FORWARDED, HOP
 from prepos.server.durable.store import Database
 
-log = logging.getLogger("prepos.server.durable.directory")
+log = logging.getLogger("prepos.server.conversations")
 
 
 class Directory:

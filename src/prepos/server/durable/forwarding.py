@@ -17,7 +17,7 @@ from prepos.server.durable.store import Database
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
 
-log = logging.getLogger("prepos.server.durable.cluster")
+log = logging.getLogger("prepos.server.cluster")
 FORWARDED = b"x-prepos-forwarded"
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
        b"proxy-connection", b"content-length"}

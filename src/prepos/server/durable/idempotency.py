@@ -44,7 +44,7 @@ from prepos.server.durable.store import Database
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError, as_api_error, error_body
 
-log = logging.getLogger("prepos.server.durable.idempotency")
+log = logging.getLogger("prepos.server.idempotency")
 HEADER = "Idempotency-Key"
 TTL_S = 86400.0  # how long a result is kept
 KEEP = 10000  # results kept per API key

@@ -32,7 +32,7 @@ from prepos.errors import PreposError
 from prepos.server.durable.idempotency import KeyClaimed, riding
 from prepos.server.durable.store import TIMEOUT, Database
 
-log = logging.getLogger("prepos.server.durable.journal")
+log = logging.getLogger("prepos.server.journal")
 Restored = tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]
 
 UPSERT_VERSION = ('INSERT INTO versions VALUES (?, ?, ?, ?) ON CONFLICT (sid, version) DO '

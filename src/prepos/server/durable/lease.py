@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from prepos.errors import PreposError
 from prepos.server.durable.store import Database
 
-log = logging.getLogger("prepos.server.durable.lease")
+log = logging.getLogger("prepos.server.lease")
 
 
 class LeaseLost(PreposError):

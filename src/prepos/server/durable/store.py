@@ -42,7 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prepos.errors import PreposError
 
-log = logging.getLogger("prepos.server.durable.store")
+log = logging.getLogger("prepos.server.store")
 T = TypeVar("T")
 TIMEOUT = 2.0  # seconds a write may wait for the store (busy, statement and lock timeouts)
 

@@ -25,7 +25,7 @@ from prepos.errors import SessionNotFound
 from prepos.server.durable.journal import is_ephemeral
 from prepos.server.http.auth import public
 
-log = logging.getLogger("prepos.server.http.sse")
+log = logging.getLogger("prepos.server.sse")
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0

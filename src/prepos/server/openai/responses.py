@@ -67,7 +67,7 @@ from prepos.server.openai.responses_input import (
     tool_choice,
 )
 
-log = logging.getLogger("prepos.server.http.bodies")
+log = logging.getLogger("prepos.server.responses")
 routes = Routes()
 _APIS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
