@@ -70,3 +70,52 @@ def test_an_async_reader_gets_every_event_once_in_order(pushes, fails):
         return got
 
     assert asyncio.run(run()) == [t for t, _ in pushes]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_text_a_token_at_a_time_equals_the_whole_decode(model_dirs, data):
+    """An answer's text kept a token at a time (`Detokenizer`) is the text of decoding its
+    tokens whole after every token, but for a character whose bytes are not all in yet,
+    which `whole()` shows as the whole decode does; its stop strings are found where a
+    whole decode finds them (tiny tokenizers of two families, any token ids, specials
+    and broken byte sequences included)."""
+    from transformers import AutoTokenizer
+
+    from prepos.chat.detokenize import Detokenizer
+    from prepos.chat.format import ChatFormat
+
+    family = data.draw(st.sampled_from(sorted(model_dirs)))
+    fmt = _formats.setdefault(family, ChatFormat(AutoTokenizer.from_pretrained(
+        str(model_dirs[family]))))
+    ids = data.draw(st.lists(st.integers(0, len(fmt.tokenizer) - 1), max_size=40))
+    detok = Detokenizer(fmt)
+    assert detok._stream is not None  # the tiny tokenizers concatenate: one token at a time
+    for i, tok in enumerate(ids):
+        detok.add(tok)
+        whole = fmt.decode(ids[:i + 1])
+        assert whole.startswith(detok.text) and detok.whole() == whole
+        assert detok.fixed <= len(detok.text)
+    stop = data.draw(st.text(min_size=1, max_size=3))
+    stream, res = Stream(), Result(AnswerPath.COLD, Match.NONE)
+    gen = Generation(fmt, SamplingParams(max_tokens=1000, stop=(stop,)), stream, res, 0.0)
+    expected = _first_stop(fmt, [t for t in ids if t not in fmt.end_of_turn], stop)
+    for tok in ids:
+        if tok not in fmt.end_of_turn and gen.add(tok):
+            break
+    else:
+        gen.finish("length")
+    assert res.text == expected and "".join(ev.text for ev in stream) == expected
+
+
+_formats: dict = {}
+
+
+def _first_stop(fmt, ids: list[int], stop: str) -> str:
+    """The text a whole decode after every token gives: cut before the first stop string
+    at the first token whose text holds it."""
+    for i in range(len(ids)):
+        text = fmt.decode(ids[:i + 1])
+        if stop in text:
+            return text[:text.index(stop)]
+    return fmt.decode(ids)

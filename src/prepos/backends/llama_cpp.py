@@ -37,7 +37,6 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from prepos.backends.base import Backend, Preempted, Step, _work
@@ -129,6 +128,7 @@ class LlamaCppBackend(Backend):
         self.mem = _ll.llama_get_memory(self.ctx)
         vocab = _ll.llama_model_get_vocab(self.model)
         self.vocab_size = int(_ll.llama_vocab_n_tokens(vocab))
+        self._row_bytes = self.vocab_size * ctypes.sizeof(ctypes.c_float)
         self.n_ctx = int(_ll.llama_n_ctx(self.ctx))
         self.kv_cells = self.n_ctx
         self.max_context = min(int(_ll.llama_n_ctx_seq(self.ctx)),  # a stream, or the pool
@@ -279,8 +279,10 @@ class LlamaCppBackend(Backend):
         raise LlamaCppError(f"llama_decode failed with status {rc}")
 
     def _logits(self, i: int) -> torch.Tensor:
-        ptr = _ll.llama_get_logits_ith(self.ctx, i)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+        """Row `i`'s logits, copied out of llama.cpp's buffer (the next decode reuses it)."""
+        row = torch.empty(self.vocab_size, dtype=torch.float32)
+        ctypes.memmove(row.data_ptr(), _ll.llama_get_logits_ith(self.ctx, i), self._row_bytes)
+        return row
 
     def _abort_requested(self, _data) -> bool:
         fn = self._should_yield

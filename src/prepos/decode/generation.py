@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from prepos.backends.base import Dist
+from prepos.chat.detokenize import Detokenizer
 from prepos.chat.format import ChatFormat
 from prepos.core import Result, SamplingParams
 from prepos.decode.sampling import grammar_finished, token_logprob, top_logprobs
@@ -28,6 +29,7 @@ class Generation:
         self.want_logprobs = want_logprobs
         self.on_finish = on_finish
         self.tokens: list[int] = result.tokens
+        self._detok = Detokenizer(fmt, self.tokens)  # the text, a token at a time
         self._text = ""
         self._emitted = 0
         self._hold = max((len(s) for s in sampling.stop), default=1) - 1
@@ -50,12 +52,13 @@ class Generation:
         if self.sampling.top_logprobs and logits is not None:
             top = top_logprobs(logits, self.sampling.top_logprobs)
             self.result.top_logprobs.append(top)
-        text = self.fmt.decode(self.tokens)
-        stop_at = min((i for i in (text.find(s) for s in self.sampling.stop) if i >= 0),
-                      default=-1) if self.sampling.stop else -1
+        detok = self._detok
+        detok.add(token)
+        text = detok.text
+        stop_at = self._stop(text, detok.fixed)
         if stop_at >= 0:
             self._text = text[:stop_at]
-            return self.finish("stop", token, logprob, top)
+            return self.finish("stop", token, logprob, top, cut=True)
         self._text = text
         if grammar_finished(self.sampler):
             return self.finish("stop", token, logprob, top)
@@ -67,13 +70,25 @@ class Generation:
             return self.finish("length")
         return False
 
+    def _stop(self, text: str, fixed: int) -> int:
+        """Where the first stop string starts in `text`, or -1; none was in its first `fixed`
+        characters (they were searched at an earlier token), so the search starts where one
+        could end after them."""
+        if not self.sampling.stop:
+            return -1
+        found = [text.find(s, max(0, fixed - len(s) + 1)) for s in self.sampling.stop]
+        return min((i for i in found if i >= 0), default=-1)
+
     def _emit(self, token: int, upto: int, logprob: float | None, top) -> None:
         delta = self._text[self._emitted:upto] if upto > self._emitted else ""
         self._emitted = max(self._emitted, upto)
         self.stream.push(TokenEvent(token, delta, logprob, top))
 
     def finish(self, reason: str, token: int | None = None, logprob: float | None = None,
-               top: list[tuple[int, float]] | None = None) -> bool:
+               top: list[tuple[int, float]] | None = None, cut: bool = False) -> bool:
+        """End the answer (`cut`: at a stop string, its text already cut there)."""
+        if not cut and self._detok.pending:  # an incomplete character ends it: shown as
+            self._text = self._detok.whole()  # decoding the tokens whole shows it
         rest = self._text[self._emitted:]
         if rest or token is not None:
             self.stream.push(TokenEvent(token if token is not None else -1, rest, logprob,

@@ -114,6 +114,8 @@ class KVSequence:
     def common_prefix(self, target: Sequence[int]) -> int:
         n = min(len(self.tokens), len(target))
         toks = self.tokens
+        if toks[:n] == list(target[:n]):  # the usual case (a step, a delta): one C compare
+            return n
         i = 0
         # Compare in blocks first: sessions share long prefixes and Python loops are slow.
         while i + 64 <= n and toks[i : i + 64] == list(target[i : i + 64]):

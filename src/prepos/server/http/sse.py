@@ -11,12 +11,12 @@ whole the moment that ends. Answers are computed only while someone is subscribe
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 from starlette.responses import Response
 
 from prepos.core import Request as EngineRequest
@@ -83,9 +83,12 @@ class EventStream(Response):
 
 
 def event(data: Any, name: str | None = None) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data)
-    head = f"event: {name}\n" if name else ""
-    return f"{head}data: {text}\n\n".encode()
+    """One SSE event; its data as JSON bodies are encoded (orjson: a float that is not
+    finite is null), unless it is text already."""
+    body = data.encode() if isinstance(data, str) else orjson.dumps(
+        data, option=orjson.OPT_NON_STR_KEYS)
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return head + b"data: " + body + b"\n\n"
 
 
 class Subscriber:
