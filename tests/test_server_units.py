@@ -125,8 +125,8 @@ def test_serve_options_reach_the_engine_config_and_bad_ones_exit_2(capsys):
                                        "--journal", "none"]))
     assert (cfg.engine.lookup_tokens, cfg.engine.lookup_said_tokens) == (0, 64)
     assert (cfg.engine.kv_layout, cfg.engine.max_sequences) == ("unified", 256)
-    assert cfg.engine.kv_idle_cells == 1024
-    for arg, idle in (("0", 0), ("-1", None)):
+    assert cfg.engine.kv_idle_cells == 0
+    for arg, idle in (("512", 512), ("-1", None)):
         idle_cfg = config_from_args(parse_args(["--kv-idle-cells", arg, "--journal", "none"]))
         assert idle_cfg.engine.kv_idle_cells == idle
     assert (cfg.engine.relaxed.start, cfg.engine.relaxed.r_max) == ("serve", 0.1)

@@ -104,7 +104,6 @@ class Room:
         self.max_context, self.session_cells = max_context, session_cells
         self.pool, self.sessions = pool, sessions
         pool.keeps = (self._committed_len, self._kept_len)  # what room-making keeps
-        pool.committed = self._committed_len  # what a KV's clean copy must hold
 
     def check(self, s: Session, prompt_len: int, sampling: SamplingParams) -> None:
         self.fit(s, prompt_len, sampling)

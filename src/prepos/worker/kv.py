@@ -28,12 +28,13 @@ class KVPool:
     Nothing a task is using is moved (`reserve`/`release`: the scheduler's, which marks the
     sessions whose tasks run).
 
-    A tier keeps its copy of a KV brought back from it (`KVSequence.clean`: the prefix it
-    holds as the KV does), so moving the KV down again saves nothing while its session's
-    committed tokens are within that prefix (only speculative cells added: those are
-    dropped); a new commit beyond it makes the copy stale, saved again when the KV next
-    moves. At idle, `housekeeping` saves such copies ahead, so a foreground request moves
-    idle KVs down without saving any; it never moves a KV down itself."""
+    Moving a KV down loses nothing it holds, speculative cells (a pre-positioned entry, a
+    pre-decoded answer) included. A tier keeps its copy of a KV brought back from it
+    (`KVSequence.clean`: the prefix it holds as the KV does), so moving the KV down again
+    saves nothing while the KV holds no more than that prefix; any cell added beyond it
+    makes the copy stale, saved again when the KV next moves. At idle, `housekeeping` saves
+    such copies ahead, so a foreground request moves idle KVs down without saving any; it
+    never moves a KV down itself."""
 
     def __init__(self, backend: Backend, engine_cells: int, tiers: Tiers | None = None,
                  reserve: Callable[[str], bool] = lambda key: True,
@@ -52,8 +53,6 @@ class KVPool:
         # what room-making keeps of another session's KV, pass by pass (the engine's: its
         # committed length, then less where its owner allows); none: nothing is cropped
         self.keeps: Sequence[Callable[[str], int]] = ()
-        # a session's committed tokens (the engine's); unknown: all of its KV's
-        self.committed: Callable[[str], int] = lambda sid: 1 << 62
         self._kv: dict[str, KVSequence] = {}
         self._scopes: dict[str, str | None] = {}  # a session's owner: its KVs' scope
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
@@ -302,11 +301,10 @@ class KVPool:
         return False
 
     def _spill(self, kv: KVSequence) -> None:
-        """`kv` moved down a tier: to its clean copy where that holds its committed tokens
-        (the speculative cells after it dropped), else saved."""
+        """`kv` moved down a tier: to its clean copy where that holds all of it, else
+        saved."""
         data = None
-        if kv.key in self._saved and 0 < kv.clean and self.committed(kv.key) <= kv.clean:
-            kv.crop(kv.clean)
+        if kv.key in self._saved and 0 < len(kv.tokens) <= kv.clean:
             self.counts["clean_moves"] += 1
         elif kv.tokens:
             data = self._save(kv)
@@ -328,8 +326,8 @@ class KVPool:
     # -- at idle --------------------------------------------------------------------------
     def housekeeping(self) -> Generator:
         """Idle work, one unit a step: the least recently used resident KV a foreground
-        request might move down (beyond the most recently used within `copy_beyond`) whose
-        committed tokens no clean copy holds, saved into the tiers and left resident (one a
+        request might move down (beyond the most recently used within `copy_beyond`) that
+        holds cells no clean copy holds, saved into the tiers and left resident (one a
         task is using skipped). So a request later moves it down without saving; idle work
         itself never moves a KV down. Each KV is tried once a run (a state no tier keeps is
         not saved again until the next)."""
@@ -352,7 +350,7 @@ class KVPool:
             kv = self._kv[sid]
             held += len(kv)
             if held > self.copy_beyond and kv.tokens and sid not in tried and (
-                    sid not in self._saved or self.committed(sid) > kv.clean):
+                    sid not in self._saved or len(kv) > kv.clean):
                 dirty = kv
         return dirty
 
