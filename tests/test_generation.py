@@ -1,6 +1,8 @@
 """Assembling a request's output: cancellation by the reader; the stream's hand-off from the
 producer's thread to an async reader."""
 
+import functools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,19 +82,17 @@ def test_text_a_token_at_a_time_equals_the_whole_decode(model_dirs, data):
     which `whole()` shows as the whole decode does; its stop strings are found where a
     whole decode finds them (tiny tokenizers of two families, any token ids, specials
     and broken byte sequences included)."""
-    from transformers import AutoTokenizer
-
     from prepos.chat.detokenize import Detokenizer
-    from prepos.chat.format import ChatFormat
 
     family = data.draw(st.sampled_from(sorted(model_dirs)))
-    fmt = _formats.setdefault(family, ChatFormat(AutoTokenizer.from_pretrained(
-        str(model_dirs[family]))))
+    fmt = _format(str(model_dirs[family]))
     ids = data.draw(st.lists(st.integers(0, len(fmt.tokenizer) - 1), max_size=40))
-    detok = Detokenizer(fmt)
+    taken: list[int] = []
+    detok = Detokenizer(fmt, taken)
     assert detok._stream is not None  # the tiny tokenizers concatenate: one token at a time
     for i, tok in enumerate(ids):
-        detok.add(tok)
+        taken.append(tok)
+        detok.add()
         whole = fmt.decode(ids[:i + 1])
         assert whole.startswith(detok.text) and detok.whole() == whole
         assert detok.fixed <= len(detok.text)
@@ -108,7 +108,14 @@ def test_text_a_token_at_a_time_equals_the_whole_decode(model_dirs, data):
     assert res.text == expected and "".join(ev.text for ev in stream) == expected
 
 
-_formats: dict = {}
+@functools.cache
+def _format(model_dir: str):
+    """A tiny model's ChatFormat, made once a test session."""
+    from transformers import AutoTokenizer
+
+    from prepos.chat.format import ChatFormat
+
+    return ChatFormat(AutoTokenizer.from_pretrained(model_dir))
 
 
 def _first_stop(fmt, ids: list[int], stop: str) -> str:

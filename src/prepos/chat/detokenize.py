@@ -9,40 +9,45 @@ complete. Elsewhere the text is decoded whole, as before.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
-    """`add(token)` takes the next token; `text` is the text of every token so far, equal to
-    decoding them whole (special tokens skipped), except that a character whose bytes are not
-    all in yet is left out until they are (`pending`; `whole()` shows it as U+FFFD, as a whole
-    decode does). `fixed`: how much of `text` no later token can change (a stop string found
-    before it was found before)."""
+    """The text of `ids`, a token list its owner appends to, calling `add()` after each
+    append: `text` is the text of every token so far, equal to decoding them whole (special
+    tokens skipped), except that a character whose bytes are not all in yet is left out
+    until they are (`pending`; `whole()` shows it as U+FFFD, as a whole decode does).
+    `fixed`: how much of `text` no later token can change (a stop string found before it was
+    found before)."""
 
-    def __init__(self, fmt, ids: Sequence[int] = ()):
+    def __init__(self, fmt, ids: list[int]):
         """`fmt`: what decodes a whole sequence (`decode(ids)`: a ChatFormat), its `tokenizer`
-        the one a token at a time follows where it can."""
+        the one a token at a time follows where it can; the tokens in `ids` already taken."""
         tokenizer = getattr(fmt, "tokenizer", None)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         concatenates = (backend is not None
                         and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.ids = ids
         self._decode = fmt.decode
         self._backend = backend if concatenates else None
         self._stream = DecodeStream(skip_special_tokens=True) if concatenates else None
-        self.ids: list[int] = []
         self.text = ""
         self.fixed = 0
         self.pending = False
-        for tok in ids:
-            self.add(tok)
+        if self._stream is None:
+            self.text = self._decode(ids) if ids else ""
+        else:
+            for tok in ids:
+                self._step(tok)
 
-    def add(self, token: int) -> None:
-        self.ids.append(token)
+    def add(self) -> None:
+        """Take the token just appended to `ids`."""
         if self._stream is None:  # whole, every time: any earlier character may change
             self.text = self._decode(self.ids)
-            return
+        else:
+            self._step(self.ids[-1])
+
+    def _step(self, token: int) -> None:
         self.fixed = len(self.text)
         piece = self._stream.step(self._backend, token)
         self.pending = piece is None

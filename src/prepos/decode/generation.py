@@ -29,7 +29,7 @@ class Generation:
         self.want_logprobs = want_logprobs
         self.on_finish = on_finish
         self.tokens: list[int] = result.tokens
-        self._detok = Detokenizer(fmt, self.tokens)  # the text, a token at a time
+        self._detok = Detokenizer(fmt, self.tokens)  # their text, a token at a time
         self._text = ""
         self._emitted = 0
         self._hold = max((len(s) for s in sampling.stop), default=1) - 1
@@ -53,7 +53,7 @@ class Generation:
             top = top_logprobs(logits, self.sampling.top_logprobs)
             self.result.top_logprobs.append(top)
         detok = self._detok
-        detok.add(token)
+        detok.add()
         text = detok.text
         stop_at = self._stop(text, detok.fixed)
         if stop_at >= 0:

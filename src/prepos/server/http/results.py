@@ -13,16 +13,22 @@ from prepos.server.http.metrics import cached_prompt_tokens
 JSON = "application/json"
 
 
+def json_bytes(data) -> bytes:
+    """JSON as every body and event is encoded: orjson, a float that is not finite as null
+    (JSON has no such number)."""
+    return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+
+
 class JSONBody(Response):
-    """A JSON response: the body encoded by orjson (a float that is not finite, as JSON has
-    no such number, is null), the headers made at once as the ASGI message carries them."""
+    """A JSON response (`json_bytes`), the headers made at once as the ASGI message carries
+    them."""
 
     media_type = JSON
 
     def __init__(self, data, status: int = 200, headers: dict[str, str] | None = None):
         self.status_code = status
         self.background = None
-        self.body = body = orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+        self.body = body = json_bytes(data)
         raw = [(b"content-length", str(len(body)).encode()),
                (b"content-type", b"application/json")]
         if headers:

@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import orjson
 from starlette.responses import Response
 
 from prepos.core import Request as EngineRequest
@@ -24,6 +23,7 @@ from prepos.core import SamplingParams
 from prepos.errors import SessionNotFound
 from prepos.server.durable.journal import is_ephemeral
 from prepos.server.http.auth import public
+from prepos.server.http.results import json_bytes
 
 log = logging.getLogger("prepos.server.sse")
 
@@ -83,10 +83,8 @@ class EventStream(Response):
 
 
 def event(data: Any, name: str | None = None) -> bytes:
-    """One SSE event; its data as JSON bodies are encoded (orjson: a float that is not
-    finite is null), unless it is text already."""
-    body = data.encode() if isinstance(data, str) else orjson.dumps(
-        data, option=orjson.OPT_NON_STR_KEYS)
+    """One SSE event; its data as JSON bodies are encoded, unless it is text already."""
+    body = data.encode() if isinstance(data, str) else json_bytes(data)
     head = b"event: " + name.encode() + b"\n" if name else b""
     return head + b"data: " + body + b"\n\n"
 
