@@ -4,8 +4,10 @@
 # Llama timing models of the 1B and 8B class in bf16 (prepos.lab.tiny.TIMING_SIZES: Llama-3.2-1B
 # and Llama-3.1-8B shapes). For a GPU host; the CPU suite does not need it.
 # Writes $GPU_OUT/<size>/*.json and $GPU_OUT/summary.md; `python benchmarks/report.py` then
-# puts the GPU table into docs/RESULTS.md. Sized to finish within 8 minutes on one H100/H200
-# class GPU (an estimate from the step counts: it has not run on one yet).
+# puts the GPU table into docs/RESULTS.md. On one H200 (2026-12-04) the 1b class took 35 s for
+# the model and HW-1, 60 s for HW-2 and about 2.2 s an HTTP round of HW-5 (2 x SAMPLES + 8
+# rounds), so the defaults need well over 15 minutes; `SIZES=1b SAMPLES=48` fits a 15-minute
+# lease (an estimate from those step times).
 #
 #   benchmarks/gpu.sh                                              # 1b and 8b on cuda
 #   SIZES=test DEVICE=cpu DTYPE=float32 SAMPLES=4 GPU_OUT=/tmp/g benchmarks/gpu.sh  # on a CPU

@@ -223,8 +223,12 @@ def build_model(out_dir: str | Path, family: str = "chatml", arch: str = "llama"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     # Random init gives near-uniform logits; widen them so greedy choices are well separated.
+    # Rows past the tokenizer's vocabulary are zeroed: their logit is 0, below the largest of
+    # the real rows' (a maximum over thousands of centred draws), so greedy never picks an id
+    # that decodes to nothing, and the LM head keeps its real size.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight[len(tok):].zero_()
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "prepos-model.json").write_text(json.dumps({"family": family, "arch": arch,
                                                        "seed": seed, "random_weights": True}))
