@@ -44,6 +44,25 @@ def test_crop_and_rerun_is_bitwise_identical(backend):
         backend.release(kv)
 
 
+def test_a_greedy_step_gives_the_argmax_of_the_logits_it_does_not_copy(backend):
+    """A step flagged greedy in a batch gives its token id, the first index of the largest
+    of the logits the same batch gives unflagged (the crop and rerun are bitwise equal)."""
+    kvs = [backend.new_kv() for _ in range(3)]
+    try:
+        prompts = [TOKENS[i * 9:i * 9 + 30 + i * 5] for i in range(3)]
+        steps = [(kv, [], p) for kv, p in zip(kvs, prompts)]
+        rows = backend.extend_batch(steps)
+        for kv in kvs:
+            backend.crop(kv, 0)
+        got = backend.extend_batch(steps, None, [True, False, True])
+        assert isinstance(got[0], int) and isinstance(got[2], int)
+        assert got[0] == int(torch.argmax(rows[0])) and got[2] == int(torch.argmax(rows[2]))
+        assert torch.equal(got[1], rows[1])
+    finally:
+        for kv in kvs:
+            backend.release(kv)
+
+
 def test_a_batch_of_sessions_matches_each_alone_within_the_tolerance(backend):
     """Each sequence of a batched decode sees only its own cache: its logits equal a decode
     of it alone to within the stated tolerance, and so does its argmax wherever the top-2

@@ -120,12 +120,15 @@ class Backend(abc.ABC):
         """Run `tokens` after the `past` the handle holds; return the last position's logits
         (a 1-D tensor) or, for top-k back ends, a Dist."""
 
-    def extend_batch(self, steps: Sequence[Step],
-                     all_logits: Sequence[bool] | None = None) -> list[Logits]:
+    def extend_batch(self, steps: Sequence[Step], all_logits: Sequence[bool] | None = None,
+                     greedy: Sequence[bool] | None = None) -> list[Logits | int]:
         """Several KVs' extensions (distinct KVs) as one forward where the back end can batch;
         the logits at the last token of each, or, for a step flagged in `all_logits` (back
         ends with `verifies_drafts` only), a [len(tokens), vocab] tensor of the logits at
-        every token it ran. Default: one `extend` after another."""
+        every token it ran. A step flagged in `greedy` wants only the greedy choice (the
+        first index of the largest logit): a back end may give that token id, an int, in
+        place of the logits, where it saves copying them out. Default: the logits, from one
+        `extend` after another."""
         if all_logits is None or not any(all_logits):
             return [self.extend(kv, past, tokens) for kv, past, tokens in steps]
         return [self.extend(kv, past, tokens, all_logits=flag)  # type: ignore[call-arg]

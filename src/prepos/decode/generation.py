@@ -27,6 +27,8 @@ class Generation:
         self.result = result
         self.t0 = t0
         self.want_logprobs = want_logprobs
+        # each step's greedy choice is all it needs (`Forward.greedy`): no logprobs to keep
+        self.greedy = sampling.greedy and not want_logprobs and not sampling.top_logprobs
         self.on_finish = on_finish
         self.tokens: list[int] = result.tokens
         self._detok = Detokenizer(fmt, self.tokens)  # their text, a token at a time

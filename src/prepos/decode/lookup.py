@@ -30,7 +30,7 @@ import torch
 
 from prepos.core import SamplingParams
 from prepos.decode.generation import Generation
-from prepos.decode.sampling import sample
+from prepos.decode.sampling import sample, step_token
 from prepos.worker.sequence import Advance, Forward, KVSequence
 
 
@@ -160,8 +160,8 @@ class Lookup:
             drafts = (index.propose(min(width, room), self.min_ngram)
                       if self.running() <= self.max_batch and not out.stream.paced else [])
             if not drafts:
-                step = yield Forward(kv, tuple(ctx))
-                tok = sample(step.logits, sampling, rng)
+                step = yield Forward(kv, tuple(ctx), greedy=out.greedy)
+                tok = step_token(step, sampling, rng)
                 index.extend([tok])
                 if out.add(tok, step.logits):
                     return

@@ -94,6 +94,14 @@ def sample(logits: torch.Tensor | Dist, params: SamplingParams,
     return _sample(logits, params, gen, None)
 
 
+def step_token(step, params: SamplingParams, gen: torch.Generator | SamplerState | None) -> int:
+    """A forward's next token (`Advance`): its greedy choice where the back end gave it (a
+    `Forward.greedy` forward), else sampled from its logits."""
+    if step.choice is not None:
+        return step.choice
+    return sample(step.logits, params, gen)
+
+
 def _full(logits: torch.Tensor | Dist) -> torch.Tensor:
     if isinstance(logits, Dist):
         if logits.logits is None:  # the engine refuses a response_format on top-k back ends

@@ -29,7 +29,7 @@ from prepos.chat.format import ChatFormat
 from prepos.core import AnswerPath, Match, ReadyRecord, Result, SamplingParams
 from prepos.decode.generation import Generation
 from prepos.decode.lookup import Lookup
-from prepos.decode.sampling import generator_for, sample, top_logprobs
+from prepos.decode.sampling import generator_for, sample, step_token, top_logprobs
 from prepos.decode.stream import Stream
 from prepos.decode.structured import Grammars
 from prepos.engine.admission import Room
@@ -167,7 +167,8 @@ class Answers:
                 kept, step = kv.common_prefix(seq), None
             else:
                 kv = self.pool.get(s.id)
-                step = yield Forward(kv, seq, logits_from=0 if prompt_logprobs else None)
+                step = yield Forward(kv, seq, logits_from=0 if prompt_logprobs else None,
+                                     greedy=out.greedy and not prompt_logprobs)
                 if prompt_logprobs:
                     stream.prompt_logprobs = res.prompt_logprobs = _prompt_logprobs(
                         seq, step.logits, sampling.top_logprobs)
@@ -187,7 +188,7 @@ class Answers:
             used = tm.cached_tokens > 0
             res.path = AnswerPath.FALL if used else AnswerPath.COLD
             self.count("fall" if used else "cold")
-            if step is None or not out.add(sample(step.logits, sampling, rng), step.logits):
+            if step is None or not out.add(step_token(step, sampling, rng), step.logits):
                 yield from self.decode(kv, seq, out, sampling, rng, s.said())
 
         self.scheduler.submit(run(), key=s.id, on_error=stream.fail)
@@ -217,8 +218,8 @@ class Answers:
             yield from self.lookup.decode(kv, seq, out, sampling, rng, said)
             return
         while True:
-            step = yield Forward(kv, seq + tuple(out.tokens))
-            if out.add(sample(step.logits, sampling, rng), step.logits):
+            step = yield Forward(kv, seq + tuple(out.tokens), greedy=out.greedy)
+            if out.add(step_token(step, sampling, rng), step.logits):
                 return
 
     def _finisher(self, s: Session, then: Callable[[Result], None] | None

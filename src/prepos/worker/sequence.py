@@ -38,10 +38,13 @@ class Advance:
     prefilled: int  # tokens run through the model by this call
     restore_s: float
     forward_s: float
+    # a `Forward.greedy` forward's greedy choice at the end of the target, where the back end
+    # gave it in place of the logits (which are then None)
+    choice: int | None = None
 
     @property
     def done(self) -> bool:
-        return self.logits is not None
+        return self.logits is not None or self.choice is not None
 
 
 @dataclass
@@ -52,13 +55,18 @@ class Forward:
 
     `logits_from` (back ends with `verifies_drafts`, one whole forward: no `max_tokens`): the
     Advance's logits are a [len(target) - logits_from, vocab] tensor, the logits at every
-    position from that index on, positions already resident re-run (verifying drafts)."""
+    position from that index on, positions already resident re-run (verifying drafts).
+
+    `greedy`: the task wants only the greedy choice at the end (no logprobs, nothing shaping
+    the logits); a back end that can take it without copying the logits out gives it as the
+    Advance's `choice` instead (`Backend.extend_batch`)."""
 
     kv: KVSequence
     target: Sequence[int]
     max_tokens: int | None = None
     preemptible: bool = True  # idle work only: may stop between layers for a waiting request
     logits_from: int | None = None
+    greedy: bool = False
 
     def plan(self) -> tuple[int, int, int]:
         """(kept, start, stop): the target's prefix resident now, where the delta starts (a
@@ -252,12 +260,18 @@ def run_forwards(backend: Backend, forwards: Sequence[Forward],
         done.append((kept, chunk, stop == len(f.target), start))
     t1 = time.perf_counter()
     every = [f.logits_from is not None for _, f, _ in run]
-    outs = backend.extend_batch(steps, every if any(every) else None) if steps else []
+    greedy = [f.greedy for _, f, _ in run]
+    outs = backend.extend_batch(steps, every if any(every) else None,
+                                greedy if any(greedy) else None) if steps else []
     t2 = time.perf_counter()
     result: list[Advance | BaseException | None] = [
         p if isinstance(p, BaseException) else None for p in admitted]
     for (i, f, _), (kept, chunk, reached, start), out in zip(run, done, outs):
         f.kv._grow(chunk)
+        if isinstance(out, int):  # the greedy choice, in place of the logits
+            result[i] = Advance(None, kept, len(chunk), t1 - t0, t2 - t1,
+                                choice=out if reached else None)
+            continue
         if f.logits_from is not None:  # the rows from logits_from on
             out = out[f.logits_from - start:]
         result[i] = Advance(out if reached else None, kept, len(chunk), t1 - t0, t2 - t1)
