@@ -155,9 +155,12 @@ class FakeCluster:
                     return {"id": t, "token": f"t{t}", "bytes": [116], "logprob": v}
 
                 probs = {**entry(tok, float(lp[tok])), "top_logprobs": [entry(*t) for t in top]}
-                yield sse({"index": 0, "content": f"t{tok}", "tokens": [tok], "stop": False,
-                           "id_slot": slot, "tokens_predicted": i + 1,
-                           "tokens_evaluated": len(prompt), "completion_probabilities": [probs]})
+                event = {"index": 0, "content": f"t{tok}", "tokens": [tok], "stop": False,
+                         "id_slot": slot, "tokens_predicted": i + 1,
+                         "tokens_evaluated": len(prompt)}
+                if k > 0:  # as llama-server: no probabilities at n_probs 0
+                    event["completion_probabilities"] = [probs]
+                yield sse(event)
                 if last:
                     yield sse({"index": 0, "content": "", "tokens": [], "stop": True,
                                "id_slot": slot, "tokens_predicted": i + 1,

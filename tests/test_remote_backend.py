@@ -231,6 +231,32 @@ def test_engine_paths_and_greedy_equality(kind, model_dirs, make_engine, torch_m
         remote.backend.close()
 
 
+def test_an_answer_without_logprobs_asks_the_engine_for_no_distributions(model_dirs,
+                                                                            torch_model):
+    """A streamed answer that keeps no logprobs asks llama-server for none (`n_probs` 0: the
+    engine's top-k over the vocabulary each token is not paid); one that keeps them asks for
+    them, and gets each token's; the tokens are the same greedy answer either way."""
+    cl = FakeCluster("llama.cpp", torch_logits(torch_model), ["a"])
+    eng = remote_engine_on(cl, model_dirs["chatml"], preposition=False)
+    try:
+        sid = eng.create_session("streaming", system="You are a market analyst.")
+        eng.append(sid, "AAPL 101.2 101.5 101.9")
+        plain = eng.query(sid, "What is the trend?", Request(SamplingParams(max_tokens=5)))
+        plain = plain.result()
+        asked = [r for r in cl.replicas["a"].requests if r.get("stream")]
+        assert asked and asked[-1]["n_probs"] == 0
+        kept = eng.query(sid, "What is the trend?",
+                         Request(SamplingParams(max_tokens=5, top_logprobs=2), logprobs=True))
+        kept = kept.result()
+        asked = [r for r in cl.replicas["a"].requests if r.get("stream")]
+        assert asked[-1]["n_probs"] >= 2
+        assert kept.tokens == plain.tokens and len(kept.logprobs) == len(kept.tokens)
+        assert all(len(top) == 2 for top in kept.top_logprobs)
+    finally:
+        eng.close()
+        eng.backend.close()
+
+
 def test_engine_cold_path_and_prefix_cache_on_remote(model_dirs, torch_model):
     cl = FakeCluster("llama.cpp", torch_logits(torch_model), ["a"])
     eng = remote_engine_on(cl, model_dirs["chatml"], preposition=False)

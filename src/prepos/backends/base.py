@@ -135,13 +135,16 @@ class Backend(abc.ABC):
                 for (kv, past, tokens), flag in zip(steps, all_logits)]
 
     def stream_answer(self, kv: Any, prompt: Sequence[int], sampling: Any, max_tokens: int,
-                      stop_ids: frozenset[int]) -> Iterator[tuple[int, Dist | None]]:
+                      stop_ids: frozenset[int], dists: bool = True
+                      ) -> Iterator[tuple[int, Dist | None]]:
         """Back ends with `streams_answers`: one request that continues `prompt` (the whole
         sequence; the engine's prefix cache pays only what it does not hold) by up to
         `max_tokens` tokens, sampled by the engine itself with `sampling` (temperature,
         top_k, top_p, seed), stopping after a token in `stop_ids`. Yields each token with
-        its distribution (top-k where that is all the engine returns). Closing the
-        generator aborts the request at the engine."""
+        its distribution (top-k where that is all the engine returns), or, where `dists` is
+        False, with None where the engine can leave the distribution out (it costs the
+        engine a top-k over the vocabulary a token). Closing the generator aborts the
+        request at the engine."""
         raise NotImplementedError(f"the {self.name} back end does not stream answers")
 
     @abc.abstractmethod

@@ -27,7 +27,9 @@ and that holds only the engine's top-k (`top_k`, default 8) — so that one toke
 from the top-k renormalized (the mass outside the top-k is dropped). Greedy answers are
 exact on every path (the argmax is always in the top-k). The distributions reported with
 each token (`Dist`, `logits` None) are the top max(2, top_logprobs) of the raw model
-distribution.
+distribution; an answer that keeps no logprobs asks for none (llama-server's `n_probs` 0;
+vLLM and SGLang return each token's id in its logprobs, so they are asked for one), since
+the engine pays a top-k over the vocabulary for each token it reports one of.
 
 The engine's facts come from the engine: the context length from vLLM/SGLang's
 `GET /v1/models` `max_model_len` or llama.cpp's `GET /props` `n_ctx` (per slot; the
@@ -332,7 +334,7 @@ class RemoteBackend(Backend):
         return top
 
     def stream_answer(self, kv: RemoteKV, prompt: Sequence[int], sampling: Any,
-                      max_tokens: int, stop_ids: frozenset[int]
+                      max_tokens: int, stop_ids: frozenset[int], dists: bool = True
                       ) -> Iterator[tuple[int, Dist | None]]:
         """One streamed request continuing `prompt` by up to `max_tokens` tokens, sampled by
         the engine (see the module docstring), ending after a token in `stop_ids`; yields
@@ -346,7 +348,7 @@ class RemoteBackend(Backend):
         if max_tokens < 1:
             return
         self._check_length(len(prompt))
-        k = max(2, int(getattr(sampling, "top_logprobs", 0) or 0))
+        k = max(2, int(getattr(sampling, "top_logprobs", 0) or 0)) if dists else 0
         background = in_idle_work()
         tried: list[Replica] = []
         errors: list[str] = []
@@ -384,7 +386,7 @@ class RemoteBackend(Backend):
                                 raise Preempted(f"request {rid} gave way to a foreground one")
                             delivered += 1
                             kv.sent = len(prompt) + delivered - 1
-                            kv.last = top
+                            kv.last = top if top is not None else TopK((), ())
                             done = last  # llama.cpp past a stop id: leaving closes the stream
                             yield token, (top.dist() if top is not None and top.ids else None)
                             if done:

@@ -72,7 +72,8 @@ class VLLMAdapter(Adapter):
                       "top_k": int(sampling.top_k), "min_p": 0.0, "repetition_penalty": 1.0,
                       "presence_penalty": 0.0, "frequency_penalty": 0.0,
                       "stop_token_ids": sorted(stop_ids), "ignore_eos": True,
-                      "logprobs": k, "return_tokens_as_token_ids": True, "stream": True,
+                      # the token ids come in the logprobs: at least the sampled one's
+                      "logprobs": max(k, 1), "return_tokens_as_token_ids": True, "stream": True,
                       "stream_options": {"include_usage": True}}
         if _seed(sampling) is not None:
             body["seed"] = int(sampling.seed)
@@ -184,7 +185,7 @@ class SGLangAdapter(Adapter):
         if _seed(sampling) is not None:
             sp["sampling_seed"] = int(sampling.seed)
         body: dict = {"input_ids": list(prompt), "sampling_params": sp, "return_logprob": True,
-                      "top_logprobs_num": k, "logprob_start_len": -1, "stream": True,
+                      "top_logprobs_num": max(k, 1), "logprob_start_len": -1, "stream": True,
                       "rid": rid}
         if background and self.background_priority is not None:
             body["priority"] = self.background_priority

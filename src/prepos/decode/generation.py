@@ -27,8 +27,10 @@ class Generation:
         self.result = result
         self.t0 = t0
         self.want_logprobs = want_logprobs
-        # each step's greedy choice is all it needs (`Forward.greedy`): no logprobs to keep
-        self.greedy = sampling.greedy and not want_logprobs and not sampling.top_logprobs
+        # the answer keeps logprobs: each token needs its step's distribution
+        self.wants_dists = want_logprobs or bool(sampling.top_logprobs)
+        # each step's greedy choice is all it needs (`Forward.greedy`)
+        self.greedy = sampling.greedy and not self.wants_dists
         self.on_finish = on_finish
         self.tokens: list[int] = result.tokens
         self._detok = Detokenizer(fmt, self.tokens)  # their text, a token at a time

@@ -204,7 +204,8 @@ class Answers:
         answers) predicts them (`prepos.decode.lookup`)."""
         if self.backend.streams_answers:
             events = kv.stream(seq + tuple(out.tokens), sampling,
-                               sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn)
+                               sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn,
+                               dists=out.wants_dists)
             try:
                 for token, dist in events:
                     if out.add(token, dist):

@@ -197,13 +197,16 @@ class KVSequence:
             del self.hashes[blocks:]
 
     def stream(self, target: Sequence[int], sampling, max_tokens: int,
-               stop_ids: frozenset[int]) -> Iterator[tuple[int, Dist | None]]:
+               stop_ids: frozenset[int], dists: bool = True
+               ) -> Iterator[tuple[int, Dist | None]]:
         """A back end that streams answers: generate up to `max_tokens` after `target` in one
-        request, token by token; the mirror follows what the engine's cache holds (the target
-        and every generated token but the last). Closing the iterator aborts the request."""
+        request, token by token (with each one's distribution unless `dists` is False); the
+        mirror follows what the engine's cache holds (the target and every generated token
+        but the last). Closing the iterator aborts the request."""
         self.ensure()
         self.crop(self.common_prefix(target))
-        events = self.backend.stream_answer(self.handle, target, sampling, max_tokens, stop_ids)
+        events = self.backend.stream_answer(self.handle, target, sampling, max_tokens, stop_ids,
+                                            dists)
         self._grow(target[len(self.tokens):])
         last = None
         try:
