@@ -15,15 +15,19 @@ client reads it; a gap is the time between two chunks that carry content. Four c
   remote    one stream at a time through `prepos serve --backend llama-server` against the
             same llama-server directly, alternated stream by stream (both alive: prepos relays)
 
-Cases single, four and busy run with one server alive at a time (prepos, then llama-server,
-`-np 4`, `--jinja`). Reported per case and arm: gap P50, P90, P99, max and mean in ms, with
+Cases single, four and busy run with one server alive at a time (prepos, or llama-server
+`-np 4 --jinja`), in --rounds blocks ordered ABBA (prepos, llama-server, llama-server,
+prepos, ...: a drift of the machine's speed over the run falls on both arms alike), each
+block a fresh server running every case with its share of the streams; a case's figures
+pool its blocks' gaps. Reported per case and arm: gap P50, P90, P99, max and mean in ms, with
 the number of gaps, streams and tokens, and the ratios prepos over llama-server
 (`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio` at four streams).
 With --stages, prepos's own per-token stage times from its /metrics (histogram
 `prepos:token_stage_seconds`, P50 / P99 interpolated within buckets, in µs): the decode step,
 the hand-off to the event loop, the chunk's encoding and its write to the socket.
 
-    python benchmarks/token_cadence.py [--model smollm2] [--runs 8] [--max-tokens 128]
+    python benchmarks/token_cadence.py [--model smollm2] [--runs 8] [--rounds 2]
+                                       [--max-tokens 128]
 The last line printed is the JSON summary (also results/token_cadence.json).
 """
 
@@ -100,14 +104,14 @@ def summary(streams: list[dict], wall_s: float | None = None) -> dict:
     return out
 
 
-def run_single(url: str, args, key: str | None, offset: int = 0) -> list[dict]:
-    return [one_stream(url, offset + i, args.max_tokens, key) for i in range(args.runs)]
+def run_single(url: str, args, key: str | None, runs: int, offset: int = 0) -> list[dict]:
+    return [one_stream(url, offset + i, args.max_tokens, key) for i in range(runs)]
 
 
-def run_four(url: str, args, key: str | None) -> tuple[list[dict], float]:
+def run_four(url: str, args, key: str | None, runs: int) -> tuple[list[dict], float]:
     streams: list[dict] = []
     wall = 0.0
-    for r in range(max(1, args.runs // 2)):
+    for r in range(max(1, runs // 2)):
         got: list[dict] = [{}] * 4
 
         def go(j: int) -> None:
@@ -184,13 +188,12 @@ def stage_buckets(url: str, key: str | None) -> dict[tuple[str, float], float]:
             for s in f.samples if s.name.endswith("_bucket")}
 
 
-def stage_times(before: dict, after: dict) -> dict:
-    """P50 / P99 per stage (µs) from the histogram's buckets between two scrapes,
-    interpolated linearly within a bucket."""
+def stage_times(counts: dict) -> dict:
+    """P50 / P99 per stage (µs) from the histogram's bucket counts (`(stage, le) -> count`,
+    cumulative as Prometheus keeps them), interpolated linearly within a bucket."""
     out = {}
     for stage in STAGES:
-        buckets = sorted((le, v - before.get((st, le), 0.0)) for (st, le), v in after.items()
-                         if st == stage)
+        buckets = sorted((le, v) for (st, le), v in counts.items() if st == stage)
         total = buckets[-1][1] if buckets else 0
         if not total:
             continue
@@ -208,23 +211,44 @@ def stage_times(before: dict, after: dict) -> dict:
     return out
 
 
-def arm(url: str, args, key: str | None, prepos: bool, cases: set[str]) -> dict:
-    scrape = (lambda: stage_buckets(url, key)) if prepos else dict
-    one_stream(url, 99, 8, key)  # warm-up: the template, the first allocation
-    out = {}
-    if "single" in cases:
-        before = scrape()
-        out["single"] = summary(run_single(url, args, key))
-        if prepos and args.stages:
-            out["stages"] = stage_times(before, scrape())
-    if "four" in cases:
-        streams, wall = run_four(url, args, key)
-        out["four"] = summary(streams, wall)
-    if "busy" in cases:
-        with Busy(url, args.busy_sessions, key, prepos) as busy:
-            out["busy"] = summary(run_single(url, args, key, offset=5))
-        out["busy"].update(appends=busy.appends, scrapes=busy.scrapes)
-    return out
+class Arm:
+    """One server's streams over its blocks, pooled per case."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, list[dict]] = {}
+        self.wall = 0.0  # the four case's
+        self.appends = self.scrapes = 0  # the busy case's load
+        self.stages: dict[tuple[str, float], float] = {}  # the single case's bucket counts
+
+    def block(self, url: str, args, key: str | None, prepos: bool, cases: set[str],
+              runs: int) -> None:
+        """One block on a fresh server: each case with `runs` streams."""
+        one_stream(url, 99, 8, key)  # warm-up: the template, the first allocation
+        if "single" in cases:
+            before = stage_buckets(url, key) if prepos and args.stages else {}
+            self.streams.setdefault("single", []).extend(run_single(url, args, key, runs))
+            if before:
+                for k, v in stage_buckets(url, key).items():
+                    self.stages[k] = self.stages.get(k, 0.0) + v - before.get(k, 0.0)
+        if "four" in cases:
+            streams, wall = run_four(url, args, key, runs)
+            self.streams.setdefault("four", []).extend(streams)
+            self.wall += wall
+        if "busy" in cases:
+            with Busy(url, args.busy_sessions, key, prepos) as busy:
+                self.streams.setdefault("busy", []).extend(
+                    run_single(url, args, key, runs, offset=5))
+            self.appends += busy.appends
+            self.scrapes += busy.scrapes
+
+    def summaries(self) -> dict:
+        out = {case: summary(s, self.wall if case == "four" else None)
+               for case, s in self.streams.items()}
+        if "busy" in out:
+            out["busy"].update(appends=self.appends, scrapes=self.scrapes)
+        if self.stages:
+            out["stages"] = stage_times(self.stages)
+        return out
 
 
 def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
@@ -262,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=8, help="streams a case (four: runs/2 rounds)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="blocks per server, ordered ABBA; each runs runs/rounds streams a case")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--busy-sessions", type=int, default=8)
     ap.add_argument("--cases", default="single,four,busy,remote",
@@ -282,18 +308,28 @@ def main(argv: list[str] | None = None) -> int:
     cases = set(args.cases.split(","))
     local = cases & {"single", "four", "busy"}
     if local:
-        proc, url = start_prepos(served, log / "prepos.log", args.threads, args.server_arg)
-        try:
-            mine = arm(url, args, KEY, True, local)
-        finally:
-            stop(proc)
-        llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096, threads=args.threads,
-                            extra=("--jinja", "--metrics"), log=log / "llama.log")
-        llama.start(wait=300)
-        try:
-            peer = arm(llama.url, args, None, False, local)
-        finally:
-            llama.stop()
+        ours, theirs = Arm(), Arm()
+        runs = max(1, args.runs // max(1, args.rounds))
+        order = [r % 4 in (0, 3) for r in range(2 * max(1, args.rounds))]  # ABBA...: prepos?
+        for prepos in order:
+            if prepos:
+                proc, url = start_prepos(served, log / "prepos.log", args.threads,
+                                         args.server_arg)
+                try:
+                    ours.block(url, args, KEY, True, local, runs)
+                finally:
+                    stop(proc)
+                continue
+            llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096,
+                                threads=args.threads, extra=("--jinja", "--metrics"),
+                                log=log / "llama.log")
+            llama.start(wait=300)
+            try:
+                theirs.block(llama.url, args, None, False, local, runs)
+            finally:
+                llama.stop()
+        mine, peer = ours.summaries(), theirs.summaries()
+        out["rounds"] = args.rounds
         for case in sorted(local):
             out[case] = {"prepos": mine[case], "llama_server": peer[case],
                          **ratios(mine[case], peer[case])}
