@@ -6,8 +6,8 @@
 # Writes $GPU_OUT/<size>/*.json and $GPU_OUT/summary.md; `python benchmarks/report.py` then
 # puts the GPU table into docs/RESULTS.md. On one H200 (2026-12-04) the 1b class took 35 s for
 # the model and HW-1, 60 s for HW-2 and about 2.2 s an HTTP round of HW-5 (2 x SAMPLES + 8
-# rounds), so the defaults need well over 15 minutes; `SIZES=1b SAMPLES=48` fits a 15-minute
-# lease (an estimate from those step times).
+# rounds), so the defaults need well over 15 minutes; `SIZES=1b SAMPLES=48` finishes within
+# about 15 minutes (an estimate from those step times).
 #
 #   benchmarks/gpu.sh                                              # 1b and 8b on cuda
 #   SIZES=test DEVICE=cpu DTYPE=float32 SAMPLES=4 GPU_OUT=/tmp/g benchmarks/gpu.sh  # on a CPU

@@ -290,8 +290,8 @@ class LlamaCppBackend(Backend):
 
     def _choice(self, i: int) -> int:
         """Row `i`'s greedy choice, read in place: right after a step, copying the row out
-        and taking its argmax cost about three times the argmax in place (SmolLM2 on two
-        cores, in a probe: 170-240 against 70-80 µs a token)."""
+        and taking its argmax cost two to four times the argmax in place (SmolLM2 on two
+        cores, four probe runs: 173-276 against 71-82 µs a token)."""
         at = ctypes.cast(_ll.llama_get_logits_ith(self.ctx, i), ctypes.c_void_p).value
         return int(np.frombuffer(self._row_type.from_address(at), dtype=np.float32).argmax())
 

@@ -91,9 +91,9 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
              media="text/plain", public=True, errors=(401,))
     async def metrics(request: Request):
         scrapers.owner(request)  # 401 without a metrics key, where there are some
-        # rendered off the event loop: a render is milliseconds of Python (15 ms of CPU
-        # beside a decoding stream, in a profile), which on the loop would hold back every
-        # stream's next chunk
+        # rendered off the event loop: a render is milliseconds of Python (about 15 ms
+        # beside a decoding stream, derived from a profile), which on the loop would hold
+        # back every stream's next chunk
         body = await asyncio.to_thread(state.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
 
