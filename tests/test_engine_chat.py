@@ -61,3 +61,40 @@ def test_a_delta_that_does_not_fit_changes_nothing(make_engine):
         eng.chat(eng.plan_chat(sid, msgs), ONE)
     assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
     assert state(eng, sid) == before
+
+
+def test_a_stock_clients_conversation_is_kept_by_the_engine(make_engine):
+    """`Engine.converse`: the first request keeps a new session; the next, resending the
+    conversation with one new message, continues it and commits the delta only; the session
+    is free again before its reader sees the answer's end; another key starts its own."""
+    eng = make_engine("chatml")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Trend?"}]
+    stream = eng.converse("a", first, (), ONE)
+    answer = stream.result().text
+    assert eng.metrics()["implicit"] == {"continued": 0, "started": 1, "evicted": 0}
+    (kept,) = [s for s in eng.all_sessions() if s.spec.implicit]
+    assert eng.snapshot(kept.id).messages[:2] == tuple(first)
+    nxt = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Sure?"}]
+    assert eng.holds_conversation("a", (), nxt) and not eng.holds_conversation("b", (), nxt)
+    commits = []
+    eng.subscribe(lambda event, s, payload: commits.append(s.id) if event == "commit" else None)
+    eng.converse("a", nxt, (), ONE).result()
+    assert eng.metrics()["implicit"]["continued"] == 1
+    assert eng.snapshot(kept.id).messages[:4] == tuple(nxt)
+    assert set(commits) == {kept.id} and len(commits) == 2  # the user message, the answer
+    eng.converse("b", nxt, (), ONE).result()  # never another key's conversation
+    assert eng.metrics()["implicit"] == {"continued": 1, "started": 2, "evicted": 0}
+    assert eng.evict_conversation() and eng.metrics()["implicit"]["evicted"] == 1
+
+
+def test_a_streams_end_callbacks_run_before_its_reader_sees_the_end():
+    from prepos.core import AnswerPath, Match, Result
+    from prepos.decode.stream import Stream
+
+    stream, seen = Stream(), []
+    stream.on_end(lambda: seen.append(stream.done))
+    stream.on_end(lambda: 1 / 0)  # a failing callback is logged; the stream still ends
+    stream.finish(Result(AnswerPath.COLD, Match.NONE))
+    assert seen == [False] and stream.done and stream.result().path is AnswerPath.COLD
+    stream.on_end(lambda: seen.append("late"))  # once it has ended: at once
+    assert seen == [False, "late"]

@@ -153,3 +153,8 @@ class EngineConfig:
     # renormalized within the top-k; off by default, so such back ends serve greedy only
     topk_sampling: bool = False
     relaxed: RelaxedConfig = field(default_factory=RelaxedConfig)
+    # stateless conversations kept as implicit sessions (`prepos.engine.implicit`): the bytes
+    # of their bookkeeping (their KV is the tiers'; 0: none kept), at most this many (None: no
+    # count)
+    implicit_memory: int = 1 << 30
+    implicit_sessions: int | None = None

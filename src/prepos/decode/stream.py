@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prepos.core import Result
@@ -24,6 +26,8 @@ class TokenEvent:
 
 _DONE = object()
 _MAKING = threading.Lock()  # makes a stream's delivered event once
+_ENDING = threading.Lock()  # runs a stream's end callbacks once
+log = logging.getLogger("prepos.stream")
 
 
 class Stream:
@@ -35,6 +39,7 @@ class Stream:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._finished = False
+        self._on_end: list[Callable[[], None]] | None = []  # None once it ends
         self.cancelled = False
         # the reader takes the tokens one by one as they come (iteration, `aiter`), not the
         # whole answer at once: its producer runs one token a step (no drafts), so the tokens
@@ -56,15 +61,34 @@ class Stream:
 
     def finish(self, result: Result) -> None:
         self._result = result
+        self._end_now()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._end_now()
+
+    def _end_now(self) -> None:
+        """Finished: the end callbacks run first, so a reader that sees the end sees what
+        they did (a kept conversation released for its next turn)."""
+        with _ENDING:
+            then, self._on_end = self._on_end, None
+        for fn in then or ():
+            try:
+                fn()
+            except Exception:  # the answer stands; what ran after it is logged
+                log.exception("a stream's end callback failed")
         self._finished = True
         self._events.put(_DONE)
         self._wake()
 
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._finished = True
-        self._events.put(_DONE)
-        self._wake()
+    def on_end(self, fn: Callable[[], None]) -> None:
+        """`fn()` once the stream has finished or failed (a cancelled one finishes too), on
+        the producer's thread before its reader sees the end; at once if it has."""
+        with _ENDING:
+            if self._on_end is not None:
+                self._on_end.append(fn)
+                return
+        fn()
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None

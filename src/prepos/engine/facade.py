@@ -19,6 +19,7 @@ from prepos.engine import conversation
 from prepos.engine.admission import Room, check_request, check_session, one_turn, prompt_ids
 from prepos.engine.answers import Answers
 from prepos.engine.conversation import ChatPlan
+from prepos.engine.implicit import ImplicitSessions
 from prepos.engine.loading import load_parts
 from prepos.engine.logits import answers_from, keeps_top
 from prepos.engine.prepositioner import MAX_YIELDS, Prepositioner
@@ -35,7 +36,7 @@ from prepos.engine.session import (
     query_key,
 )
 from prepos.engine.view import DEFAULT, EngineView
-from prepos.errors import Conflict, InvalidInput, OverBudget
+from prepos.errors import Conflict, InvalidInput, OverBudget, PreposError
 from prepos.gate.calibrated import Gate
 from prepos.gate.relaxed import Relaxed
 from prepos.worker.kv import Forward, KVPool
@@ -82,6 +83,9 @@ class Engine(EngineView):
                                config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,
                                lambda: self.prepositioner.in_flight,
                                lambda s, ev: self._emit("correction", s, ev))
+        # stock clients' conversations, kept as implicit sessions found by their hash
+        self.conversations = ImplicitSessions(lambda: self, self._close_kept,
+                                              config.implicit_memory, config.implicit_sessions)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -354,6 +358,37 @@ class Engine(EngineView):
     def chat(self, plan: ChatPlan, req: Request = DEFAULT) -> Stream:
         """Commit what `plan` says the session lacks, then answer (a turn or a tool result)."""
         return conversation.carry_out(self, plan, req)
+
+    def converse(self, owner: str | None, messages: list[dict], tools: Sequence[dict] = (),
+                 req: Request = DEFAULT) -> Stream:
+        """A stock client's conversation, sent whole with no session named: continued on the
+        kept session of this key and tools it extends (leased to it until its answer ends,
+        then indexed under what it committed), or on a new one kept for its next turn."""
+        kept = self.conversations
+        sid = kept.find(self, owner, tools, messages)
+        if sid is None:
+            system = messages[0]["content"] if messages[0]["role"] == "system" else None
+            sid = kept.start(SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True,
+                                         None, owner=owner, implicit=True))
+        try:
+            stream = self.chat(self.plan_chat(sid, messages), req)
+        except BaseException:
+            kept.release(sid)
+            raise
+        stream.on_end(lambda: kept.release(sid))
+        return stream
+
+    def evict_conversation(self) -> bool:  # the least recently used free one; False: none
+        return self.conversations.evict_one()
+
+    def publish_conversations(self, publish: Callable[[str, bytes | None], None]) -> None:
+        """`publish(sid, hash)` at every change of what a kept conversation is indexed under
+        (None once it is gone): the cluster's directory."""
+        self.conversations.publish = publish
+
+    def _close_kept(self, sid: str) -> None:
+        with contextlib.suppress(PreposError):
+            self.close_session(sid)
 
     # == wiring ============================================================================
     def subscribe(self, listener: Callable[[str, Session, object], None]) -> None:

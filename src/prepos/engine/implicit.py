@@ -35,14 +35,22 @@ import hashlib
 import json
 import sys
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prepos.chat.conversation import ConversationError, message_key, resume
-from prepos.engine import Engine
-from prepos.engine.session import Snapshot
-from prepos.errors import PreposError
+from prepos.engine.session import SessionSpec, Snapshot
+from prepos.engine.view import EngineView as Engine  # the `Engine` that keeps them
+from prepos.errors import PreposError, TooManySessions
+
+EPHEMERAL = "eph-"  # the id prefix of sessions made for one request or kept for a client
+
+
+def is_ephemeral(sid: str) -> bool:
+    """A session made for one stateless request, or kept as an implicit one: never
+    journalled, listed or pushed to."""
+    return sid.startswith(EPHEMERAL)
 
 
 def conversation_keys(owner: str | None, tools: Sequence[dict],
@@ -76,13 +84,12 @@ class Kept:
 
 class ImplicitSessions:
     def __init__(self, loaded: Callable[[], Engine | None], close: Callable[[str], None],
-                 memory: int | None, sessions: int | None = None,
-                 count: Callable[[str], None] = lambda outcome: None):
+                 memory: int | None, sessions: int | None = None):
         self.memory = memory  # bookkeeping bytes of the kept sessions (None: no bound)
         self.sessions = sessions  # and how many (None: no bound)
         self._loaded = loaded
-        self._close = close  # closes a kept session (the server's, which counts them)
-        self._count = count  # "continued", "started", "evicted"
+        self._close = close  # closes a kept session
+        self.counts: Counter[str] = Counter()  # "continued", "started", "evicted"
         self._kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
         self._index: dict[bytes, dict[str, None]] = {}  # conversation hash -> sids
         self._leased: set[str] = set()
@@ -134,6 +141,22 @@ class ImplicitSessions:
         except (PreposError, ConversationError):  # closed meanwhile, or not a prefix
             return False
         return True
+
+    def start(self, spec: SessionSpec) -> str:
+        """A new kept session for a conversation (`spec`, implicit), leased to the request
+        that makes it; the least recently used free ones closed while the engine holds no
+        more sessions."""
+        eng = self._loaded()
+        sid = f"{EPHEMERAL}{eng.new_session_id()}"
+        while True:
+            try:
+                eng.restore_session(sid, spec)
+                break
+            except TooManySessions:
+                if not self.evict_one():
+                    raise
+        self.keep(sid, spec.owner)
+        return sid
 
     def keep(self, sid: str, owner: str | None) -> None:
         """Keep a new session, leased to the request that made it (indexed once released)."""
@@ -192,6 +215,10 @@ class ImplicitSessions:
                 self._drop(sid)
                 gone.append(sid)
         self._evicted(gone)
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            self.counts[outcome] += 1
 
     def _over(self) -> bool:
         return ((self.memory is not None and self.used > self.memory)

@@ -51,6 +51,15 @@ class EngineView:
     def versions(self, sid: str) -> dict[int, tuple[dict, ...]]:  # kept for rollback, oldest first
         return self.sessions.get(sid).versions()
 
+    @property
+    def keeps_conversations(self) -> bool:  # stock clients' (`Engine.converse`)
+        return self.conversations.keeps
+
+    def holds_conversation(self, owner: str | None, tools, messages: list[dict]) -> bool:
+        """Whether a kept conversation of this key and tools is extended by `messages`
+        (leased or not)."""
+        return self.conversations.holds(owner, tools, messages)
+
     # == what is prepared ==================================================================
     def kv_tier(self, sid: str) -> str:
         """Where the session's KV is: resident, ram, disk or none."""
@@ -141,4 +150,6 @@ class EngineView:
             "queue_foreground": fg, "queue_idle": idle,
             "lookup": self.lookup.stats.metrics(),
             "relaxed": self.relaxed.gate.metrics(),
+            "implicit": {k: self.conversations.counts[k]
+                         for k in ("continued", "started", "evicted")},
         }

@@ -29,9 +29,10 @@ import re
 import socket
 import time
 
+from prepos.engine.implicit import is_ephemeral
 from prepos.errors import PreposError
 from prepos.server.durable.forwarding import Forwarder, shared_secret
-from prepos.server.durable.journal import Journal, is_ephemeral
+from prepos.server.durable.journal import Journal
 from prepos.server.durable.lease import Claim, LeaseConfig, Leases
 from prepos.server.durable.store import Database
 from prepos.server.http.auth import public, scoped

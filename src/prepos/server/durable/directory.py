@@ -90,7 +90,7 @@ async def hop(state, request: Request, owner: str | None, tools: list[dict],
     cluster = state.cluster
     directory = cluster.directory if cluster is not None else None
     if directory is None or request.scope.get("prepos.forwarded") or \
-            state.places.implicit.holds(owner, tools, msgs):
+            state.loaded.holds_conversation(owner, tools, msgs):
         return None
     try:
         url = await state.run(directory.owner, conversation_keys(owner, tools, msgs))

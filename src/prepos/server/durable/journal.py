@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from prepos.engine.implicit import is_ephemeral
 from prepos.engine.session import Session, SessionSpec, Snapshot
 from prepos.errors import PreposError
 from prepos.server.durable.idempotency import KeyClaimed, riding
@@ -37,12 +38,6 @@ Restored = tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]
 
 UPSERT_VERSION = ('INSERT INTO versions VALUES (?, ?, ?, ?) ON CONFLICT (sid, version) DO '
                   'UPDATE SET "full"=excluded."full", ops=excluded.ops')
-EPHEMERAL = "eph-"  # the id prefix of sessions the server makes for one stateless request
-
-
-def is_ephemeral(sid: str) -> bool:
-    """A session made for one stateless request: never journalled, listed or pushed to."""
-    return sid.startswith(EPHEMERAL)
 
 
 def diff(base: Sequence[dict], new: Sequence[dict]) -> list:

@@ -59,9 +59,6 @@ class Metrics:
                               ["status", "code"], registry=r)
         self.rejected = Counter("prepos:rejected_requests", "Requests refused for a limit",
                                 ["reason"], registry=r)
-        self.implicit = Counter("prepos:implicit_sessions", "Stateless chat requests by what "
-                                "their implicit session did (continued a kept conversation, "
-                                "started one), and kept ones evicted", ["outcome"], registry=r)
         self.pushes = Counter("prepos:standing_query_pushes", "Standing-query answers pushed "
                               "over SSE before anyone asked", registry=r)
         self.subscribers = Gauge("prepos:sse_subscribers", "Open SSE event subscriptions",
@@ -209,6 +206,13 @@ class _EngineCollector:
         yield fam
         yield CounterMetricFamily("prepos:lookup_verify_steps", "Forwards that verified "
                                   "drafted tokens", lk["verify_steps"])
+        fam = CounterMetricFamily("prepos:implicit_sessions", "Stateless chat requests by "
+                                  "what their implicit session did (continued a kept "
+                                  "conversation, started one), and kept ones evicted",
+                                  labels=["outcome"])
+        for outcome, n in m["implicit"].items():
+            fam.add_metric([outcome], n)
+        yield fam
         yield from _relaxed(m["relaxed"])
 
 

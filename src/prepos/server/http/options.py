@@ -193,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", default="",
                    help="CORS: comma-separated browser origins allowed to call the API "
                    "('*' for any; default: none, no CORS headers)")
-    p.add_argument("--implicit-memory", type=size, default=ServerConfig.implicit_memory,
+    p.add_argument("--implicit-memory", type=size, default=EngineConfig.implicit_memory,
                    help="bytes of bookkeeping (tokens, text, messages; their KV is the "
                    "tiers') for stateless chat conversations kept as implicit sessions, so a "
                    "stock client's next turn pays only its new messages, and as many for "
@@ -255,7 +255,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           lookup_tokens=args.lookup_tokens,
                           lookup_said_tokens=args.lookup_said_tokens,
                           relaxed=RelaxedConfig(r_max=args.relaxed_r_max,
-                                                start=args.relaxed_start))
+                                                start=args.relaxed_start),
+                          implicit_memory=args.implicit_memory,
+                          implicit_sessions=args.implicit_sessions)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
                     max_sessions_per_key=args.max_sessions_per_key, max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
@@ -282,8 +284,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         metrics_keys=load_keys(args.metrics_key, env="PREPOS_METRICS_KEYS"),
                         served_model_name=args.served_model_name, limits=limits,
                         allowed_origins=origins, request_timeout=args.request_timeout,
-                        implicit_memory=args.implicit_memory,
-                        implicit_sessions=args.implicit_sessions,
                         response_sessions=args.response_sessions,
                         responses_bytes=args.responses_bytes, responses_ttl=args.responses_ttl,
                         lease=LeaseConfig(args.node_id, args.lease_seconds, args.renew_seconds,

@@ -1,7 +1,7 @@
 """The server's session places: how many persistent sessions it admits (its own and each key's
 limit, 429 beyond), the places held for sessions being created, the ephemeral sessions of
-stateless requests, and the sessions kept on a client's behalf (implicit conversations,
-Responses chains), which give way to any other session at a limit."""
+stateless requests, and the Responses chains kept on a client's behalf, which give way to any
+other session at a limit (as the engine's kept conversations do, `Engine.converse`)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from typing import TypeVar
 
 from prepos.decode.stream import Stream
 from prepos.engine import Engine
-from prepos.engine.implicit import ImplicitSessions
+from prepos.engine.implicit import EPHEMERAL, ImplicitSessions, is_ephemeral
 from prepos.engine.session import SessionSpec
 from prepos.errors import PreposError, TooManySessions
-from prepos.server.durable.journal import EPHEMERAL, is_ephemeral
 from prepos.server.http.errors import ApiError
 from prepos.server.http.limits import Limits
 from prepos.server.http.metrics import Metrics
@@ -30,19 +29,15 @@ class Places:
     loaded (else None); `run`, its coroutine running blocking work off the event loop."""
 
     def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
-                 run: Callable, implicit_memory: int, implicit_sessions: int | None,
-                 response_sessions: int | None):
+                 run: Callable, chain_memory: int, response_sessions: int | None):
         self.limits, self.metrics, self.loaded, self.run = limits, metrics, loaded, run
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
-        self.implicit = ImplicitSessions(loaded, self.close_ephemeral, implicit_memory,
-                                         implicit_sessions,
-                                         lambda outcome: metrics.implicit.labels(
-                                             outcome).inc())
         # Responses chain sessions (`openai/responses.py`): persistent, but kept on a client's
         # behalf, so they give way to any other session at a limit; kept by memory as the
-        # implicit ones are (their own bytes, the same bound), a count only where one is given
-        self.chains = ImplicitSessions(loaded, self._close_chain, implicit_memory,
+        # engine's implicit ones are (their own bytes, the same bound), a count only where
+        # one is given
+        self.chains = ImplicitSessions(loaded, self._close_chain, chain_memory,
                                        response_sessions)
 
     def persistent_sessions(self, engine: Engine) -> int:
@@ -114,24 +109,20 @@ class Places:
             with suppress(PreposError):
                 eng.close_session(sid)
 
-    def new_ephemeral(self, engine: Engine, spec: SessionSpec,
-                      history=()) -> str:
-        """A session for one stateless request (or kept as an implicit one, `spec.implicit`):
-        never journalled, never listed."""
+    def new_ephemeral(self, engine: Engine, spec: SessionSpec, history=()) -> str:
+        """A session for one stateless request: never journalled, never listed."""
         sid = f"{EPHEMERAL}{engine.new_session_id()}"
-        self.with_room(lambda: engine.restore_session(sid, spec, history))
-        if spec.implicit:
-            self.implicit.keep(sid, spec.owner)
+        self.with_room(engine, lambda: engine.restore_session(sid, spec, history))
         return sid
 
-    def with_room(self, create: Callable[[], T]) -> T:
-        """`create()` a session, closing kept implicit, then chain, sessions while the
+    def with_room(self, engine: Engine, create: Callable[[], T]) -> T:
+        """`create()` a session, closing kept conversations, then chain sessions, while the
         engine is full."""
         while True:
             try:
                 return create()
             except TooManySessions:
-                if not (self.implicit.evict_one() or self.chains.evict_one()):
+                if not (engine.evict_conversation() or self.chains.evict_one()):
                     raise
 
     def after(self, stream: Stream, then: Callable[[], None], what: str) -> None:
@@ -149,10 +140,6 @@ class Places:
             then()
 
         asyncio.ensure_future(wait_then())
-
-    def release_after(self, stream: Stream, sid: str) -> None:
-        """Free an implicit session for the next request once its answer has finished."""
-        self.after(stream, lambda: self.implicit.release(sid), f"implicit session {sid}")
 
     def start_ephemeral(self, engine: Engine, spec: SessionSpec,
                         start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
@@ -172,6 +159,5 @@ class Places:
         eng = self.loaded()
         if eng is None:
             return
-        self.implicit.forget(sid)
         with suppress(PreposError):
             eng.close_session(sid)

@@ -114,7 +114,7 @@ async def create_session(request: Request):
         if state.journal is not None:
             state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
         try:
-            await state.run(state.places.with_room, lambda: eng.restore_session(sid, spec))
+            await state.run(state.places.with_room, eng, lambda: eng.restore_session(sid, spec))
         except BaseException:
             state.hub.push_tokens.pop(sid, None)
             if state.journal is not None:

@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
+from prepos.engine.implicit import is_ephemeral
 from prepos.errors import SessionNotFound
-from prepos.server.durable.journal import is_ephemeral
 from prepos.server.http.auth import public
 from prepos.server.http.results import json_bytes
 

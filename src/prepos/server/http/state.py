@@ -24,10 +24,11 @@ from prepos.core import Request as EngineRequest
 from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.engine import Engine
+from prepos.engine.implicit import is_ephemeral
 from prepos.engine.session import Session
 from prepos.errors import PreposError, SessionNotFound
 from prepos.server.durable import idempotency, responses_store
-from prepos.server.durable.journal import Journal, is_ephemeral
+from prepos.server.durable.journal import Journal
 from prepos.server.durable.lease import LeaseConfig
 from prepos.server.durable.store import Database
 from prepos.server.http.auth import SCOPE, Keys, scoped
@@ -74,11 +75,10 @@ class ServerConfig:
     cpu_threads: int = 2  # threads that tokenize and parse large inputs off the event loop
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
-    # stateless conversations kept as sessions: the bytes of their bookkeeping (0: none kept;
-    # their KV is the tiers'), and at most this many (None: no count)
-    implicit_memory: int = 1 << 30
-    implicit_sessions: int | None = None
-    response_sessions: int | None = None  # and at most this many chains (0: none kept)
+    # Responses chains kept as sessions: at most this many (None: no count; 0: none kept),
+    # their bookkeeping's bytes bounded as the engine's kept conversations' are
+    # (`EngineConfig.implicit_memory`)
+    response_sessions: int | None = None
     responses_bytes: int = responses_store.MAX_BYTES  # stored responses' bytes per key
     responses_ttl: float = responses_store.TTL_S  # seconds a stored response is kept
     idempotency_ttl: float = idempotency.TTL_S  # seconds an Idempotency-Key's result is kept
@@ -123,9 +123,9 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.restored = 0
+        engine_config = config.engine  # chains bounded as the engine's kept conversations
         self.places = Places(self.limits, self.metrics, lambda: self.loaded, self.run,
-                             config.implicit_memory, config.implicit_sessions,
-                             config.response_sessions)
+                             engine_config.implicit_memory, config.response_sessions)
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
@@ -172,7 +172,7 @@ class ServerState:
                     self.cluster = join(self, engine, self.journal)
                     self.cluster.directory = Directory(
                         Database(self.config.journal, migrate=False), self.cluster.leases.node)
-                    self.places.implicit.publish = self.cluster.directory.publish
+                    engine.publish_conversations(self.cluster.directory.publish)
             self.idempotency = idempotency.Records(
                 self.journal.db if self.journal is not None else Database(None),
                 self.config.idempotency_ttl, self.config.idempotency_keys)

@@ -109,14 +109,13 @@ class ChatCall:
         check_order([], msgs, 0, continue_final=True)
         if self.choice == "none":
             tools = []  # the model is not told of them, and nothing is parsed as a call
-        kept = self.n == 1 and self.state.places.implicit.keeps
+        kept = self.n == 1 and eng.keeps_conversations
         forced = self.choice not in ("auto", "none")
         if continued or forced and not (kept and self.constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)
-        system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         if kept:  # a forced call too, constrained and committed there as on any session
             try:
-                return await self.implicit(eng, owner, system, msgs, tools)
+                return await self.implicit(eng, owner, msgs, tools)
             except (ApiError, PreposError) as exc:
                 if not forced or exc.code not in ("over_budget", "context_length_exceeded"):
                     raise
@@ -124,6 +123,7 @@ class ChatCall:
                 # room is the whole context
                 return await self._continue(eng, owner, msgs, tools)
         self.state.backpressure(eng)
+        system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)
         sids, streams = [], []
         try:
@@ -143,23 +143,17 @@ class ChatCall:
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
                                    cleanup=lambda: self._close_all(streams, sids))
 
-    async def implicit(self, eng, owner, system: str | None, msgs: list[dict],
-                       tools: list[dict]) -> Response:
-        """A stateless conversation on the implicit session it extends, or on a new one kept
-        for its next turn (`engine/implicit.py`): the delta only, as on a named session."""
-        state = self.state
-        sid = state.places.implicit.find(eng, owner, tools, msgs)
-        if sid is None:
-            spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None,
-                               owner=owner, implicit=True)
-            sid = await state.run(state.places.new_ephemeral, eng, spec)
-        release = state.places.release_after
-        try:
-            return await self.agentic(eng, eng.session(sid), msgs, public=False,
-                                      cleanup=lambda stream: release(stream, sid))
-        except BaseException:
-            state.places.implicit.release(sid)
-            raise
+    async def implicit(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
+        """A stateless conversation kept by the engine (`Engine.converse`): continued on the
+        kept session it extends, paying its delta only, or on a new one kept for its next
+        turn."""
+        self.sampling = self._session_sampling(eng, None, tools, msgs)
+        req = self._req(self.sampling, self.body.fast_path)
+        self.state.backpressure(eng)
+        stream = await self.state.run(self.state.places.with_room, eng,
+                                      lambda: eng.converse(owner, msgs, tools, req))
+        return await self._respond([stream], None, agentic=True,
+                                   tools=bool(tools) and self.choice != "none")
 
     def _close_all(self, streams, sids) -> None:
         for stream, sid in zip(streams, sids):
@@ -243,22 +237,22 @@ class ChatCall:
                 lambda req=req: eng.query(s.id, question, req), len(question)))
         return await self._respond(streams, s.id, agentic=False, tools=False)
 
-    def _session_sampling(self, eng, s, msgs: list[dict]) -> SamplingParams:
+    def _session_sampling(self, eng, sid: str | None, tools, msgs: list[dict]) -> SamplingParams:
         """An agentic session's sampling with its tool choice: 'none' forbids the token that
         opens a tool call (a logit bias, so the cached distribution obeys it too); a forced
         call ('required', a function) is constrained by its grammar, as statelessly, and
-        committed as generated."""
+        committed as generated. `sid`: the session (None: a kept conversation's)."""
         if self.n != 1:
-            raise ApiError(400, "invalid_request", f"session {public(s.id)} commits one answer per "
+            raise ApiError(400, "invalid_request", f"session {public(sid)} commits one answer per "
                            "turn: n must be 1 (n > 1 works statelessly and on streaming "
                            "sessions)", "n")
-        if self.choice == "auto" or not s.spec.tools:
+        tools = list(tools)
+        if self.choice == "auto" or not tools:
             return self.sampling
-        if self._constrained(eng, msgs, list(s.spec.tools)):
+        if self._constrained(eng, msgs, tools):
             return self.sampling
         if self.choice == "none":
-            held = list(eng.snapshot(s.id).messages)
-            tools = list(s.spec.tools)
+            held = list(eng.snapshot(sid).messages) if sid is not None else msgs
             try:
                 opening = eng.fmt.call_markup(held, tools, tools[0]["function"]["name"]).opening
             except InvalidInput as exc:
@@ -274,11 +268,10 @@ class ChatCall:
                        "tool_choice must be 'auto' or 'none' ('required' and named "
                        "functions work statelessly)", "tool_choice")
 
-    async def agentic(self, eng, s, msgs: list[dict], public: bool = True,
-                      cleanup=None) -> Response:
-        """Delta-only: commit what the session lacks, then answer. `public`: the answer
-        names the session (not an implicit one); `cleanup(stream)` runs once it is out."""
-        self.sampling = sampling = self._session_sampling(eng, s, msgs)
+    async def agentic(self, eng, s, msgs: list[dict], cleanup=None) -> Response:
+        """Delta-only: commit what the session lacks, then answer; `cleanup(stream)` runs
+        once it is out."""
+        self.sampling = sampling = self._session_sampling(eng, s.id, s.spec.tools, msgs)
         plan = eng.plan_chat(s.id, msgs, rollback=self.body.on_divergence == "rollback")
         req = self._req(sampling, self.body.fast_path)
         tools = bool(s.spec.tools) and self.choice != "none"
@@ -290,8 +283,8 @@ class ChatCall:
         else:
             self.state.backpressure(eng)
             stream = await self.state.run(eng.chat, plan, req)
-        return await self._respond([stream], s.id if public else None, agentic=True,
-                                   tools=tools, cleanup=cleanup and (lambda: cleanup(stream)))
+        return await self._respond([stream], s.id, agentic=True, tools=tools,
+                                   cleanup=cleanup and (lambda: cleanup(stream)))
 
 
 def prompt_text(eng, prompt: str | list[int], where: str) -> str:

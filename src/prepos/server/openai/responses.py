@@ -132,7 +132,8 @@ class ResponsesApi:
                            implicit=True)
         history = [(0, msgs[:-1])]
         with state.places.new_session(eng, owner) as sid:
-            await state.run(state.places.with_room, lambda: eng.restore_session(sid, spec, history))
+            await state.run(state.places.with_room, eng,
+                            lambda: eng.restore_session(sid, spec, history))
         self.chains.keep(sid, owner)
         return sid
 
@@ -251,7 +252,7 @@ async def _create(c, request: Request, rename: Renamer):
     reply.save = save
     on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
     if not store or not on_session or not api.chains.keeps:
-        reply.kept = on_session and state.places.implicit.keeps
+        reply.kept = on_session and eng.keeps_conversations
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
 

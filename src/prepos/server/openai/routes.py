@@ -39,12 +39,12 @@ import re
 from starlette.requests import Request
 
 from prepos.chat.conversation import session_messages
+from prepos.engine.implicit import EPHEMERAL
 from prepos.engine.session import STREAMING
 from prepos.errors import PreposError
 from prepos.server.durable.cluster import SESSION_ID
 from prepos.server.durable.directory import hop
 from prepos.server.durable.idempotency import idempotent, named_session
-from prepos.server.durable.journal import EPHEMERAL
 from prepos.server.http import bodies as R
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
