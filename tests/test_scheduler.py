@@ -181,3 +181,35 @@ def test_housekeeping_runs_once_the_queues_are_empty_below_idle_work_and_gives_w
     # it went on after the request where it stopped, and was not queued again after itself
     assert len(runs) == 1 and names.count("tidy") == 4
     sched.close()
+
+
+def test_a_task_requeued_each_quantum_wakes_no_other_worker():
+    """A stream relayed from a remote engine is one task yielding a token a quantum: the
+    worker that ran the quantum takes the next one itself, and the other workers sleep on
+    (every worker woken a token made a relayed token cost several thread wake-ups)."""
+    s = Scheduler(workers=4)
+    woken: dict[str, int] = {}
+    wait = s._cv.wait
+
+    def counting_wait(*a, **kw):
+        out = wait(*a, **kw)
+        name = threading.current_thread().name
+        woken[name] = woken.get(name, 0) + 1
+        return out
+
+    s._cv.wait = counting_wait
+    runner: set[str] = set()
+
+    def relay(n: int):
+        for _ in range(n):
+            runner.add(threading.current_thread().name)
+            time.sleep(0.001)  # the engine's next token: the GIL released, as a read does
+            yield
+
+    try:
+        s.submit(relay(200)).done.wait(30)
+        assert s.wait_idle(30)
+    finally:
+        s.close()
+    others = {name: n for name, n in woken.items() if name not in runner}
+    assert sum(others.values()) <= 8, others  # each woken at most for the submit and close

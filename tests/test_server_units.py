@@ -162,3 +162,35 @@ def test_default_threads_count_each_physical_core_once(monkeypatch):
     assert config.default_threads() == 4
     monkeypatch.undo()
     assert parse_args([]).threads == config.default_threads() >= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([5e-6, 1e-3, 0.01, 0.25]),
+                          st.floats(0, 1, allow_nan=False)), max_size=40))
+def test_the_token_stage_histogram_counts_as_prometheus_clients_own(values):
+    """`StageTimes` (a bisect per token, no lock) exports the buckets, count and sum a
+    prometheus_client Histogram with the same bounds would (a value on a bound counts in
+    it)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prepos.server.http.metrics import STAGE_BUCKETS, StageTimes
+
+    ours, registry = StageTimes(STAGE_BUCKETS), CollectorRegistry()
+    theirs = Histogram("prepos:token_stage_seconds", "", ["stage"], buckets=STAGE_BUCKETS,
+                       registry=registry)
+    theirs.labels("write")  # exported from 0, as every stage of ours is
+    for v in values:
+        ours.observer("write")(v)
+        theirs.labels("write").observe(v)
+
+    def samples(text: str) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("stage") == "write" and not s.name.endswith("_created")}
+
+    reg = CollectorRegistry()
+    reg.register(type("C", (), {"collect": lambda self: [ours.family()]})())
+    got, want = samples(generate_latest(reg).decode()), samples(generate_latest(registry).decode())
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(want[k]) for k in want)

@@ -12,7 +12,6 @@ request (`stream_answer`).
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -56,19 +55,25 @@ class Preempted(Exception):
     what it held before the call, and the caller redoes the chunk later."""
 
 
-@contextlib.contextmanager
-def idle_work(idle: bool = True, should_yield: Callable[[], bool] | None = None):
+class idle_work:  # noqa: N801 (used as a function: `with idle_work(...)`)
     """Mark the back-end calls made in this block, on this thread, as idle (background)
     work; the scheduler wraps idle steps in it. Remote back ends send such work at the
     engine's background priority and cap it per replica. In-process back ends stop such a
     forward between layers once `should_yield()` (foreground work is waiting) and raise
-    Preempted, so a request waits for one layer, not one chunk."""
-    old = getattr(_work, "idle", False), getattr(_work, "should_yield", None)
-    _work.idle, _work.should_yield = idle, should_yield if idle else None
-    try:
-        yield
-    finally:
-        _work.idle, _work.should_yield = old
+    Preempted, so a request waits for one layer, not one chunk. (A class, not a generator:
+    the scheduler enters it twice a quantum, a relayed stream's quantum being one token.)"""
+
+    __slots__ = ("idle", "should_yield", "old")
+
+    def __init__(self, idle: bool = True, should_yield: Callable[[], bool] | None = None):
+        self.idle, self.should_yield = idle, should_yield if idle else None
+
+    def __enter__(self) -> None:
+        self.old = getattr(_work, "idle", False), getattr(_work, "should_yield", None)
+        _work.idle, _work.should_yield = self.idle, self.should_yield
+
+    def __exit__(self, *exc) -> None:
+        _work.idle, _work.should_yield = self.old
 
 
 def in_idle_work() -> bool:

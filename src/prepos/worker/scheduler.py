@@ -71,7 +71,11 @@ class Scheduler:
         self._fg: deque[Task] = deque()
         self._idle: list[tuple[float, int, Task]] = []  # a heap: (-priority, turn, task)
         self._turns = itertools.count()  # equal priorities run in turn
-        self._cv = threading.Condition()
+        # the workers wait on `_cv` for work, `wait_idle` on `_drained` for none pending:
+        # one lock, so a worker that queues work wakes only the workers it needs
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        self._drained = threading.Condition(lock)
         self._pending = 0  # submitted and not finished
         self._fg_pending = 0  # of those, foreground tasks
         self._busy: set[str] = set()  # keys of running tasks
@@ -105,7 +109,7 @@ class Scheduler:
             self._queue(task)
             self._pending += 1
             self._fg_pending += not idle
-            self._cv.notify_all()
+            self._cv.notify()
         return task
 
     def _queue(self, task: Task) -> None:
@@ -125,12 +129,13 @@ class Scheduler:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         with self._cv:
-            return self._cv.wait_for(lambda: self._pending == 0 or self._stopped, timeout)
+            return self._drained.wait_for(lambda: self._pending == 0 or self._stopped, timeout)
 
     def close(self) -> None:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+            self._drained.notify_all()
         for t in self._threads:
             t.join(timeout=30)
         for task in [*self._fg, *(t for _, _, t in self._idle)]:
@@ -231,7 +236,11 @@ class Scheduler:
                 self._fg.extendleft(reversed(waiting))
                 if not tidy:
                     self._queue_housekeeping()
-                self._cv.notify_all()
+                if self._pending == 0:
+                    self._drained.notify_all()
+                # this thread takes the next quantum itself: other workers are woken for the
+                # rest of what is queued only (a stream relayed one token a quantum wakes none)
+                self._cv.notify(len(self._fg) + len(self._idle) - 1)
 
     def _queue_housekeeping(self) -> None:
         """After other work, with nothing else queued: the housekeeping task, below every

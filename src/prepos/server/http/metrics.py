@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+from bisect import bisect_left
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from prepos.core import AnswerPath, Result
 
@@ -67,11 +70,8 @@ class Metrics:
                                       registry=r)
         self.journal_errors = Counter("prepos:journal_errors", "Journal writes that failed",
                                       registry=r)
-        self.token_stage = Histogram("prepos:token_stage_seconds", "A streamed token's time "
-                                     "in each stage of the server, by stage", ["stage"],
-                                     buckets=STAGE_BUCKETS, registry=r)
-        # children bound once: a labels() lookup per observation costs the fast path
-        self.token_stages = {s: self.token_stage.labels(s).observe for s in TOKEN_STAGES}
+        self.token_stage = StageTimes(STAGE_BUCKETS)
+        self.token_stages = {s: self.token_stage.observer(s) for s in TOKEN_STAGES}
         self._ttft = {p: self.ttft.labels(p) for p in PATHS}  # every path exported from 0
         self._e2e = {p: self.e2e.labels(p) for p in PATHS}
         self._requests: dict[tuple[str, str], object] = {}
@@ -120,6 +120,39 @@ def cached_prompt_tokens(res: Result) -> int:
     return res.prompt_tokens if res.path is AnswerPath.FAST else res.cached_prompt_tokens
 
 
+class StageTimes:
+    """`prepos:token_stage_seconds`: a streamed token's time in each stage of the server,
+    observed four times a token on the event loop: a bisect and two additions each
+    (prometheus_client's Histogram takes a lock per count and scans its buckets), exported
+    at scrape time from a copy (its count is its buckets')."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = {s: [0] * (len(bounds) + 1) for s in TOKEN_STAGES}
+        self.sums = dict.fromkeys(TOKEN_STAGES, 0.0)
+
+    def observer(self, stage: str) -> Callable[[float], None]:
+        counts, bounds, sums = self.counts[stage], self.bounds, self.sums
+
+        def observe(seconds: float) -> None:
+            counts[bisect_left(bounds, seconds)] += 1  # le: the first bound >= it
+            sums[stage] += seconds
+
+        return observe
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily("prepos:token_stage_seconds", "A streamed token's time "
+                                    "in each stage of the server, by stage", labels=["stage"])
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        for stage in TOKEN_STAGES:
+            counts, total, cumulative = list(self.counts[stage]), 0, []
+            for le, n in zip(les, counts):
+                total += n
+                cumulative.append((le, total))
+            fam.add_metric([stage], cumulative, sum_value=self.sums[stage])
+        return fam
+
+
 class _EngineCollector:
     def __init__(self, metrics: Metrics):
         self.m = metrics
@@ -132,6 +165,7 @@ class _EngineCollector:
         info = GaugeMetricFamily("prepos:model_info", "The served model", labels=["model"])
         info.add_metric([self.m.model_name], 1.0 if eng is not None else 0.0)
         yield info
+        yield self.m.token_stage.family()
         if eng is None:
             return
         m = eng.metrics()  # readable from any thread (KVPool keeps a running count)
