@@ -104,11 +104,12 @@ def chat_asker(url: str, model: str, key: str | None, max_tokens: int):
 
 
 def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: None,
-            split: int | None = None) -> dict:
+            split: int | None = None, samples: bool = False) -> dict:
     """Every conversation's turns, round robin, each asked by `asker(http, i, msgs)` (msgs:
     the conversation so far, its new user message last); `before(t, i)` runs before turn t
     of conversation i (the cluster part kills a node there); with `split`, the cached
-    fraction of the later turns before turn `split` apart too."""
+    fraction of the later turns before turn `split` apart too; with `samples`, each turn's
+    seconds too (`first_s`, `later_s`), for pooling arms run in blocks."""
     early = [0, 0]  # cached, prompt tokens of later turns before `split`
     convs = [[{"role": "system", "content": s}] for s in systems]
     first, later, errors, server_errors = [], [], 0, 0
@@ -148,7 +149,8 @@ def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: No
             "cached_fraction_before_split": round(early[0] / early[1], 4) if early[1]
             else None,
             "reprefills_max_per_conversation": max(reprefills, default=0),
-            "reprefilled_conversations": sum(1 for n in reprefills if n)}
+            "reprefilled_conversations": sum(1 for n in reprefills if n),
+            **({"first_s": first, "later_s": later} if samples else {})}
 
 
 def cluster_part(args, served: str, systems: list[str], count) -> dict:
@@ -218,7 +220,8 @@ def cluster_part(args, served: str, systems: list[str], count) -> dict:
     return out
 
 
-def llama_arm(binary, gguf, args, ram: int, log: Path, systems: list[str], count) -> dict:
+def llama_arm(binary, gguf, args, ram: int, log: Path, systems: list[str], count,
+              samples: bool = False) -> dict:
     """llama-server's arm: the same GGUF and threads, one slot, its RAM cache `ram` bytes,
     every turn resending the whole conversation."""
     llama = LlamaServer(binary, gguf, slots=1, ctx_per_slot=8192, threads=args.threads,
@@ -227,7 +230,7 @@ def llama_arm(binary, gguf, args, ram: int, log: Path, systems: list[str], count
     try:
         t0 = time.perf_counter()
         arm = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
-                      args.turns, count)
+                      args.turns, count, samples=samples)
         arm["wall_s"] = round(time.perf_counter() - t0, 1)
     finally:
         llama.stop()

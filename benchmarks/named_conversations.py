@@ -17,6 +17,12 @@ a time:
                     cache in RAM of the same size (--cache-ram = prepos's --kv-ram), --jinja,
                     every turn resending the whole conversation (it ignores names)
 
+The arms run in --blocks blocks of the conversations, ordered ABBA (the modes then
+llama-server, then llama-server then the modes backwards, ...), each block on fresh servers:
+the machine's drift over the run falls on every arm alike; an arm's figures pool its blocks.
+Every server holds every conversation of its block (prepos's tiers, llama-server's RAM cache
+of the same size), so a block's cache hits are the whole run's.
+
 Reported per mode: `errors`, turn latency (client side, median and P99 with n, first and later
 turns apart), `cached_fraction_after_first` (cached prompt tokens over the later turns'
 prompt tokens) beside the ceiling any cache could reach (each later turn's prompt less its
@@ -42,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from many_conversations import KEY, ask, llama_arm, run_arm, system_prompt  # noqa: E402
 from stock_clients import resolve, start_prepos, stop  # noqa: E402
 
-from common import RESULTS, machine, write  # noqa: E402
+from common import RESULTS, machine, summarize, write  # noqa: E402
 from prepos.backends.llama_server import find_binary  # noqa: E402
 
 MODES = ("header", "prompt_cache_key", "conversations")
@@ -87,6 +93,44 @@ def conversations_asker(url: str, model: str, max_tokens: int):
     return asker
 
 
+def prepos_arm(served: str, args, ram: int, log: Path, mode: str, systems: list[str],
+               count) -> dict:
+    """One block of conversations on a fresh `prepos serve`, named as `mode` names them."""
+    proc, url = start_prepos(served, log, args.threads, ["--kv-ram", str(ram), *args.server_arg])
+    try:
+        model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30).json()["data"][0]["id"]
+        asker = (conversations_asker(url, model, args.max_tokens) if mode == "conversations"
+                 else named_asker(url, model, args.max_tokens, mode))
+        t0 = time.perf_counter()
+        arm = run_arm(asker, systems, args.turns, count, samples=True)
+        arm["wall_s"] = round(time.perf_counter() - t0, 1)
+    finally:
+        stop(proc)
+    return arm
+
+
+def pooled(blocks: list[dict]) -> dict:
+    """An arm's blocks as one: turn times pooled, token counts summed."""
+    first = [x for b in blocks for x in b["first_s"]]
+    later = [x for b in blocks for x in b["later_s"]]
+    prompt = sum(b["later_prompt_tokens"] for b in blocks)
+    cached = sum(b["later_cached_tokens"] for b in blocks)
+    ceiling = sum(b["ceiling_tokens"] for b in blocks)
+    return {"first_turn": summarize(first) if first else None,
+            "later_turns": summarize(later) if later else None,
+            "errors": sum(b["errors"] for b in blocks),
+            "server_errors": sum(b["server_errors"] for b in blocks),
+            "later_prompt_tokens": prompt, "later_cached_tokens": cached,
+            "ceiling_tokens": ceiling,
+            "cached_fraction_after_first": round(cached / prompt, 4) if prompt else None,
+            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None,
+            "cached_over_ceiling": round(cached / ceiling, 4) if ceiling else None,
+            "wall_s": round(sum(b.get("wall_s", 0) for b in blocks), 1),
+            "later_p50_ms_per_block": [round(b["later_turns"]["p50_ms"], 1)
+                                       for b in blocks if b["later_turns"]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="one more `prepos serve` argument (repeatable)")
     ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--blocks", type=int, default=4,
+                    help="blocks of conversations, the arms ordered ABBA (default 4)")
     ap.add_argument("--out", type=Path, default=RESULTS / "named_conversations.json")
     args = ap.parse_args(argv)
 
@@ -127,29 +173,23 @@ def main(argv: list[str] | None = None) -> int:
                  "system_tokens_p50": statistics.median(count(s) for s in systems[:50]),
                  "max_tokens": args.max_tokens, "kv_ram_bytes": ram,
                  "server_args": args.server_arg, "modes": {}}
-    for mode in modes:
-        proc, url = start_prepos(served, work / f"prepos-{mode}.log", args.threads,
-                                 ["--kv-ram", str(ram), *args.server_arg])
-        try:
-            model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
-                              timeout=30).json()["data"][0]["id"]
-            asker = (conversations_asker(url, model, args.max_tokens) if mode == "conversations"
-                     else named_asker(url, model, args.max_tokens, mode))
-            t0 = time.perf_counter()
-            arm = run_arm(asker, systems, args.turns, count)
-            arm["wall_s"] = round(time.perf_counter() - t0, 1)
-        finally:
-            stop(proc)
-        if arm["ceiling_tokens"]:
-            arm["cached_over_ceiling"] = round(arm["later_cached_tokens"] /
-                                               arm["ceiling_tokens"], 4)
-        out["modes"][mode] = arm
-
     binary = None if args.skip_llama_server else find_binary()
+    arms = [*modes, *(["llama_server"] if binary is not None else [])]
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    k = max(1, min(args.blocks, args.conversations))
+    for b in range(k):
+        block = systems[b * len(systems) // k:(b + 1) * len(systems) // k]
+        for arm in arms if b % 2 == 0 else arms[::-1]:
+            log = work / f"{arm}-{b}.log"
+            if arm == "llama_server":
+                runs[arm].append(llama_arm(binary, gguf, args, ram, log, block, count,
+                                           samples=True))
+            else:
+                runs[arm].append(prepos_arm(served, args, ram, log, arm, block, count))
+    for arm in modes:
+        out["modes"][arm] = pooled(runs[arm])
     if binary is not None:
-        theirs = llama_arm(binary, gguf, args, ram, work / "llama-server.log", systems,
-                           count)
-        out["llama_server"] = theirs
+        theirs = out["llama_server"] = pooled(runs["llama_server"])
         for arm in out["modes"].values():
             a, b = arm["later_turns"], theirs["later_turns"]
             if a and b:
@@ -157,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out["llama_server"] = {"skipped": "no llama-server binary" if not
                                args.skip_llama_server else "--skip-llama-server"}
+    out["blocks"] = k
     write(args.out, out)
     print(json.dumps(out))
     return 0
