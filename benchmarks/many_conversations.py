@@ -103,6 +103,18 @@ def chat_asker(url: str, model: str, key: str | None, max_tokens: int):
     return lambda http, i, msgs: ask(http, url, model, key, msgs, max_tokens)
 
 
+def turn_totals(first: list[float], later: list[float], errors: int, server_errors: int,
+                prompt: int, cached: int, ceiling: int) -> dict:
+    """An arm's turn times (seconds) and its later turns' token counts, summarized."""
+    return {"first_turn": summarize(first) if first else None,
+            "later_turns": summarize(later) if later else None,
+            "errors": errors, "server_errors": server_errors,
+            "later_prompt_tokens": prompt, "later_cached_tokens": cached,
+            "ceiling_tokens": ceiling,
+            "cached_fraction_after_first": round(cached / prompt, 4) if prompt else None,
+            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None}
+
+
 def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: None,
             split: int | None = None, samples: bool = False) -> dict:
     """Every conversation's turns, round robin, each asked by `asker(http, i, msgs)` (msgs:
@@ -139,13 +151,7 @@ def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: No
                     ceiling += can
                     reprefills[i] += r["cached"] < can / 2
                 last[i] = r
-    return {"first_turn": summarize(first) if first else None,
-            "later_turns": summarize(later) if later else None,
-            "errors": errors, "server_errors": server_errors,
-            "later_prompt_tokens": prompt, "later_cached_tokens": cached,
-            "ceiling_tokens": ceiling,
-            "cached_fraction_after_first": round(cached / prompt, 4) if prompt else None,
-            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None,
+    return {**turn_totals(first, later, errors, server_errors, prompt, cached, ceiling),
             "cached_fraction_before_split": round(early[0] / early[1], 4) if early[1]
             else None,
             "reprefills_max_per_conversation": max(reprefills, default=0),

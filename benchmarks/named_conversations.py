@@ -45,10 +45,17 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from many_conversations import KEY, ask, llama_arm, run_arm, system_prompt  # noqa: E402
+from many_conversations import (  # noqa: E402
+    KEY,
+    ask,
+    llama_arm,
+    run_arm,
+    system_prompt,
+    turn_totals,
+)
 from stock_clients import resolve, start_prepos, stop  # noqa: E402
 
-from common import RESULTS, machine, summarize, write  # noqa: E402
+from common import RESULTS, machine, write  # noqa: E402
 from prepos.backends.llama_server import find_binary  # noqa: E402
 
 MODES = ("header", "prompt_cache_key", "conversations")
@@ -112,20 +119,17 @@ def prepos_arm(served: str, args, ram: int, log: Path, mode: str, systems: list[
 
 def pooled(blocks: list[dict]) -> dict:
     """An arm's blocks as one: turn times pooled, token counts summed."""
-    first = [x for b in blocks for x in b["first_s"]]
-    later = [x for b in blocks for x in b["later_s"]]
-    prompt = sum(b["later_prompt_tokens"] for b in blocks)
-    cached = sum(b["later_cached_tokens"] for b in blocks)
-    ceiling = sum(b["ceiling_tokens"] for b in blocks)
-    return {"first_turn": summarize(first) if first else None,
-            "later_turns": summarize(later) if later else None,
-            "errors": sum(b["errors"] for b in blocks),
-            "server_errors": sum(b["server_errors"] for b in blocks),
-            "later_prompt_tokens": prompt, "later_cached_tokens": cached,
-            "ceiling_tokens": ceiling,
-            "cached_fraction_after_first": round(cached / prompt, 4) if prompt else None,
-            "ceiling_fraction": round(ceiling / prompt, 4) if prompt else None,
-            "cached_over_ceiling": round(cached / ceiling, 4) if ceiling else None,
+    def total(key: str) -> int:
+        return sum(b[key] for b in blocks)
+
+    arm = turn_totals([x for b in blocks for x in b["first_s"]],
+                      [x for b in blocks for x in b["later_s"]], total("errors"),
+                      total("server_errors"), total("later_prompt_tokens"),
+                      total("later_cached_tokens"), total("ceiling_tokens"))
+    ceiling = arm["ceiling_tokens"]
+    return {**arm,
+            "cached_over_ceiling": round(arm["later_cached_tokens"] / ceiling, 4)
+            if ceiling else None,
             "wall_s": round(sum(b.get("wall_s", 0) for b in blocks), 1),
             "later_p50_ms_per_block": [round(b["later_turns"]["p50_ms"], 1)
                                        for b in blocks if b["later_turns"]]}
