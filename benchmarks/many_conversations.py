@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     for arm in out["order"]:
         out[arm] = prepos_arm() if arm == "prepos" else llama_arm(
             binary, gguf, args, ram, work / "llama-server.log", systems, count)
+        write(args.out, out)  # an arm's figures kept even if the next one is cut short
     ours = out["prepos"]
     if binary is not None:
         theirs = out["llama_server"]

@@ -5,7 +5,6 @@ other session at a limit (as the engine's kept conversations do, `Engine.convers
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
@@ -26,11 +25,11 @@ T = TypeVar("T")
 
 class Places:
     """The one owner of the counts and lists above. `loaded()`, the server's engine once
-    loaded (else None); `run`, its coroutine running blocking work off the event loop."""
+    loaded (else None)."""
 
     def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
-                 run: Callable, chain_memory: int, response_sessions: int | None):
-        self.limits, self.metrics, self.loaded, self.run = limits, metrics, loaded, run
+                 chain_memory: int, response_sessions: int | None):
+        self.limits, self.metrics, self.loaded = limits, metrics, loaded
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         # Responses chain sessions (`openai/responses.py`): persistent, but kept on a client's
@@ -125,22 +124,6 @@ class Places:
                 if not (engine.evict_conversation() or self.chains.evict_one()):
                     raise
 
-    def after(self, stream: Stream, then: Callable[[], None], what: str) -> None:
-        """`then()` once `stream` has finished (or was cancelled by a client that went
-        away), off the request: its own error was already reported to it."""
-        if stream.done:
-            then()
-            return
-
-        async def wait_then():
-            try:
-                await self.run(stream.result)
-            except Exception as exc:
-                log.debug("%s ended with %s", what, exc)
-            then()
-
-        asyncio.ensure_future(wait_then())
-
     def start_ephemeral(self, engine: Engine, spec: SessionSpec,
                         start: Callable[[str], Stream], history=()) -> tuple[str, Stream]:
         """`start(sid)` on a new ephemeral session, closed again if that fails."""
@@ -151,9 +134,10 @@ class Places:
             self.close_ephemeral(sid)
             raise
 
-    def close_after(self, stream, sid: str) -> None:
-        """Close an ephemeral session once its stream has finished."""
-        self.after(stream, lambda: self.close_ephemeral(sid), f"ephemeral session {sid}")
+    def close_after(self, stream: Stream, sid: str) -> None:
+        """Close an ephemeral session once its stream has ended (`Stream.on_end`: on the
+        producer's thread, no thread held waiting for it)."""
+        stream.on_end(lambda: self.close_ephemeral(sid))
 
     def close_ephemeral(self, sid: str) -> None:
         eng = self.loaded()

@@ -124,7 +124,7 @@ class ServerState:
         self.error: str | None = None
         self.restored = 0
         engine_config = config.engine  # chains bounded as the engine's kept conversations
-        self.places = Places(self.limits, self.metrics, lambda: self.loaded, self.run,
+        self.places = Places(self.limits, self.metrics, lambda: self.loaded,
                              engine_config.implicit_memory, config.response_sessions)
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -138,7 +138,7 @@ class ResponsesApi:
         return sid
 
     def _release_after(self, stream, sid: str) -> None:
-        self.state.places.after(stream, lambda: self.chains.release(sid), f"chain session {sid}")
+        stream.on_end(lambda: self.chains.release(sid))  # free for the next response at once
 
 
 class ResponsesCall(ChatCall):
