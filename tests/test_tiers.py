@@ -6,6 +6,10 @@ one a task is using; idle work moves nobody's."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import platform
+
 import pytest
 
 from helpers import greedy_agrees, hold_worker
@@ -13,6 +17,7 @@ from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.errors import OverBudget
 from prepos.worker.sequence import Forward
+from prepos.worker.tiers import map_large_blocks
 
 GREEDY = Request(SamplingParams(max_tokens=4), fast_path="off")
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
@@ -470,3 +475,28 @@ def test_after_idle_housekeeping_a_request_moves_idle_kvs_down_without_saving(ma
     for sid in (a, b):
         seq = entry(eng, sid, "Is BOLT up?")
         assert answers_as_cold(eng, seq, eng.query(sid, "Is BOLT up?", GREEDY).result())
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_a_state_block_is_mapped_alone_and_returned_when_freed():
+    """After a larger block was freed, glibc would serve the next state's block from its
+    heap (its threshold risen to the freed block's size), where freeing it returns nothing;
+    with the tiers' fixed threshold it is mapped alone and unmapped when freed."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("glibc before 2.33 has no mallinfo2")
+    libc.mallinfo2.restype = _Mallinfo2
+    assert map_large_blocks()
+    big = bytearray(24 << 20)
+    del big
+    before = libc.mallinfo2().hblkhd  # bytes in mapped blocks
+    state = bytearray(9 << 20)
+    assert libc.mallinfo2().hblkhd - before >= 9 << 20
+    del state
+    assert libc.mallinfo2().hblkhd - before < 9 << 20

@@ -13,13 +13,22 @@ Each process's directory holds a lock (`flock`) while it lives; at start, direct
 processes that are gone (their lock free, or, for one without a lock, its pid gone) are
 removed and counted (`reclaimed`), so a killed server's states do not stay on disk beyond
 `disk_bytes`.
+
+The states are blocks of megabytes, made and freed on every move. glibc's malloc serves a
+large block from its heaps once a block that large has been freed (its mmap threshold rises
+with each, up to 32 MiB), and blocks of many sizes made and freed on several threads then
+leave holes that no heap returns: the process grows by far more than the tiers hold. So
+blocks from `MAPPED` up are mapped one by one and unmapped when freed (`map_large_blocks`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
 import logging
 import os
+import platform
 import re
 import shutil
 import tempfile
@@ -31,11 +40,28 @@ log = logging.getLogger("prepos.tiers")
 PREFIX = "prepos-kv-"
 OWNED = re.compile(rf"{PREFIX}(\d+)-.+")  # a process's directory: its pid, then mkdtemp's
 LOCK = ".lock"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# blocks this large and larger are mapped on their own: a KV state is megabytes; a
+# vocabulary-wide row of logits (up to a million float32) stays on the heap
+MAPPED = 4 << 20
+
+
+def map_large_blocks() -> bool:
+    """Fix glibc's mmap threshold at `MAPPED` (for the whole process; where the C library
+    is not glibc, nothing). True if set."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD,
+                                                                      MAPPED))
+    except (OSError, AttributeError):
+        return False
 
 
 class Tiers:
     def __init__(self, ram_bytes: int, disk_bytes: int, disk_dir: Path | None = None):
         self.ram_bytes, self.disk_bytes = ram_bytes, disk_bytes
+        map_large_blocks()
         root = Path(disk_dir) if disk_dir is not None else Path(tempfile.gettempdir())
         root.mkdir(parents=True, exist_ok=True)
         self.reclaimed = reclaim(root)  # {"dirs", "bytes"} of processes that are gone
