@@ -6,9 +6,10 @@ one a task is using; idle work moves nobody's."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +18,6 @@ from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.errors import OverBudget
 from prepos.worker.sequence import Forward
-from prepos.worker.tiers import map_large_blocks
 
 GREEDY = Request(SamplingParams(max_tokens=4), fast_path="off")
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
@@ -477,26 +477,46 @@ def test_after_idle_housekeeping_a_request_moves_idle_kvs_down_without_saving(ma
         assert answers_as_cold(eng, seq, eng.query(sid, "Is BOLT up?", GREEDY).result())
 
 
-class _Mallinfo2(ctypes.Structure):
+# run in a fresh interpreter: a long-lived process's heaps may hold a free block large enough,
+# which malloc reuses whatever the threshold
+_BLOCKS = """
+import ctypes, ctypes.util, sys
+from prepos.worker.tiers import map_large_blocks
+
+class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
         "fordblks", "keepcost")]
 
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+if not hasattr(libc, "mallinfo2"):
+    sys.exit(3)
+libc.mallinfo2.restype = Mallinfo2
+fixed = sys.argv[1] == "fixed" and map_large_blocks()
+big = bytearray(24 << 20)
+del big
+before = libc.mallinfo2().hblkhd  # bytes in mapped blocks
+state = bytearray(9 << 20)
+mapped = libc.mallinfo2().hblkhd - before
+del state
+print(fixed, mapped >> 20, (libc.mallinfo2().hblkhd - before) >> 20)
+"""
+
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
-def test_a_state_block_is_mapped_alone_and_returned_when_freed():
-    """After a larger block was freed, glibc would serve the next state's block from its
-    heap (its threshold risen to the freed block's size), where freeing it returns nothing;
-    with the tiers' fixed threshold it is mapped alone and unmapped when freed."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "mallinfo2"):
+@pytest.mark.parametrize("mode", ["fixed", "as_is"])
+def test_a_state_block_is_mapped_alone_and_returned_when_freed(mode):
+    """After a larger block was freed, glibc serves the next state's block from its heap (its
+    threshold risen to the freed block's size), where freeing it returns nothing; with the
+    tiers' fixed threshold it is mapped alone and unmapped when freed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own
+    out = subprocess.run([sys.executable, "-c", _BLOCKS, mode], capture_output=True,
+                         text=True, timeout=120, env=env)
+    if out.returncode == 3:
         pytest.skip("glibc before 2.33 has no mallinfo2")
-    libc.mallinfo2.restype = _Mallinfo2
-    assert map_large_blocks()
-    big = bytearray(24 << 20)
-    del big
-    before = libc.mallinfo2().hblkhd  # bytes in mapped blocks
-    state = bytearray(9 << 20)
-    assert libc.mallinfo2().hblkhd - before >= 9 << 20
-    del state
-    assert libc.mallinfo2().hblkhd - before < 9 << 20
+    assert out.returncode == 0, out.stderr
+    fixed, mapped_mib, left_mib = out.stdout.split()
+    if mode == "fixed":
+        assert (fixed, int(mapped_mib), int(left_mib)) == ("True", 9, 0)
+    else:  # what the tiers set it for: glibc alone keeps the block in its heap
+        assert (fixed, int(mapped_mib)) == ("False", 0)
