@@ -480,7 +480,7 @@ def test_after_idle_housekeeping_a_request_moves_idle_kvs_down_without_saving(ma
 # run in a fresh interpreter: a long-lived process's heaps may hold a free block large enough,
 # which malloc reuses whatever the threshold
 _BLOCKS = """
-import ctypes, ctypes.util, sys
+import ctypes, sys
 from prepos.worker.tiers import map_large_blocks
 
 class Mallinfo2(ctypes.Structure):
@@ -488,7 +488,7 @@ class Mallinfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
         "fordblks", "keepcost")]
 
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     sys.exit(3)
 libc.mallinfo2.restype = Mallinfo2

@@ -24,7 +24,6 @@ blocks from `MAPPED` up are mapped one by one and unmapped when freed (`map_larg
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fcntl
 import logging
 import os
@@ -52,8 +51,8 @@ def map_large_blocks() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD,
-                                                                      MAPPED))
+        # the process's own symbols (glibc's among them): no search for the library
+        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MAPPED))
     except (OSError, AttributeError):
         return False
 
