@@ -292,3 +292,30 @@ def test_background_streams_give_way_on_a_ranked_engine_when_told():
         next(bg)
     fg.close()
     be.close()
+
+
+def test_a_streamed_answer_is_admitted_like_a_batch():
+    """An answer a remote engine streams runs no batch, but its room is made where a batch's
+    is (`KVPool.admit`): other sessions' speculative cells dropped to what they keep, and a
+    refusal where the engine's budget cannot hold it even so."""
+    from prepos.errors import OverBudget
+    from prepos.worker.kv import KVPool
+    from prepos.worker.sequence import Forward
+
+    cl = FakeCluster("llama.cpp", hash_logits(), ["a"])
+    pool = KVPool(backend(cl), engine_cells=20)
+    kept = {"A": 5}
+    pool.keeps = (lambda sid: kept.get(sid, len(pool.find(sid))),)
+    a = pool.get("A")
+    list(a.stream(list(range(1, 11)), SamplingParams(), 3, frozenset()))
+    assert len(a) == 12 and pool.used == 12
+    b = pool.get("B")
+    plan = pool.admit([Forward(b, list(range(20, 32)))], None, True)[0]
+    assert plan == (0, 0, 12)
+    assert len(a) == 5  # dropped to what it keeps: 5 + the 12 B's answer needs fit in 20
+    assert len(list(b.stream(list(range(20, 32)), SamplingParams(), 2, frozenset()))) == 2
+    assert pool.used == 5 + 13  # A cannot drop below 5, B's 13 are committed
+    c = pool.get("C")
+    refused = pool.admit([Forward(c, list(range(40, 50)))], None, True)[0]
+    assert isinstance(refused, OverBudget)
+    assert len(a) == 5 and len(c) == 0  # nothing changed

@@ -95,9 +95,8 @@ class Room:
     """Room for sessions' tokens: in the context and the session's budget (a request's
     prompt and answer), in the engine's cell budget (committed state across sessions: only
     speculative cells are reclaimable, live state never is). The cells a forward needs are
-    the pool's to find where the batch it runs in is admitted (`KVPool.admit`); an answer a
-    remote engine streams runs no forward and makes its room before it starts
-    (`KVPool.make_room`)."""
+    the pool's to find where the batch it runs in is admitted (`KVPool.admit`), as an answer
+    a remote engine streams is admitted before it starts."""
 
     def __init__(self, max_context: int, session_cells: int, pool: KVPool,
                  sessions: SessionStore):

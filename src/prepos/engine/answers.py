@@ -162,9 +162,11 @@ class Answers:
                 out.finish("cancelled")
                 return
             if self.backend.streams_answers:  # the first token is the stream's first event
-                self.pool.make_room(s.id, seq)  # no Forward, so no batch admits it
                 kv = self.pool.get(s.id)
-                kept, step = kv.common_prefix(seq), None
+                admitted = self.pool.admit([Forward(kv, seq)], None, True)[0]
+                if isinstance(admitted, BaseException):  # the engine decodes: no batch runs
+                    raise admitted
+                kept, step = admitted[0], None
             else:
                 kv = self.pool.get(s.id)
                 step = yield Forward(kv, seq, logits_from=0 if prompt_logprobs else None,

@@ -124,18 +124,6 @@ class KVPool:
             return False
         return self.used + self.extra_cells(sid, target) <= self.engine_cells
 
-    def make_room(self, sid: str, target: Sequence[int]) -> None:
-        """For a foreground answer on a back end that streams answers, which runs no
-        `Forward` (the engine decodes), so no batch admits it: room for `sid`'s KV to hold
-        `target`, as `admit` makes it for a batch. Without tiers what the last of `keeps`
-        keeps is never evicted: if that is not enough, the request is refused."""
-        kv = self._kv.get(sid)
-        handle = (kv is None or kv.handle is None) and self.tiers is not None
-        if not self._room(self.extra_cells(sid, target), handle, {sid}, [], True) \
-                and self.tiers is None:
-            raise OverBudget(f"the engine's KV budget of {self.engine_cells} cells is "
-                             f"full ({self.used} in use by committed session state)")
-
     # -- admission and the tiers (on the worker) ----------------------------------------
     def admit(self, forwards: Sequence[Forward],
               plans: Sequence[tuple[int, int, int]] | None,
@@ -159,9 +147,10 @@ class KVPool:
             kv = f.kv
             keep.add(kv.key)
             spare = [forwards[j].kv for j in reversed(order[1:])] if rank == 0 else []
-            away, held, ours = kv.handle is None, len(kv.tokens), kv.pool is self
+            away, held = kv.handle is None, len(kv.tokens)
+            ours = self._kv.get(kv.key) is kv  # not a KV made for one use
             try:
-                if away and ours:
+                if away and kv.pool is self:
                     self.bring_back(kv, moves, keep, spare, added)
                     held = len(kv.tokens)
                 elif away:  # a KV of no pool's, made for one use: its own handle
