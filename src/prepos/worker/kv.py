@@ -128,7 +128,8 @@ class KVPool:
     def admit(self, forwards: Sequence[Forward],
               plans: Sequence[tuple[int, int, int]] | None,
               moves: bool) -> list[tuple[int, int, int] | BaseException | None]:
-        """Admit a batch: resident KVs first (a decode step needs a cell; a KV coming back
+        """Admit a batch (or an answer a remote engine streams: a forward no batch runs,
+        admitted before the answer starts): resident KVs first (a decode step needs a cell; a KV coming back
         needs all of its own), each in batch order: its KV made resident and started from
         the longest prefix another KV holds (resident, or loaded from a lower tier), then
         room made for the cells it adds on top of what those admitted before it add (its
