@@ -11,7 +11,10 @@ A cache that keeps fewer conversations than are asked round robin keeps none of 
   llama_server  llama-server on the same GGUF, the same threads, one slot (-np 1), its prompt
                 cache in RAM of the same size (--cache-ram = prepos's --kv-ram), --jinja
 
-One server is alive at a time (prepos first; llama-server first with --peer-first). Reported
+One server is alive at a time (prepos first; llama-server first with --peer-first). The arms
+can be run apart: --prepos-from takes prepos's arm from an earlier output of the same options,
+and --peer-later-turns stops llama-server's arm after that many later turns (at 1,000
+conversations its every later turn is a miss of a full prompt, hours in all). Reported
 per arm: turn latency (client side, median and P99 with n, first turns and later turns
 apart), cached prompt tokens over the
 later turns' prompt tokens (`cached_fraction_after_first`) beside the ceiling any cache could
@@ -116,12 +119,14 @@ def turn_totals(first: list[float], later: list[float], errors: int, server_erro
 
 
 def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: None,
-            split: int | None = None, samples: bool = False) -> dict:
+            split: int | None = None, samples: bool = False,
+            later_cap: int | None = None) -> dict:
     """Every conversation's turns, round robin, each asked by `asker(http, i, msgs)` (msgs:
     the conversation so far, its new user message last); `before(t, i)` runs before turn t
     of conversation i (the cluster part kills a node there); with `split`, the cached
     fraction of the later turns before turn `split` apart too; with `samples`, each turn's
-    seconds too (`first_s`, `later_s`), for pooling arms run in blocks."""
+    seconds too (`first_s`, `later_s`), for pooling arms run in blocks; with `later_cap`,
+    it stops after that many later turns (the figures are those of the turns it ran)."""
     early = [0, 0]  # cached, prompt tokens of later turns before `split`
     convs = [[{"role": "system", "content": s}] for s in systems]
     first, later, errors, server_errors = [], [], 0, 0
@@ -131,6 +136,8 @@ def run_arm(asker, systems: list[str], turns: int, count, before=lambda t, i: No
     with httpx.Client(timeout=900) as http:
         for t in range(turns):
             for i, msgs in enumerate(convs):
+                if t and later_cap is not None and (t - 1) * len(convs) + i >= later_cap:
+                    break
                 before(t, i)
                 msgs.append({"role": "user", "content": question(i, t)})
                 r = asker(http, i, msgs)
@@ -226,6 +233,17 @@ def cluster_part(args, served: str, systems: list[str], count) -> dict:
     return out
 
 
+def earlier_arm(path: Path, out: dict) -> dict:
+    """prepos's arm from an earlier output of this benchmark, run with the same options."""
+    earlier = json.loads(path.read_text())
+    for k in ("model", "conversations", "turns", "system_tokens_p50", "max_tokens",
+              "kv_ram_bytes", "server_args"):
+        if earlier.get(k) != out[k]:
+            raise SystemExit(f"{path}: {k} {earlier.get(k)!r}, not {out[k]!r} as this run")
+    out["prepos_from"] = {"file": str(path), "date": earlier["machine"]["date"]}
+    return earlier["prepos"]
+
+
 def llama_arm(binary, gguf, args, ram: int, log: Path, systems: list[str], count,
               samples: bool = False) -> dict:
     """llama-server's arm: the same GGUF and threads, one slot, its RAM cache `ram` bytes,
@@ -236,7 +254,8 @@ def llama_arm(binary, gguf, args, ram: int, log: Path, systems: list[str], count
     try:
         t0 = time.perf_counter()
         arm = run_arm(chat_asker(llama.url, "model", None, args.max_tokens), systems,
-                      args.turns, count, samples=samples)
+                      args.turns, count, samples=samples,
+                      later_cap=getattr(args, "peer_later_turns", None))
         arm["wall_s"] = round(time.perf_counter() - t0, 1)
     finally:
         llama.stop()
@@ -306,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--peer-first", action="store_true",
                     help="run llama-server's arm before prepos's")
+    ap.add_argument("--peer-later-turns", type=int, default=None,
+                    help="llama-server's arm stops after this many later turns (its figures "
+                    "are those of the turns it ran; every first turn is run)")
+    ap.add_argument("--prepos-from", type=Path, default=None,
+                    help="take prepos's arm from this earlier output of the benchmark (same "
+                    "options) instead of running it")
     ap.add_argument("--nodes", type=int, default=0,
                     help="also run the cluster part with this many nodes (0: not run)")
     ap.add_argument("--cluster-conversations", type=int, default=300)
@@ -381,8 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     if binary is not None and not args.peer_first:
         out["order"].append("llama_server")
     for arm in out["order"]:
-        out[arm] = prepos_arm() if arm == "prepos" else llama_arm(
-            binary, gguf, args, ram, work / "llama-server.log", systems, count)
+        if arm == "prepos" and args.prepos_from is not None:
+            out[arm] = earlier_arm(args.prepos_from, out)
+        else:
+            out[arm] = prepos_arm() if arm == "prepos" else llama_arm(
+                binary, gguf, args, ram, work / "llama-server.log", systems, count)
         write(args.out, out)  # an arm's figures kept even if the next one is cut short
     ours = out["prepos"]
     if binary is not None:
