@@ -207,7 +207,8 @@ def test_expected_version_on_every_mutation(a):
                ("POST", f"/sessions/{st}/rollback", {"version": 0}),
                ("POST", f"/sessions/{ag}/messages", {"role": "user", "content": "hi"}),
                ("POST", f"/sessions/{ag}/turn", {"user": "hi", "max_tokens": 1}),
-               ("POST", f"/sessions/{ag}/turn", {"max_tokens": 1})]
+               ("POST", f"/sessions/{ag}/turn", {"max_tokens": 1}),
+               ("POST", f"/sessions/{ag}/tool_result", {"content": "42", "max_tokens": 1})]
     assert a.post(f"/sessions/{st}/append", json={"data": "AAPL 1"}).status_code == 200
     assert a.post(f"/sessions/{ag}/messages",
                   json={"role": "user", "content": "hi"}).status_code == 200

@@ -45,8 +45,10 @@ from prepos.server.openai.checks import logit_bias
 routes = Routes()
 
 
-def _request(c: Call) -> EngineRequest:
-    """The engine request of a /query, /turn or /tool_result body."""
+def _request(c: Call, expected_version: int | None = None) -> EngineRequest:
+    """The engine request of a /query, /turn or /tool_result body (the last two name their
+    `expected_version`; a query's body has none, and asking pydantic for a field it lacks
+    costs microseconds on the fast path)."""
     b = c.body
     sampling = c.state.limits.sampling(b.max_tokens, b.temperature, b.top_k, b.top_p, b.seed,
                                        b.stop, top_logprobs=b.top_logprobs,
@@ -56,7 +58,7 @@ def _request(c: Call) -> EngineRequest:
     if b.response_format is not None:  # checked here: a 400 naming it, before any commit
         sampling = replace(sampling, response_format=b.response_format)
     return EngineRequest(sampling, b.fast_path, b.logprobs,
-                         expected_version=getattr(b, "expected_version", None))
+                         expected_version=expected_version)
 
 
 async def _commit(c: Call, fn, *args) -> Response:
@@ -316,7 +318,7 @@ async def ask(c: Call, receive) -> Response:
 async def turn(sid: str, request: Request):
     c = await ServerState.open(request, Turn, sid, AGENTIC)
     eng, b, sid = c.engine, c.body, c.sid
-    req = _request(c)
+    req = _request(c, b.expected_version)
     if b.user is None:
         stream = await c.state.start_exact(eng, sid, TURN, req, lambda: eng.turn(sid, None, req),
                                            commits=True)
@@ -332,7 +334,7 @@ async def turn(sid: str, request: Request):
 async def tool_result(sid: str, request: Request):
     c = await ServerState.open(request, ToolResult, sid, AGENTIC)
     stream = await _committing(c, c.engine.tool_result, c.body.content, "content",
-                               _request(c))
+                               _request(c, c.body.expected_version))
     return await respond(c, request.receive, stream, agentic=True)
 
 
