@@ -129,11 +129,11 @@ class KVPool:
               plans: Sequence[tuple[int, int, int]] | None,
               moves: bool) -> list[tuple[int, int, int] | BaseException | None]:
         """Admit a batch (or an answer a remote engine streams: a forward no batch runs,
-        admitted before the answer starts): resident KVs first (a decode step needs a cell; a KV coming back
-        needs all of its own), each in batch order: its KV made resident and started from
-        the longest prefix another KV holds (resident, or loaded from a lower tier), then
-        room made for the cells it adds on top of what those admitted before it add (its
-        target's end less what its KV holds).
+        admitted before the answer starts): resident KVs first (a decode step needs a cell;
+        a KV coming back needs all of its own), each in batch order: its KV made resident
+        and started from the longest prefix another KV holds (resident, or loaded from a
+        lower tier), then room made for the cells it adds on top of what those admitted
+        before it add (its target's end less what its KV holds).
         Once one does not fit, it and the rest wait (None), their KVs as they are; the
         first is given room even by moving the waiting ones' KVs down, and gets the error
         if not even it fits (OverBudget / TooManySessions). Returns, for each forward, its
