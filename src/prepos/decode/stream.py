@@ -53,11 +53,23 @@ class Stream:
         # a raw completion's prompt logprobs (`Result.prompt_logprobs`), set before the first
         # event when asked for
         self.prompt_logprobs: list | None = None
+        # a reader that takes the events on the producer's thread (`hand_to`), and the lock
+        # that hands the queued ones over in order
+        self._sink: Callable[[TokenEvent | None], None] | None = None
+        self._handing = threading.Lock()
 
     # -- producer side (worker or fast path) ---------------------------------------------
     def push(self, event: TokenEvent) -> None:
-        self._events.put(event)
-        self._wake()
+        self._put(event)
+
+    def _put(self, item) -> None:
+        if self._sink is None:
+            with self._handing:
+                if self._sink is None:
+                    self._events.put(item)
+                    self._wake()
+                    return
+        self._sink(None if item is _DONE else item)
 
     def finish(self, result: Result) -> None:
         self._result = result
@@ -78,8 +90,7 @@ class Stream:
             except Exception:  # the answer stands; what ran after it is logged
                 log.exception("a stream's end callback failed")
         self._finished = True
-        self._events.put(_DONE)
-        self._wake()
+        self._put(_DONE)
 
     def on_end(self, fn: Callable[[], None]) -> None:
         """`fn()` once the stream has finished or failed (a cancelled one finishes too), on
@@ -108,6 +119,18 @@ class Stream:
         return self._delivered or self._delivered_event.wait(timeout)
 
     # -- consumer side -------------------------------------------------------------------
+    def hand_to(self, sink: Callable[[TokenEvent | None], None]) -> None:
+        """From now on every event is handed to `sink` on the producer's thread as it is
+        produced, then None at the end (`result()` then returns or raises); the events
+        queued before are handed over first, here, in order. The one reader then: no
+        iteration, no thread wakes for it."""
+        self.paced = True
+        with self._handing:
+            while not self._events.empty():
+                item = self._events.get_nowait()
+                sink(None if item is _DONE else item)
+            self._sink = sink
+
     def delivered(self) -> None:
         """The first event has been delivered (or the reader wants no more events)."""
         self._delivered = True

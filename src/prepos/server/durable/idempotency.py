@@ -205,6 +205,7 @@ class Records:
                 CURRENT.reset(token)
             if getattr(response, "chunks", None) is not None:  # an sse.EventStream
                 response.chunks = self._relay(state, a, response, response.chunks)
+                response.direct = None  # recorded as it goes: written on the event loop
                 left = response.on_disconnect
 
                 def gone() -> None:  # its client left: the answer cancelled, not recorded

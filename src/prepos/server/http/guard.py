@@ -16,6 +16,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from prepos.server.http.direct import TRANSPORT
 from prepos.server.http.errors import error_body
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -46,7 +47,16 @@ class GuardedH11(H11Protocol):
         super().connection_made(transport)
         self._head = 0  # bytes of the request line and headers seen so far
         self._deadline = None
+        # plain TCP: a streamed body may be written around the transport (`direct.py`)
+        plain = transport.get_extra_info("sslcontext") is None and \
+            transport.get_extra_info("socket") is not None
+        self._plain = transport if plain else None
         self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._plain is not None and self.cycle is not None:
+            self.cycle.scope.setdefault(TRANSPORT, self._plain)
 
     def _arm(self) -> None:
         if self._deadline is None:

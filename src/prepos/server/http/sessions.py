@@ -374,7 +374,7 @@ async def respond(c: Call, receive, stream, agentic: bool) -> Response:
         yield event(final(stream.result()), "result")
 
     return await streaming.stream_response(stream, streaming.guarded(chunks, error_event="error"),
-                                           sid, state.metrics.token_stages)
+                                           sid, state.metrics.token_stages, direct=True)
 
 
 # -- events -------------------------------------------------------------------------------

@@ -20,9 +20,11 @@ from starlette.responses import Response
 
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
+from prepos.decode.stream import Stream
 from prepos.engine.implicit import is_ephemeral
 from prepos.errors import SessionNotFound
 from prepos.server.http.auth import public
+from prepos.server.http.direct import DirectBody, transport_for
 from prepos.server.http.results import json_bytes
 
 log = logging.getLogger("prepos.server.sse")
@@ -40,17 +42,23 @@ async def disconnected(receive) -> None:
 class EventStream(Response):
     """A finite SSE response written as its generator yields. Lighter than Starlette's
     StreamingResponse: one watcher task, and a client that leaves calls `on_disconnect`
-    (cancelling its generation); the writes after that are no-ops. Infinite streams (session
-    events) keep StreamingResponse."""
+    (cancelling its generation); the writes after that are no-ops. Where `direct` is given
+    and the connection allows it, the stream's producer writes the body (`direct.py`).
+    Infinite streams (session events) keep StreamingResponse."""
 
     media_type = "text/event-stream"
 
     def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
                  on_disconnect: Callable[[], None] | None = None,
-                 on_write: Callable[[float], None] | None = None):
+                 on_write: Callable[[float], None] | None = None,
+                 direct: tuple[Stream, Callable[[AsyncIterator], AsyncIterator[bytes]]]
+                 | None = None):
         self.status_code = 200
         self.background = None
         self.chunks = chunks
+        # (the stream, its chunks over any event source): the body may be written by the
+        # stream's producer (`direct.py`); `chunks` is then never started
+        self.direct = direct
         self.on_disconnect = on_disconnect
         self.on_write = on_write  # each chunk's write time, in seconds
         self.init_headers(headers)  # no body attribute: chunked, no Content-Length
@@ -62,6 +70,27 @@ class EventStream(Response):
         if self.on_disconnect is not None:
             gone = asyncio.ensure_future(disconnected(receive))
             gone.add_done_callback(self._gone)
+        transport = transport_for(scope) if self.direct is not None else None
+        try:
+            if transport is not None:
+                await self._by_producer(transport)
+            else:
+                await self._on_loop(send)
+        finally:
+            if gone is not None:
+                gone.remove_done_callback(self._gone)
+                gone.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _by_producer(self, transport) -> None:
+        stream, make = self.direct
+        try:
+            await DirectBody(stream, make, transport, self.on_write).run()
+        except asyncio.CancelledError:  # the server stops: so does the writing
+            stream.cancel()
+            raise
+
+    async def _on_loop(self, send) -> None:
         try:
             async for chunk in self.chunks:
                 t0 = time.perf_counter()
@@ -69,13 +98,9 @@ class EventStream(Response):
                 if self.on_write is not None:
                     self.on_write(time.perf_counter() - t0)
         finally:
-            if gone is not None:
-                gone.remove_done_callback(self._gone)
-                gone.cancel()
             aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _gone(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:

@@ -73,10 +73,11 @@ async def timed(events: AsyncIterator[TokenEvent], stages: Stages
 
 
 async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
-                          stages: Stages) -> Response:
+                          stages: Stages, direct: bool = False) -> Response:
     """A finished stream (the fast path) is written as one response with its path in the
     headers; otherwise the chunks are streamed as the model worker produces them, each
-    token's stages observed (`stages`: `Metrics.token_stages`)."""
+    token's stages observed (`stages`: `Metrics.token_stages`). `direct`: `chunks` awaits
+    nothing but its events, so the stream's producer may write them (`direct.py`)."""
     if stream.done:
         async def done_source():
             for ev in stream:
@@ -91,4 +92,6 @@ async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
                         media_type="text/event-stream")
     return EventStream(chunks(timed(stream.aiter(), stages)),
                        headers={**results.pending_headers(sid), **SSE_HEADERS},
-                       on_disconnect=stream.cancel, on_write=stages["write"])
+                       on_disconnect=stream.cancel, on_write=stages["write"],
+                       direct=(stream, lambda source: chunks(timed(source, stages)))
+                       if direct else None)

@@ -184,7 +184,7 @@ async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=N
     if len(streams) == 1:
         chunks = streaming.guarded(reply.chunks(streams[0]), cleanup, last=DONE)
         return await streaming.stream_response(streams[0], chunks, reply.sid,
-                                               state.metrics.token_stages)
+                                               state.metrics.token_stages, direct=True)
 
     async def each(_source):  # the choices one after the other, each with its index
         for i, stream in enumerate(streams):
