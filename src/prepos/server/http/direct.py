@@ -34,13 +34,17 @@ _EMPTY = object()  # no event handed in yet
 _END = object()
 
 
-def transport_for(scope) -> asyncio.Transport | None:
-    """The connection's transport where the body can be written around it: plain TCP, its
-    send buffer empty (the headers gone out whole)."""
+def direct_body(scope, stream: Stream, make: Callable[[AsyncIterator], AsyncIterator[bytes]],
+                on_write: Callable[[float], None] | None) -> DirectBody | None:
+    """The body written by `stream`'s producer, where the connection allows it: plain TCP,
+    its send buffer empty (the headers gone out whole), its socket still open."""
     transport = scope.get(TRANSPORT)
     if transport is None or transport.is_closing() or transport.get_write_buffer_size():
         return None
-    return transport
+    try:
+        return DirectBody(stream, make, transport, on_write)
+    except OSError:  # the connection closed meanwhile: the loop's path ends the body
+        return None
 
 
 class _Feed:
@@ -117,9 +121,9 @@ class DirectBody:
             self._end(exc)
 
     def _write(self, chunk: bytes) -> None:
-        data = b"%x\r\n%s\r\n" % (len(chunk), chunk)
         if self.broken:
             return
+        data = b"%x\r\n%s\r\n" % (len(chunk), chunk)
         if self.via_loop:
             self.loop.call_soon_threadsafe(self._loop_write, data)
             return

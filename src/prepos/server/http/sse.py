@@ -24,7 +24,7 @@ from prepos.decode.stream import Stream
 from prepos.engine.implicit import is_ephemeral
 from prepos.errors import SessionNotFound
 from prepos.server.http.auth import public
-from prepos.server.http.direct import DirectBody, transport_for
+from prepos.server.http.direct import direct_body
 from prepos.server.http.results import json_bytes
 
 log = logging.getLogger("prepos.server.sse")
@@ -70,10 +70,10 @@ class EventStream(Response):
         if self.on_disconnect is not None:
             gone = asyncio.ensure_future(disconnected(receive))
             gone.add_done_callback(self._gone)
-        transport = transport_for(scope) if self.direct is not None else None
+        body = direct_body(scope, *self.direct, self.on_write) if self.direct else None
         try:
-            if transport is not None:
-                await self._by_producer(transport)
+            if body is not None:
+                await self._by_producer(body)
             else:
                 await self._on_loop(send)
         finally:
@@ -82,12 +82,12 @@ class EventStream(Response):
                 gone.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _by_producer(self, transport) -> None:
-        stream, make = self.direct
+    @staticmethod
+    async def _by_producer(body) -> None:
         try:
-            await DirectBody(stream, make, transport, self.on_write).run()
+            await body.run()
         except asyncio.CancelledError:  # the server stops: so does the writing
-            stream.cancel()
+            body.stream.cancel()
             raise
 
     async def _on_loop(self, send) -> None:
