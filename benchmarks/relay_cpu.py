@@ -10,10 +10,10 @@ from the engine's step.
 
 The client streams --streams chat completions of --max-tokens tokens one after another (the
 OpenAI wire format, read line by line) after one untimed stream. Reported: prepos's CPU
-time (user + system, every thread, from /proc, in clock ticks) over the streamed content
-chunks, in µs per token, the event loop's thread apart from the others (the model workers
-and the replicas' health check); wall time per token beside the stand-in's pace; --repeats runs, the
-median and each. This is a probe of prepos's own cost with a stand-in for the engine, not a
+time (each thread's time on a CPU, from /proc's schedstat, in nanoseconds) over the
+streamed content chunks, in µs per token, the event loop's thread apart from the others
+(the model workers and the replicas' health check); wall time per token beside the
+stand-in's pace; --repeats runs, the median and each. This is a probe of prepos's own cost with a stand-in for the engine, not a
 comparison with one.
 
     python benchmarks/relay_cpu.py [--streams 6] [--max-tokens 128] [--gap-ms 8]
@@ -107,19 +107,17 @@ def engine(port: int, gap: float, tokens: list[int]) -> None:
 
 # -- the client side ------------------------------------------------------------------------
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of the process's threads: its main thread (the event loop) and the rest
-    together (the model workers, the replicas' health check; the interpreter names no OS
-    thread, so they are not told apart)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds of the process's threads (the scheduler's count, in nanoseconds): its
+    main thread (the event loop) and the rest together (the model workers, the replicas'
+    health check; the interpreter names no OS thread, so they are not told apart)."""
     out: dict[str, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
         except FileNotFoundError:  # the thread ended
             continue
-        f = stat[stat.rindex(")") + 2:].split()
         kind = "event_loop" if tid == str(pid) else "other_threads"
-        out[kind] = out.get(kind, 0.0) + (int(f[11]) + int(f[12])) / tick
+        out[kind] = out.get(kind, 0.0) + ns / 1e9
     return out
 
 

@@ -61,7 +61,7 @@ class idle_work:  # noqa: N801 (used as a function: `with idle_work(...)`)
     engine's background priority and cap it per replica. In-process back ends stop such a
     forward between layers once `should_yield()` (foreground work is waiting) and raise
     Preempted, so a request waits for one layer, not one chunk. (A class, not a generator:
-    the scheduler enters it twice a quantum, a relayed stream's quantum being one token.)"""
+    the scheduler enters it twice a quantum, a quantum being as short as one token.)"""
 
     __slots__ = ("idle", "should_yield", "old")
 

@@ -12,6 +12,10 @@ or on two workers at once). Idle tasks run by `priority`, highest first (what th
 worth: the engine gives a pre-position its session's chance of being asked before its next
 update), in turn among equals. The workers own the KV caches: only tasks touch them.
 
+A bare `yield` ends the quantum only where another task is queued that the worker would run
+instead: a task alone goes on (a relayed stream reads its next token, housekeeping its next
+unit, without a pass through the queues).
+
 Below every idle task, `housekeeping` (the KV pool's: copies of idle KVs saved into the
 tiers ahead of need) is queued once the queues run empty after other work, so it runs in
 idle time, one preemptible unit a quantum, and `wait_idle` waits for it too.
@@ -239,7 +243,7 @@ class Scheduler:
                 if self._pending == 0:
                     self._drained.notify_all()
                 # this thread takes the next quantum itself: other workers are woken for the
-                # rest of what is queued only (a stream relayed one token a quantum wakes none)
+                # rest of what is queued only
                 self._cv.notify(len(self._fg) + len(self._idle) - 1)
 
     def _queue_housekeeping(self) -> None:
@@ -259,10 +263,17 @@ class Scheduler:
         finished: set[Task] = set()
         with idle_work(idle, self._fg_waiting):
             for task in batch:
-                if task.want is None and not self._step(task):
-                    finished.add(task)
-                    if task.key is not None:  # its KV may move for the batch's room now
-                        self.release(task.key)
+                while task.want is None:
+                    if not self._step(task):
+                        finished.add(task)
+                        if task.key is not None:  # its KV may move for the batch's room now
+                            self.release(task.key)
+                        break
+                    # a bare yield (a relayed token, a unit of housekeeping): a task alone
+                    # goes on in this quantum while no task it would give way to is queued
+                    # (read without the lock: a deque's or a list's length is read whole)
+                    if len(batch) > 1 or self._fg or (idle and self._idle) or self._stopped:
+                        break
             chosen, plans, tokens = [], [], 0
             for task in batch:
                 if task.want is None:
