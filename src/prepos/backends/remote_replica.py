@@ -15,12 +15,14 @@ from typing import Any, Iterator
 import httpx
 
 from prepos.backends.base import Preempted
+from prepos.backends.http_transport import Urllib3Transport
 from prepos.backends.remote_protocol import Adapter, Call, RemoteError, ReplicaFailure, TopK
 
 # where background streams do not share the engine's steps (`Replica.shares_steps`), one (a
 # pre-decode) waits this long for the foreground requests in flight to end, then gives way
 # (Preempted: retried later)
 GIVE_WAY_S = 0.05
+_END = object()  # a stream's `data: [DONE]`
 
 
 class Replica:
@@ -30,8 +32,8 @@ class Replica:
                  transport: httpx.BaseTransport | None = None, give_way: bool = False):
         self.url = url.rstrip("/")
         self.adapter = adapter
-        self.client = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
-                                   limits=httpx.Limits(max_keepalive_connections=32))
+        self.client = httpx.Client(base_url=self.url, timeout=timeout,
+                                   transport=transport or Urllib3Transport(maxsize=32))
         self.healthy = True
         self.down_since: float | None = None
         self.n_slots: int | None = None
@@ -112,20 +114,37 @@ class Replica:
             raise ReplicaFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
 
     def _events(self, r: httpx.Response, c: Call) -> Iterator[Any]:
-        for line in r.iter_lines():
-            line = line.strip()
-            if not line or line.startswith(":"):
-                continue
-            if line.startswith("data:"):
-                line = line[5:].strip()
-            elif line.startswith("error:"):  # llama-server's error events
-                raise RemoteError(f"{self.url}{c.path}: {line[6:].strip()[:500]}")
-            if line == "[DONE]":
-                return
-            try:
-                yield json.loads(line)
-            except ValueError as exc:
-                raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
+        """The stream's events' JSON objects, its lines split here (an engine's events are
+        UTF-8 JSON, read as bytes: no text decoding a chunk, nor content decoding where
+        none was applied)."""
+        rest = b""
+        for data in r.iter_bytes() if "content-encoding" in r.headers else r.iter_raw():
+            *lines, rest = (rest + data).split(b"\n")
+            for line in lines:
+                event = self._event(line, c)
+                if event is _END:
+                    return
+                if event is not None:
+                    yield event
+        if (event := self._event(rest, c)) is not None and event is not _END:
+            yield event
+
+    def _event(self, line: bytes, c: Call) -> Any:
+        """One line's event: its JSON object, None (no data), or _END (`[DONE]`)."""
+        line = line.strip()
+        if not line or line.startswith(b":"):
+            return None
+        if line.startswith(b"data:"):
+            line = line[5:].strip()
+        elif line.startswith(b"error:"):  # llama-server's error events
+            raise RemoteError(f"{self.url}{c.path}: "
+                              f"{line[6:].strip()[:500].decode(errors='replace')}")
+        if line == b"[DONE]":
+            return _END
+        try:
+            return json.loads(line)
+        except ValueError as exc:
+            raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
 
     def send(self, make, background: bool, opener):
         """Make the request `make(priority)` builds with `opener`; where the engine refuses
