@@ -13,8 +13,8 @@ OpenAI wire format, read line by line) after one untimed stream. Reported: prepo
 time (each thread's time on a CPU, from /proc's schedstat, in nanoseconds) over the
 streamed content chunks, in µs per token, the event loop's thread apart from the others
 (the model workers and the replicas' health check); wall time per token beside the
-stand-in's pace; --repeats runs, the median and each. This is a probe of prepos's own cost with a stand-in for the engine, not a
-comparison with one.
+stand-in's pace; --repeats runs, the median and each. This is a probe of prepos's own
+cost with a stand-in for the engine, not a comparison with one.
 
     python benchmarks/relay_cpu.py [--streams 6] [--max-tokens 128] [--gap-ms 8]
 The last line printed is the JSON summary (also results/relay_cpu.json).

@@ -24,10 +24,10 @@ from urllib3 import exceptions as u3
 def _as_httpx(request: httpx.Request) -> Iterator[None]:
     try:
         yield
+    except u3.NewConnectionError as exc:  # refused, unreachable (urllib3 makes it a
+        raise httpx.ConnectError(str(exc), request=request) from exc  # ConnectTimeoutError)
     except u3.ConnectTimeoutError as exc:
         raise httpx.ConnectTimeout(str(exc), request=request) from exc
-    except u3.NewConnectionError as exc:  # refused, unreachable
-        raise httpx.ConnectError(str(exc), request=request) from exc
     except u3.ReadTimeoutError as exc:
         raise httpx.ReadTimeout(str(exc), request=request) from exc
     except u3.ProtocolError as exc:  # closed or reset: a pooled connection the server dropped
@@ -64,8 +64,8 @@ class Urllib3Transport(httpx.BaseTransport):
         with _as_httpx(request):
             r = self.pools.urlopen(
                 request.method, str(request.url), body=request.read(),
-                headers=urllib3.HTTPHeaderDict(request.headers.multi_items()), redirect=False, retries=False,
-                preload_content=False, decode_content=False,
+                headers=urllib3.HTTPHeaderDict(request.headers.multi_items()),
+                redirect=False, retries=False, preload_content=False, decode_content=False,
                 timeout=urllib3.Timeout(connect=t.get("connect"), read=t.get("read")))
         return httpx.Response(r.status, headers=list(r.headers.items()),
                               stream=_Body(r, request))

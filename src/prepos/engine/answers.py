@@ -201,9 +201,10 @@ class Answers:
         """The rest of the answer after `seq` and `out`'s tokens: one decode step per
         scheduler quantum, batched with other sessions' steps; or, on a back end that
         streams answers, every token from one streamed request (the engine's own sampling;
-        a bare yield after each token gives the worker to another task, where one waits). A greedy answer on a back end that verifies
-        drafts runs several tokens per step where its context or `said` (the session's latest
-        answers) predicts them (`prepos.decode.lookup`)."""
+        a bare yield after each token gives the worker to another task, where one waits). A
+        greedy answer on a back end that verifies drafts runs several tokens per step where
+        its context or `said` (the session's latest answers) predicts them
+        (`prepos.decode.lookup`)."""
         if self.backend.streams_answers:
             events = kv.stream(seq + tuple(out.tokens), sampling,
                                sampling.max_tokens - len(out.tokens), self.fmt.end_of_turn,
