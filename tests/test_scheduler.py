@@ -213,3 +213,33 @@ def test_a_task_requeued_each_quantum_wakes_no_other_worker():
         s.close()
     others = {name: n for name, n in woken.items() if name not in runner}
     assert sum(others.values()) <= 8, others  # each woken at most for the submit and close
+
+
+def test_a_task_alone_goes_on_through_its_bare_yields_and_gives_way_where_one_waits():
+    """A bare yield ends the quantum only where a task the worker would run instead is
+    queued: alone, a task's five units are one quantum; a foreground task submitted during
+    an idle task's units runs before its next one."""
+    sched = Scheduler()
+    log = []
+    sched.submit(steps(log, "alone", 5), idle=True)
+    assert sched.wait_idle(5)
+    assert sched.idle_steps == 1 and [i for _, i, *_ in log] == [0, 1, 2, 3, 4]
+
+    order = []
+
+    def idle_units():
+        for i in range(4):
+            order.append(("idle", i))
+            if i == 1:  # a request arrives while the idle task runs
+                sched.submit(fg())
+            yield
+
+    def fg():
+        order.append(("fg", 0))
+        return
+        yield
+
+    sched.submit(idle_units(), idle=True)
+    assert sched.wait_idle(5)
+    assert order == [("idle", 0), ("idle", 1), ("fg", 0), ("idle", 2), ("idle", 3)]
+    sched.close()

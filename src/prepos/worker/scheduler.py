@@ -18,7 +18,7 @@ unit, without a pass through the queues).
 
 Below every idle task, `housekeeping` (the KV pool's: copies of idle KVs saved into the
 tiers ahead of need) is queued once the queues run empty after other work, so it runs in
-idle time, one preemptible unit a quantum, and `wait_idle` waits for it too.
+idle time, one preemptible unit at a time, and `wait_idle` waits for it too.
 """
 
 from __future__ import annotations
