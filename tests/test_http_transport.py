@@ -3,6 +3,7 @@ and the reading of an engine's event stream (`Replica._events`) however its byte
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import threading
@@ -162,20 +163,25 @@ def body(events, crlf: bool) -> bytes:
     return out + b"data: [DONE]" + eol + eol + b"data: {\"after\": 1}" + eol
 
 
-def replica(pieces: list[bytes]) -> Replica:
+def replica(pieces: list[bytes], gzipped: bool = False) -> Replica:
     def handle(request):
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              content=iter(pieces))
+        headers = {"content-type": "text/event-stream"}
+        if gzipped:  # the pieces are cut from the compressed body: httpx decodes it
+            headers["content-encoding"] = "gzip"
+        return httpx.Response(200, headers=headers, content=iter(pieces))
     return Replica("http://e", make_adapter("llama.cpp"), 5, 1, httpx.MockTransport(handle))
 
 
 @settings(max_examples=60, deadline=None)
-@given(cuts=st.lists(st.integers(0, 400), max_size=12), crlf=st.booleans())
-def test_the_events_are_the_same_however_the_bytes_are_cut(cuts, crlf):
+@given(cuts=st.lists(st.integers(0, 400), max_size=12), crlf=st.booleans(),
+       gzipped=st.booleans())
+def test_the_events_are_the_same_however_the_bytes_are_cut(cuts, crlf, gzipped):
     data = body(EVENTS, crlf)
+    if gzipped:
+        data = gzip.compress(data)
     at = sorted({min(c, len(data)) for c in cuts})
     pieces = [data[a:b] for a, b in zip([0, *at], [*at, len(data)]) if b > a]
-    rep = replica(pieces)
+    rep = replica(pieces, gzipped)
     with rep.stream(Call("POST", "/completion", {})) as events:
         assert list(events) == EVENTS  # nothing after [DONE]
     rep.close()
