@@ -8,6 +8,7 @@ deadline passes), and concurrent creations at the session limit (never past it).
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -338,3 +339,48 @@ def test_half_sent_requests_are_closed_at_their_deadline(small):
         assert replies[name].startswith(b"HTTP/1.1 408"), (name, replies.get(name))
         assert b'"request_timeout"' in replies[name]
     assert httpx.get(small.url + "/health").status_code == 200
+
+
+def _exchange(url: str, pieces: list[bytes]) -> bytes:
+    """What the server writes back to these bytes, sent as separate writes, until it closes
+    the connection (or 10 s pass)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for piece in pieces:
+            try:
+                sock.sendall(piece)
+            except OSError:  # the server closed the connection already
+                break
+            time.sleep(0.01)
+        chunks = []
+        while got := sock.recv(65536):
+            chunks.append(got)
+    return b"".join(chunks)
+
+
+def test_a_head_sent_in_pieces_past_the_limit_is_431_and_closed(server):
+    """Headers sent a few KB at a time, never ending: once they pass the limit (16 KB
+    here) the answer is a JSON 431 and the connection closes; nothing else is answered."""
+    pieces = [b"GET /health HTTP/1.1\r\nHost: x\r\n"] + \
+        [b"X-Pad-%d: %s\r\n" % (i, b"y" * 4000) for i in range(8)]
+    reply = _exchange(server.url, pieces)
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert reply.count(b"HTTP/1.1") == 1
+    assert b'"headers_too_large"' in reply and b"16384" in reply
+
+
+def test_a_request_the_parser_cannot_read_is_a_json_400(server):
+    reply = _exchange(server.url, [b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"])
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b'"invalid_request"' in reply
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_pipelined_requests_are_each_answered_in_order(server):
+    """Two requests in one write on a kept-alive connection, then a third that closes it:
+    three answers, in order (the guard's head count and deadline are per request)."""
+    get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a\r\n\r\n"
+    bad = b"GET /v1/models/nope HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a\r\n" \
+          b"Connection: close\r\n\r\n"
+    reply = _exchange(server.url, [get + get, bad])
+    assert re.findall(rb"HTTP/1.1 (\d{3}) ", reply) == [b"200", b"200", b"404"], reply[:400]

@@ -167,16 +167,17 @@ def test_default_threads_count_each_physical_core_once(monkeypatch):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from([5e-6, 1e-3, 0.01, 0.25]),
                           st.floats(0, 1, allow_nan=False)), max_size=40))
-def test_the_token_stage_histogram_counts_as_prometheus_clients_own(values):
-    """`StageTimes` (a bisect per token, no lock) exports the buckets, count and sum a
+def test_our_histograms_count_as_prometheus_clients_own(values):
+    """`Buckets` (a bisect per observation) exports the buckets, count and sum a
     prometheus_client Histogram with the same bounds would (a value on a bound counts in
-    it)."""
+    it), locked or not."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from prepos.server.http.metrics import STAGE_BUCKETS, StageTimes
+    from prepos.server.http.metrics import STAGE_BUCKETS, TOKEN_STAGES, Buckets
 
-    ours, registry = StageTimes(STAGE_BUCKETS), CollectorRegistry()
+    ours, registry = Buckets("prepos:token_stage_seconds", "", "stage", TOKEN_STAGES,
+                             STAGE_BUCKETS, lock=len(values) % 2 == 0), CollectorRegistry()
     theirs = Histogram("prepos:token_stage_seconds", "", ["stage"], buckets=STAGE_BUCKETS,
                        registry=registry)
     theirs.labels("write")  # exported from 0, as every stage of ours is
@@ -194,3 +195,55 @@ def test_the_token_stage_histogram_counts_as_prometheus_clients_own(values):
     got, want = samples(generate_latest(reg).decode()), samples(generate_latest(registry).decode())
     assert got.keys() == want.keys()
     assert all(got[k] == pytest.approx(want[k]) for k in want)
+
+
+def _without_created(text: str) -> list[str]:
+    """generate_latest's lines less the `_created` series (their HELP, TYPE and samples)."""
+    out, skip = [], False
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            skip = line.split()[2].endswith("_created")
+        if not skip:
+            out.append(line)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.text(max_size=12),
+                          st.one_of(st.floats(allow_nan=True), st.integers(0, 10**12))),
+                max_size=12),
+       st.lists(st.floats(0, 100, allow_nan=False), max_size=20))
+def test_the_exposition_writes_what_generate_latest_writes(labelled, observed):
+    """The scrape's text is prometheus_client's own, less the `_created` series, for any
+    label values (quotes, backslashes, newlines, any Unicode) and any values (NaN, ±Inf,
+    large, negative), scrape after scrape (its kept names reused), counters, gauges and
+    histograms alike."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from prepos.server.http.exposition import Exposition
+
+    r = CollectorRegistry()
+    counter = Counter("prepos:things", "Things\nby kind \\ all", ["kind"], registry=r)
+    gauge = Gauge("prepos:level", "A level", ["kind", "where"], registry=r)
+    hist = Histogram("prepos:seconds", "Seconds", ["path"], buckets=(0.5, 1.0, 50.0),
+                     registry=r)
+    Gauge("prepos:plain", "No labels", registry=r).set(3)
+    exposition = Exposition(r)
+    for _ in range(2):
+        for label, value in labelled:
+            if value == value and value >= 0:
+                counter.labels(label).inc(value)
+            gauge.labels(label, "x").set(value)
+        for v in observed:
+            hist.labels("p").observe(v)
+        assert exposition.render().decode().splitlines() == \
+            _without_created(generate_latest(r).decode())
+
+
+def test_every_family_the_server_exports_is_a_type_the_exposition_writes():
+    from prepos.server.http.exposition import _TYPES
+    from prepos.server.http.metrics import Metrics
+
+    m = Metrics("m")
+    assert {f.type for f in m.registry.collect()} <= set(_TYPES)
+    assert m.render().startswith(b"# HELP prepos:")

@@ -5,6 +5,8 @@ naming the problem, and a malformed id in a path the route's 404, never a 500.""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from server_harness import ServerProc
@@ -52,3 +54,36 @@ def test_bad_ids_are_400s_and_change_nothing(client):
     weird = client.get("/sessions/%C2%AC%F3%A2%B4%93/events")
     assert weird.status_code == 404 and "x-session-id" not in weird.headers
     assert len(client.get("/sessions").json()["data"]) == n
+
+
+def test_an_append_answers_the_same_on_the_straight_line_and_through_the_stack(client):
+    """A plain append is handled in front of FastAPI's stack; the same append naming its
+    session in `x-session-id` goes through the stack. Both answer alike, success and every
+    refusal (bad body, unknown session, wrong kind, a stale expected version)."""
+    line = client.post("/sessions", json={"kind": "streaming"}).json()["id"]
+    stack = client.post("/sessions", json={"kind": "streaming"}).json()["id"]
+    agentic = client.post("/sessions", json={"kind": "agentic"}).json()["id"]
+    cases = [("ok", {"json": {"data": "AAPL 101 102", "wait": False}}),
+             ("ok-waited", {"json": {"data": "MSFT 301 302"}}),
+             ("not-json", {"content": b"{data", "headers": {"content-type": "application/json"}}),
+             ("no-data", {"json": {"wait": False}}),
+             ("wrong-type", {"json": {"data": 7}}),
+             ("extra-field", {"json": {"data": "x", "nope": 1}}),
+             ("stale-version", {"json": {"data": "x", "expected_version": 0}}),
+             ("unknown", {"json": {"data": "x"}, "sid": "no-such-session"}),
+             ("agentic", {"json": {"data": "x"}, "sid": agentic})]
+    for name, kw in cases:
+        answers = []
+        for sid, header in ((line, False), (stack, True)):
+            sid = kw.get("sid", sid)
+            headers = {**kw.get("headers", {}), **({"x-session-id": sid} if header else {})}
+            r = client.post(f"/sessions/{sid}/append", headers=headers,
+                            **{k: v for k, v in kw.items() if k in ("json", "content")})
+            body = r.json()
+            body.pop("session_id", None)
+            body = json.dumps(body).replace(sid, "{sid}")  # an error names its session
+            answers.append((r.status_code, r.headers["content-type"], body,
+                            r.headers.get("x-session-id") == sid))
+        assert answers[0] == answers[1], (name, answers)
+        assert answers[0][0] == (200 if name.startswith("ok") else answers[0][0])
+        assert name.startswith("ok") or 400 <= answers[0][0] < 500, (name, answers[0])

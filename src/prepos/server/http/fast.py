@@ -1,18 +1,22 @@
-"""The straight line: `POST /sessions/{id}/query` answered in front of FastAPI's stack.
+"""The straight line: a standing query (`POST /sessions/{id}/query`) and a data append
+(`POST /sessions/{id}/append`) handled in front of FastAPI's stack.
 
 A standing query answered from its pre-positioned ready distribution costs the engine a few
-tens of microseconds; FastAPI's layers around it (its telemetry check, the server-error,
-exception-telemetry, body-limit, exception and exit-stack middlewares, prepos's `BodyLimit`,
-the router's match, Starlette's request and exception wrappers) cost as much again. `App`
-takes a query none of those layers would act on straight to the route's own code
-(`sessions.ask`), after the same checks in the same order (503, 401, 404, 400, 409) and with
-the same error responses. Every other request, and a query whose head is over the limit,
-whose body has no Content-Length or is over the limit, or that names its session in an
-`x-session-id` header, goes through the whole stack as before; so does every request of a
-server with CORS on (its middleware adds headers to every response, `Vary: Origin` at
-least). On a single node the line also stands in front of the cluster's `Front`: the path
-names the session, and the line names it back in `x-session-id` as `Front` would; in a
-cluster it runs behind `Front`, after the session's owner is settled."""
+tens of microseconds, and a dashboard's data line a render and a tokenization; FastAPI's
+layers around either (its telemetry check, the server-error, exception-telemetry,
+body-limit, exception and exit-stack middlewares, prepos's `BodyLimit`, the router's match,
+Starlette's request and exception wrappers) cost as much again, on the cores the model
+decodes on. `App` takes such a request none of those layers would act on straight to the
+route's own code (`sessions.ask`, `sessions.append_data`), after the same checks in the
+same order (503, 401, 404, 400, 409) and with the same error responses. Every other
+request goes through the whole stack as before, and so does one of these whose head is over
+the limit, whose body has no Content-Length or is over the limit, that names its session in
+an `x-session-id` header, or (an append) that carries an `Idempotency-Key` (the route's
+wrapper keeps its answer); so does every request of a server with CORS on (its middleware
+adds headers to every response, `Vary: Origin` at least). On a single node the line also
+stands in front of the cluster's `Front`: the path names the session, and the line names it
+back in `x-session-id` as `Front` would; in a cluster it runs behind `Front`, after the
+session's owner is settled."""
 
 from __future__ import annotations
 
@@ -26,11 +30,13 @@ from starlette.responses import Response
 from prepos.engine.session import STREAMING
 from prepos.server.durable.cluster import HEADER, SESSION_ID, Front
 from prepos.server.http.errors import ApiError, as_api_error
-from prepos.server.http.schemas import Query
-from prepos.server.http.sessions import ask
+from prepos.server.http.schemas import Append, Query
+from prepos.server.http.sessions import append_data, ask
 from prepos.server.http.state import ServerState
 
-PREFIX, SUFFIX = "/sessions/", "/query"
+PREFIX = "/sessions/"
+QUERY, APPEND = "/query", "/append"
+IDEMPOTENCY = b"idempotency-key"
 KNOWN_BYTES = 1024  # query bodies up to this size are remembered parsed,
 KNOWN_BODIES = 256  # this many at most
 
@@ -43,14 +49,19 @@ class StraightLine:
         self.max_head = state.limits.max_header_bytes
         self.known: dict[bytes, Query] = {}  # bodies seen before, parsed
 
-    def take(self, scope) -> tuple[str, str | None] | None:
-        """The session id and Authorization header of a query this line answers; None for
-        any other request."""
+    def take(self, scope) -> tuple[str, str, str | None] | None:
+        """The route's suffix (`QUERY` or `APPEND`), the session id and the Authorization
+        header of a request this line handles; None for any other request."""
         path = scope["path"]
-        if scope["method"] != "POST" or not path.endswith(SUFFIX) or \
-                not path.startswith(PREFIX) or scope.get("root_path"):
+        if scope["method"] != "POST" or not path.startswith(PREFIX) or scope.get("root_path"):
             return None
-        sid = path[len(PREFIX):-len(SUFFIX)]
+        if path.endswith(QUERY):
+            route = QUERY
+        elif path.endswith(APPEND):
+            route = APPEND
+        else:
+            return None
+        sid = path[len(PREFIX):-len(route)]
         if not SESSION_ID.fullmatch(sid):  # the route's {sid}, one path segment; else 404
             return None
         head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
@@ -63,10 +74,12 @@ class StraightLine:
                 auth = value if auth is None else auth
             elif name == HEADER:  # Front checks it against the path's
                 return None
+            elif name == IDEMPOTENCY and route == APPEND:
+                return None
         if head > self.max_head or length is None or not length.isdigit() or \
                 int(length) > self.max_body:
             return None
-        return sid, None if auth is None else auth.decode("latin-1")
+        return route, sid, None if auth is None else auth.decode("latin-1")
 
     async def body(self, receive) -> Query:
         """The query's body, parsed; a small one seen before is the body parsed then (a
@@ -82,12 +95,20 @@ class StraightLine:
                 self.known[raw] = body
         return body
 
-    async def answer(self, scope, receive, send, sid: str, auth: str | None,
+    async def append(self, receive) -> Append:
+        return await self.state.parse(await read_body(receive), Append)
+
+    async def answer(self, scope, receive, send, route: str, sid: str, auth: str | None,
                      tag: bool = False) -> None:
-        """The query's answer; with `tag`, its session named back in `x-session-id`."""
+        """The query's answer or the append's commit; with `tag`, its session named back in
+        `x-session-id`."""
         try:
-            c = await self.state.call(auth, partial(self.body, receive), sid, STREAMING)
-            response = await ask(c, receive)
+            if route == QUERY:
+                c = await self.state.call(auth, partial(self.body, receive), sid, STREAMING)
+                response = await ask(c, receive)
+            else:
+                c = await self.state.call(auth, partial(self.append, receive), sid, STREAMING)
+                response = await append_data(c)
         except Exception as exc:
             response = self.respond(as_api_error(exc))
         if tag:

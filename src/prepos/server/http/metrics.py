@@ -7,15 +7,18 @@ engine counters and gauges (pre-positions, paths, KV cells, queues, sessions) ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import threading
 from bisect import bisect_left
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from prepos.core import AnswerPath, Result
+from prepos.server.http.exposition import Exposition
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
@@ -42,12 +45,10 @@ class Metrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine = None
         self.model_name = model_name
-        self.ttft = Histogram("prepos:time_to_first_token_seconds",
-                              "Time to first token, from arrival at the engine, by path",
-                              ["path"], buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("prepos:e2e_request_latency_seconds",
-                             "Request latency, arrival to last token, by path", ["path"],
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Buckets("prepos:time_to_first_token_seconds", "Time to first token, "
+                            "from arrival at the engine, by path", "path", PATHS, TTFT_BUCKETS)
+        self.e2e = Buckets("prepos:e2e_request_latency_seconds", "Request latency, arrival to "
+                           "last token, by path", "path", PATHS, LATENCY_BUCKETS)
         self.prompt_tokens = Counter("prepos:prompt_tokens", "Prompt tokens of finished "
                                      "requests (session state plus entry)", registry=r)
         self.cached_tokens = Counter("prepos:cached_prompt_tokens", "Prompt tokens found in "
@@ -70,13 +71,16 @@ class Metrics:
                                       registry=r)
         self.journal_errors = Counter("prepos:journal_errors", "Journal writes that failed",
                                       registry=r)
-        self.token_stage = StageTimes(STAGE_BUCKETS)
+        self.token_stage = Buckets("prepos:token_stage_seconds", "A streamed token's time in "
+                                   "each stage of the server, by stage", "stage", TOKEN_STAGES,
+                                   STAGE_BUCKETS, lock=False)
         self.token_stages = {s: self.token_stage.observer(s) for s in TOKEN_STAGES}
-        self._ttft = {p: self.ttft.labels(p) for p in PATHS}  # every path exported from 0
-        self._e2e = {p: self.e2e.labels(p) for p in PATHS}
+        self._ttft = {p: self.ttft.observer(p) for p in PATHS}
+        self._e2e = {p: self.e2e.observer(p) for p in PATHS}
         self._requests: dict[tuple[str, str], object] = {}
         self._step_ewma = 0.05  # seconds per foreground request, for Retry-After
         r.register(_EngineCollector(self))
+        self.exposition = Exposition(r)
 
     def observe(self, res: Result) -> None:
         """Engine observer: runs on the model worker, or on the event loop for an answer made
@@ -96,8 +100,8 @@ class Metrics:
             self.cancelled.inc()
             return
         path = res.path.value
-        self._ttft[path].observe(res.timing.ttft)
-        self._e2e[path].observe(res.timing.total)
+        self._ttft[path](res.timing.ttft)
+        self._e2e[path](res.timing.total)
         key = (path, res.match.value)
         counter = self._requests.get(key)
         if counter is None:
@@ -112,7 +116,7 @@ class Metrics:
         return self._step_ewma
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.exposition.render()
 
 
 def cached_prompt_tokens(res: Result) -> int:
@@ -120,36 +124,43 @@ def cached_prompt_tokens(res: Result) -> int:
     return res.prompt_tokens if res.path is AnswerPath.FAST else res.cached_prompt_tokens
 
 
-class StageTimes:
-    """`prepos:token_stage_seconds`: a streamed token's time in each stage of the server,
-    observed four times a token on the event loop: a bisect and two additions each
-    (prometheus_client's Histogram takes a lock per count and scans its buckets), exported
-    at scrape time from a copy (its count is its buckets')."""
+class Buckets:
+    """A histogram by one label whose values are known ahead (each exported from 0), counted
+    here: an observation is a bisect and two additions, where prometheus_client's Histogram
+    takes a lock a count and scans its buckets, and reads each bucket under its lock again
+    at every scrape (two thirds of a scrape's collection, for the request histograms).
+    Exported at scrape time from a copy (its count is its buckets'). `lock`: observations
+    from several threads (a request's come from a worker or the event loop) take it; a
+    token's stages, observed on the thread that writes the stream, do not."""
 
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = {s: [0] * (len(bounds) + 1) for s in TOKEN_STAGES}
-        self.sums = dict.fromkeys(TOKEN_STAGES, 0.0)
+    def __init__(self, name: str, doc: str, label: str, values, bounds: tuple[float, ...],
+                 lock: bool = True):
+        self.name, self.doc, self.label, self.bounds = name, doc, label, bounds
+        self.les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        self.counts = {v: [0] * (len(bounds) + 1) for v in values}
+        self.sums = dict.fromkeys(values, 0.0)
+        self.lock = threading.Lock() if lock else contextlib.nullcontext()
 
-    def observer(self, stage: str) -> Callable[[float], None]:
-        counts, bounds, sums = self.counts[stage], self.bounds, self.sums
+    def observer(self, value: str) -> Callable[[float], None]:
+        counts, bounds, sums, lock = self.counts[value], self.bounds, self.sums, self.lock
 
         def observe(seconds: float) -> None:
-            counts[bisect_left(bounds, seconds)] += 1  # le: the first bound >= it
-            sums[stage] += seconds
+            with lock:
+                counts[bisect_left(bounds, seconds)] += 1  # le: the first bound >= it
+                sums[value] += seconds
 
         return observe
 
     def family(self) -> HistogramMetricFamily:
-        fam = HistogramMetricFamily("prepos:token_stage_seconds", "A streamed token's time "
-                                    "in each stage of the server, by stage", labels=["stage"])
-        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        for stage in TOKEN_STAGES:
-            counts, total, cumulative = list(self.counts[stage]), 0, []
-            for le, n in zip(les, counts):
-                total += n
-                cumulative.append((le, total))
-            fam.add_metric([stage], cumulative, sum_value=self.sums[stage])
+        fam = HistogramMetricFamily(self.name, self.doc, labels=[self.label])
+        with self.lock:
+            copies = [(v, list(c), self.sums[v]) for v, c in self.counts.items()]
+        for value, counts, total in copies:
+            n, cumulative = 0, []
+            for le, k in zip(self.les, counts):
+                n += k
+                cumulative.append((le, n))
+            fam.add_metric([value], cumulative, sum_value=total)
         return fam
 
 
@@ -165,6 +176,8 @@ class _EngineCollector:
         info = GaugeMetricFamily("prepos:model_info", "The served model", labels=["model"])
         info.add_metric([self.m.model_name], 1.0 if eng is not None else 0.0)
         yield info
+        yield self.m.ttft.family()
+        yield self.m.e2e.family()
         yield self.m.token_stage.family()
         if eng is None:
             return

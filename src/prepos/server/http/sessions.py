@@ -254,7 +254,12 @@ async def close_session(sid: str, request: Request):
             body=Append, response=R.Committed, errors=(409, 422, 429))
 @idempotent
 async def append(sid: str, request: Request):
-    c = await ServerState.open(request, Append, sid, STREAMING)
+    return await append_data(await ServerState.open(request, Append, sid, STREAMING))
+
+
+async def append_data(c: Call) -> Response:
+    """An append, its context open (by the route, or by server/http/fast.py's straight
+    line)."""
     await c.check_input(c.body.data, "data")
     return await _commit(c, c.engine.append, c.sid, c.body.data, c.body.wait,
                          c.body.expected_version)
