@@ -343,7 +343,7 @@ def test_half_sent_requests_are_closed_at_their_deadline(small):
 
 def _exchange(url: str, pieces: list[bytes]) -> bytes:
     """What the server writes back to these bytes, sent as separate writes, until it closes
-    the connection (or 10 s pass)."""
+    the connection (a read waiting 10 s fails the test)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         for piece in pieces:

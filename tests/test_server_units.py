@@ -170,14 +170,14 @@ def test_default_threads_count_each_physical_core_once(monkeypatch):
 def test_our_histograms_count_as_prometheus_clients_own(values):
     """`Buckets` (a bisect per observation) exports the buckets, count and sum a
     prometheus_client Histogram with the same bounds would (a value on a bound counts in
-    it), locked or not."""
+    it)."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     from prepos.server.http.metrics import STAGE_BUCKETS, TOKEN_STAGES, Buckets
 
-    ours, registry = Buckets("prepos:token_stage_seconds", "", "stage", TOKEN_STAGES,
-                             STAGE_BUCKETS, lock=len(values) % 2 == 0), CollectorRegistry()
+    ours = Buckets("prepos:token_stage_seconds", "", "stage", TOKEN_STAGES, STAGE_BUCKETS)
+    registry = CollectorRegistry()
     theirs = Histogram("prepos:token_stage_seconds", "", ["stage"], buckets=STAGE_BUCKETS,
                        registry=registry)
     theirs.labels("write")  # exported from 0, as every stage of ours is

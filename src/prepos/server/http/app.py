@@ -91,8 +91,8 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
              media="text/plain", public=True, errors=(401,))
     async def metrics(request: Request):
         scrapers.owner(request)  # 401 without a metrics key, where there are some
-        # rendered on the event loop: about 0.8 ms of CPU (exposition.py keeps the text that
-        # stays the same), where a hop to a thread and back would add a quarter of that
+        # rendered on the event loop (exposition.py keeps the text that stays the same): a
+        # scrape cost 1.16 ms of CPU in all this way, 1.38-1.42 with the render in a thread
         body = state.metrics.render()
         return Response(body, media_type=CONTENT_TYPE)
 

@@ -95,20 +95,18 @@ class StraightLine:
                 self.known[raw] = body
         return body
 
-    async def append(self, receive) -> Append:
+    async def append_body(self, receive) -> Append:
         return await self.state.parse(await read_body(receive), Append)
 
     async def answer(self, scope, receive, send, route: str, sid: str, auth: str | None,
                      tag: bool = False) -> None:
         """The query's answer or the append's commit; with `tag`, its session named back in
         `x-session-id`."""
+        query = route == QUERY
         try:
-            if route == QUERY:
-                c = await self.state.call(auth, partial(self.body, receive), sid, STREAMING)
-                response = await ask(c, receive)
-            else:
-                c = await self.state.call(auth, partial(self.append, receive), sid, STREAMING)
-                response = await append_data(c)
+            c = await self.state.call(auth, partial(self.body if query else self.append_body,
+                                                    receive), sid, STREAMING)
+            response = await (ask(c, receive) if query else append_data(c))
         except Exception as exc:
             response = self.respond(as_api_error(exc))
         if tag:

@@ -7,7 +7,6 @@ engine counters and gauges (pre-positions, paths, KV cells, queues, sessions) ar
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 from bisect import bisect_left
@@ -73,7 +72,7 @@ class Metrics:
                                       registry=r)
         self.token_stage = Buckets("prepos:token_stage_seconds", "A streamed token's time in "
                                    "each stage of the server, by stage", "stage", TOKEN_STAGES,
-                                   STAGE_BUCKETS, lock=False)
+                                   STAGE_BUCKETS)
         self.token_stages = {s: self.token_stage.observer(s) for s in TOKEN_STAGES}
         self._ttft = {p: self.ttft.observer(p) for p in PATHS}
         self._e2e = {p: self.e2e.observer(p) for p in PATHS}
@@ -126,20 +125,18 @@ def cached_prompt_tokens(res: Result) -> int:
 
 class Buckets:
     """A histogram by one label whose values are known ahead (each exported from 0), counted
-    here: an observation is a bisect and two additions, where prometheus_client's Histogram
-    takes a lock a count and scans its buckets, and reads each bucket under its lock again
-    at every scrape (two thirds of a scrape's collection, for the request histograms).
-    Exported at scrape time from a copy (its count is its buckets'). `lock`: observations
-    from several threads (a request's come from a worker or the event loop) take it; a
-    token's stages, observed on the thread that writes the stream, do not."""
+    here: an observation is a bisect and two additions under one lock (observers run on
+    several threads: the model workers, the event loop), where prometheus_client's
+    Histogram scans its buckets and reads each under its own lock again at every scrape (two
+    thirds of a scrape's collection, for the request histograms). Exported at scrape time
+    from a copy (its count is its buckets')."""
 
-    def __init__(self, name: str, doc: str, label: str, values, bounds: tuple[float, ...],
-                 lock: bool = True):
+    def __init__(self, name: str, doc: str, label: str, values, bounds: tuple[float, ...]):
         self.name, self.doc, self.label, self.bounds = name, doc, label, bounds
         self.les = [floatToGoString(b) for b in bounds] + ["+Inf"]
         self.counts = {v: [0] * (len(bounds) + 1) for v in values}
         self.sums = dict.fromkeys(values, 0.0)
-        self.lock = threading.Lock() if lock else contextlib.nullcontext()
+        self.lock = threading.Lock()
 
     def observer(self, value: str) -> Callable[[float], None]:
         counts, bounds, sums, lock = self.counts[value], self.bounds, self.sums, self.lock
