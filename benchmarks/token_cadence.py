@@ -11,7 +11,8 @@ client reads it; a gap is the time between two chunks that carry content. Four c
             every 100 ms in turn (`wait: false`: each append's KV is built at idle, with the
             pre-position of its standing query and the pre-decode of its answer) and
             /metrics is scraped every 250 ms; llama-server's arm: its /metrics scraped the
-            same way (it has no idle work)
+            same way (it has no idle work). The load is sent from raw keep-alive
+            connections, and its own CPU reported (`load_cpu_pct`, of one core)
   remote    one stream at a time through `prepos serve --backend llama-server` against the
             same llama-server directly, alternated stream by stream (both alive: prepos relays)
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import tempfile
@@ -128,15 +130,71 @@ def run_four(url: str, args, key: str | None, runs: int) -> tuple[list[dict], fl
     return streams, wall
 
 
+class RawHttp:
+    """One keep-alive HTTP/1.1 connection whose requests are written as bytes and whose
+    answers are read by their length: the busy case's load sent with as little of the
+    client's own CPU as a client can spend (a pooled httpx client spent 1.8 ms of CPU an
+    append here and 2.9 ms a scrape, taken from the cores both servers decode on)."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.head = "".join(f"{k}: {v}\r\n" for k, v in
+                            {"Host": f"{host}:{port}", **headers}.items()).encode()
+        self.buf = b""
+
+    def request(self, method: str, path: str, body: bytes = b"") -> int:
+        """The answer's status (its body read and dropped)."""
+        extra = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body) \
+            if body else b""
+        self.sock.sendall(b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (
+            method.encode(), path.encode(), self.head, extra, body))
+        while b"\r\n\r\n" not in self.buf:
+            self._recv()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.lower().split(b"\r\n")
+        fields = dict(line.split(b":", 1) for line in lines[1:])
+        if b"content-length" in fields:
+            self._skip(int(fields[b"content-length"]))
+        elif fields.get(b"transfer-encoding", b"").strip() == b"chunked":
+            while True:
+                while b"\r\n" not in self.buf:
+                    self._recv()
+                size, self.buf = self.buf.split(b"\r\n", 1)
+                n = int(size.split(b";")[0], 16)
+                self._skip(n + 2)
+                if n == 0:
+                    break
+        return int(lines[0].split()[1])
+
+    def _recv(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.buf += data
+
+    def _skip(self, n: int) -> None:
+        while len(self.buf) < n:
+            self._recv()
+        self.buf = self.buf[n:]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class Busy:
     """Background load while streams run: other sessions fed data (prepos) and /metrics
-    scraped every 250 ms (both servers)."""
+    scraped every 250 ms (both servers), from raw connections (`RawHttp`); the load's own
+    CPU (its threads') is counted, to be reported beside the gaps."""
 
     def __init__(self, url: str, sessions: int, key: str | None, prepos: bool):
         self.url, self.key, self.stop_ = url, key, threading.Event()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.sids: list[str] = []
-        self.appends = self.scrapes = 0
+        self.appends = self.scrapes = self.failed = 0
+        self.cpu_s = 0.0  # the load's threads' CPU
+        self.lock = threading.Lock()
         if prepos:
             for i in range(sessions):
                 r = httpx.post(url + "/sessions", headers=self.headers, timeout=60, json={
@@ -144,8 +202,8 @@ class Busy:
                     "standing_queries": [f"Is ticker T{i} rising? Answer briefly."]})
                 r.raise_for_status()
                 self.sids.append(r.json()["id"])
-        self.threads = [threading.Thread(target=self._feed, daemon=True),
-                        threading.Thread(target=self._scrape, daemon=True)]
+        self.threads = [threading.Thread(target=self._counted, args=(f,), daemon=True)
+                        for f in (self._feed, self._scrape)]
 
     def __enter__(self):
         for t in self.threads:
@@ -159,22 +217,32 @@ class Busy:
         for sid in self.sids:
             httpx.delete(f"{self.url}/sessions/{sid}", headers=self.headers, timeout=60)
 
-    def _feed(self) -> None:
-        i = 0
-        with httpx.Client(timeout=60, headers=self.headers) as c:
-            while self.sids and not self.stop_.wait(0.1):
-                sid = self.sids[i % len(self.sids)]
-                c.post(f"{self.url}/sessions/{sid}/append", json={
-                    "data": f"T{i % 8} {100 + i % 17}.{i % 10} {101 + i % 13}.5",
-                    "wait": False})  # its KV built at idle, with the pre-position
-                self.appends += 1
-                i += 1
+    def _counted(self, load) -> None:
+        c0 = time.thread_time()
+        http = RawHttp(self.url, self.headers)
+        try:
+            load(http)
+        finally:
+            http.close()
+            with self.lock:
+                self.cpu_s += time.thread_time() - c0
 
-    def _scrape(self) -> None:
-        with httpx.Client(timeout=60, headers=self.headers) as c:
-            while not self.stop_.wait(0.25):
-                c.get(self.url + "/metrics")
-                self.scrapes += 1
+    def _feed(self, http: RawHttp) -> None:
+        i = 0
+        while self.sids and not self.stop_.wait(0.1):
+            sid = self.sids[i % len(self.sids)]
+            data = f"T{i % 8} {100 + i % 17}.{i % 10} {101 + i % 13}.5"
+            # `wait: false`: its KV built at idle, with the pre-position
+            status = http.request("POST", f"/sessions/{sid}/append",
+                                  b'{"data": "%s", "wait": false}' % data.encode())
+            self.appends += 1
+            self.failed += status >= 300
+            i += 1
+
+    def _scrape(self, http: RawHttp) -> None:
+        while not self.stop_.wait(0.25):
+            self.failed += http.request("GET", "/metrics") >= 300
+            self.scrapes += 1
 
 
 def stage_buckets(url: str, key: str | None) -> dict[tuple[str, float], float]:
@@ -217,7 +285,8 @@ class Arm:
     def __init__(self) -> None:
         self.streams: dict[str, list[dict]] = {}
         self.wall = 0.0  # the four case's
-        self.appends = self.scrapes = 0  # the busy case's load
+        self.appends = self.scrapes = self.failed = 0  # the busy case's load
+        self.busy_s = self.load_cpu_s = 0.0  # its time, and the load's own CPU
         self.stages: dict[tuple[str, float], float] = {}  # the single case's bucket counts
 
     def block(self, url: str, args, key: str | None, prepos: bool, cases: set[str],
@@ -236,16 +305,22 @@ class Arm:
             self.wall += wall
         if "busy" in cases:
             with Busy(url, args.busy_sessions, key, prepos) as busy:
+                t0 = time.perf_counter()
                 self.streams.setdefault("busy", []).extend(
                     run_single(url, args, key, runs, offset=5))
+                self.busy_s += time.perf_counter() - t0
             self.appends += busy.appends
             self.scrapes += busy.scrapes
+            self.failed += busy.failed
+            self.load_cpu_s += busy.cpu_s
 
     def summaries(self) -> dict:
         out = {case: summary(s, self.wall if case == "four" else None)
                for case, s in self.streams.items()}
         if "busy" in out:
-            out["busy"].update(appends=self.appends, scrapes=self.scrapes)
+            out["busy"].update(appends=self.appends, scrapes=self.scrapes,
+                               load_failed=self.failed,
+                               load_cpu_pct=round(100 * self.load_cpu_s / self.busy_s, 2))
         if self.stages:
             out["stages"] = stage_times(self.stages)
         return out
