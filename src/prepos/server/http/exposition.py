@@ -19,13 +19,21 @@ _TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram",
 _KEPT = 4096  # samples' formatted names kept at most (labels never seen again: cleared)
 
 
-def _escape(value: str) -> str:
+def escape(value: str) -> str:
+    """A label value as the text format quotes it."""
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-def _help(name: str, doc: str, kind: str) -> str:
+def help_lines(name: str, doc: str, kind: str) -> str:
+    """A family's HELP and TYPE lines (`kind`: as the text format names it)."""
     doc = doc.replace("\\", r"\\").replace("\n", r"\n")
     return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+
+
+def count_text(n: int) -> str:
+    """A count written as `floatToGoString(float(n))` writes it (Go's exponent form from a
+    million on)."""
+    return f"{n}.0" if n < 1_000_000 else floatToGoString(n)
 
 
 class Exposition:
@@ -49,7 +57,7 @@ class Exposition:
             if head is None:
                 kind = _TYPES[metric.type]
                 suffix = "_total" if metric.type == "counter" else ""
-                head = heads[key] = _help(metric.name + suffix, metric.documentation, kind)
+                head = heads[key] = help_lines(metric.name + suffix, metric.documentation, kind)
             out.append(head)
             created = metric.name + "_created"
             for s in metric.samples:
@@ -60,7 +68,7 @@ class Exposition:
                 if name is None:
                     name = s.name
                     if labels:
-                        name += "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}"
+                        name += "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels) + "}"
                     name = names[(s.name, labels)] = name + " "
                 if s.timestamp is None:
                     out.append(f"{name}{floatToGoString(s.value)}\n")

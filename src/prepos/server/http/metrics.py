@@ -13,11 +13,11 @@ from bisect import bisect_left
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from prepos.core import AnswerPath, Result
-from prepos.server.http.exposition import Exposition
+from prepos.server.http.exposition import Exposition, count_text, escape, help_lines
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
@@ -115,7 +115,10 @@ class Metrics:
         return self._step_ewma
 
     def render(self) -> bytes:
-        return self.exposition.render()
+        """The scrape's text: the registry's families, then the request and token-stage
+        histograms (`Buckets`, written by themselves)."""
+        return self.exposition.render() + "".join(
+            b.text() for b in (self.ttft, self.e2e, self.token_stage)).encode()
 
 
 def cached_prompt_tokens(res: Result) -> int:
@@ -127,16 +130,27 @@ class Buckets:
     """A histogram by one label whose values are known ahead (each exported from 0), counted
     here: an observation is a bisect and two additions under one lock (observers run on
     several threads: the model workers, the event loop), where prometheus_client's
-    Histogram scans its buckets and reads each under its own lock again at every scrape (two
-    thirds of a scrape's collection, for the request histograms). Exported at scrape time
-    from a copy (its count is its buckets')."""
+    Histogram scans its buckets and reads each under its own lock again at every scrape.
+    Written at scrape time from a copy (its count is its buckets'), as the text format's
+    lines: each bucket's name and labels formatted once, its count as an integer's float
+    (`text`)."""
 
     def __init__(self, name: str, doc: str, label: str, values, bounds: tuple[float, ...]):
-        self.name, self.doc, self.label, self.bounds = name, doc, label, bounds
-        self.les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        self.name, self.label, self.bounds = name, label, bounds
         self.counts = {v: [0] * (len(bounds) + 1) for v in values}
         self.sums = dict.fromkeys(values, 0.0)
         self.lock = threading.Lock()
+        les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+
+        def labels(value: str, le: str | None = None) -> str:
+            pairs = sorted([(label, value)] + ([("le", le)] if le is not None else []))
+            return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in pairs) + "} "
+
+        self.head = help_lines(name, doc, "histogram")
+        # per value: its buckets' names, its count's and its sum's
+        self.names = {v: ([f"{name}_bucket{labels(v, le)}" for le in les],
+                          f"{name}_count{labels(v)}", f"{name}_sum{labels(v)}")
+                      for v in values}
 
     def observer(self, value: str) -> Callable[[float], None]:
         counts, bounds, sums, lock = self.counts[value], self.bounds, self.sums, self.lock
@@ -148,17 +162,20 @@ class Buckets:
 
         return observe
 
-    def family(self) -> HistogramMetricFamily:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=[self.label])
+    def text(self) -> str:
+        """Its lines in the text format, as prometheus_client writes a Histogram's (less the
+        `_created` series)."""
         with self.lock:
             copies = [(v, list(c), self.sums[v]) for v, c in self.counts.items()]
+        out = [self.head]
         for value, counts, total in copies:
-            n, cumulative = 0, []
-            for le, k in zip(self.les, counts):
+            buckets, count, sum_ = self.names[value]
+            n = 0
+            for name, k in zip(buckets, counts):
                 n += k
-                cumulative.append((le, n))
-            fam.add_metric([value], cumulative, sum_value=total)
-        return fam
+                out.append(f"{name}{count_text(n)}\n")
+            out.append(f"{count}{count_text(n)}\n{sum_}{floatToGoString(total)}\n")
+        return "".join(out)
 
 
 class _EngineCollector:
@@ -173,9 +190,6 @@ class _EngineCollector:
         info = GaugeMetricFamily("prepos:model_info", "The served model", labels=["model"])
         info.add_metric([self.m.model_name], 1.0 if eng is not None else 0.0)
         yield info
-        yield self.m.ttft.family()
-        yield self.m.e2e.family()
-        yield self.m.token_stage.family()
         if eng is None:
             return
         m = eng.metrics()  # readable from any thread (KVPool keeps a running count)
