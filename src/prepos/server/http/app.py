@@ -91,8 +91,9 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
              media="text/plain", public=True, errors=(401,))
     async def metrics(request: Request):
         scrapers.owner(request)  # 401 without a metrics key, where there are some
-        # rendered on the event loop (exposition.py keeps the text that stays the same): a
-        # scrape cost 1.16 ms of CPU in all this way, 1.38-1.42 with the render in a thread
+        # rendered on the event loop (exposition.py and metrics.Buckets keep the text that
+        # stays the same): a scrape cost 0.52-0.54 ms of CPU in all (150 scrapes, two
+        # rounds), no thread hop
         body = state.metrics.render()
         return Response(body, media_type=CONTENT_TYPE)
 
