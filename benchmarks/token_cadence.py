@@ -222,6 +222,9 @@ class Busy:
         http = RawHttp(self.url, self.headers)
         try:
             load(http)
+        except Exception:  # the connection failed: counted, and this load stops
+            self.failed += 1
+            raise
         finally:
             http.close()
             with self.lock:

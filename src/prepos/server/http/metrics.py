@@ -136,7 +136,7 @@ class Buckets:
     (`text`)."""
 
     def __init__(self, name: str, doc: str, label: str, values, bounds: tuple[float, ...]):
-        self.name, self.label, self.bounds = name, label, bounds
+        self.bounds = bounds
         self.counts = {v: [0] * (len(bounds) + 1) for v in values}
         self.sums = dict.fromkeys(values, 0.0)
         self.lock = threading.Lock()
