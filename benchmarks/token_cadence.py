@@ -223,12 +223,16 @@ class Busy:
         try:
             load(http)
         except Exception:  # the connection failed: counted, and this load stops
-            self.failed += 1
+            self._failed()
             raise
         finally:
             http.close()
             with self.lock:
                 self.cpu_s += time.thread_time() - c0
+
+    def _failed(self) -> None:  # either thread's
+        with self.lock:
+            self.failed += 1
 
     def _feed(self, http: RawHttp) -> None:
         i = 0
@@ -239,12 +243,14 @@ class Busy:
             status = http.request("POST", f"/sessions/{sid}/append",
                                   b'{"data": "%s", "wait": false}' % data.encode())
             self.appends += 1
-            self.failed += status >= 300
+            if status >= 300:
+                self._failed()
             i += 1
 
     def _scrape(self, http: RawHttp) -> None:
         while not self.stop_.wait(0.25):
-            self.failed += http.request("GET", "/metrics") >= 300
+            if http.request("GET", "/metrics") >= 300:
+                self._failed()
             self.scrapes += 1
 
 

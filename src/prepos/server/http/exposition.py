@@ -24,6 +24,11 @@ def escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+def label_text(pairs) -> str:
+    """`{k="v",...}` of (name, value) pairs in the order given, values escaped."""
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in pairs) + "}"
+
+
 def help_lines(name: str, doc: str, kind: str) -> str:
     """A family's HELP and TYPE lines (`kind`: as the text format names it)."""
     doc = doc.replace("\\", r"\\").replace("\n", r"\n")
@@ -68,7 +73,7 @@ class Exposition:
                 if name is None:
                     name = s.name
                     if labels:
-                        name += "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels) + "}"
+                        name += label_text(labels)
                     name = names[(s.name, labels)] = name + " "
                 if s.timestamp is None:
                     out.append(f"{name}{floatToGoString(s.value)}\n")

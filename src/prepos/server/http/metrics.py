@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from prepos.core import AnswerPath, Result
-from prepos.server.http.exposition import Exposition, count_text, escape, help_lines
+from prepos.server.http.exposition import Exposition, count_text, help_lines, label_text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
@@ -143,8 +143,8 @@ class Buckets:
         les = [floatToGoString(b) for b in bounds] + ["+Inf"]
 
         def labels(value: str, le: str | None = None) -> str:
-            pairs = sorted([(label, value)] + ([("le", le)] if le is not None else []))
-            return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in pairs) + "} "
+            pairs = [(label, value)] + ([("le", le)] if le is not None else [])
+            return label_text(sorted(pairs)) + " "
 
         self.head = help_lines(name, doc, "histogram")
         # per value: its buckets' names, its count's and its sum's
