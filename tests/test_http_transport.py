@@ -153,6 +153,7 @@ def test_a_json_answer_and_the_failures_as_httpx_raises_them():
 
 # -- the event stream, cut anywhere ----------------------------------------------------------
 EVENTS = [{"tokens": [i], "content": "é" * i, "stop": i == 3} for i in range(4)]
+EVENTS[1]["logprob"] = float("-inf")  # Python's json writes -Infinity, which JSON has not
 
 
 def body(events, crlf: bool) -> bytes:

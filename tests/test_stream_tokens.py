@@ -45,3 +45,26 @@ def test_every_token_once_in_order(server, model_dirs):
             tokens, text = streamed(c, body)
             assert tokens == [t["token"] for t in whole["logprobs"]["content"]]
             assert text == whole["message"]["content"] and len(tokens) > 1
+
+
+def stage_counts(c: httpx.Client) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["stage"]: s.value
+            for f in text_string_to_metric_families(c.get("/metrics").text)
+            if f.name == "prepos:token_stage_seconds" for s in f.samples
+            if s.name.endswith("_count")}
+
+
+def test_a_text_answer_streamed_and_each_tokens_stages_counted(server, model_dirs):
+    body = {"model": model_dirs["chatml"].name, "max_tokens": 24, "temperature": 0,
+            "messages": [*MESSAGES[:1], {"role": "user", "content": "MSFT 40.1 40.0 39.7?"}]}
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        before = stage_counts(c)
+        _, text = streamed(c, body)  # a new conversation: streamed as the model makes it
+        after = {k: v - before.get(k, 0.0) for k, v in stage_counts(c).items()}
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert text == whole["message"]["content"] and text
+    events = after["handoff"]  # every event the model made, once
+    assert events >= 2 and after["respond"] == events and after["engine"] == events - 1
+    assert after["write"] >= 3  # the role's chunk, the text's, the last

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import httpx
+import orjson
 
 from prepos.backends.base import Preempted
 from prepos.backends.http_transport import Urllib3Transport
@@ -121,6 +122,8 @@ class Replica:
         for data in r.iter_bytes() if "content-encoding" in r.headers else r.iter_raw():
             *lines, rest = (rest + data).split(b"\n")
             for line in lines:
+                if not line or line == b"\r":  # the blank line that ends each event
+                    continue
                 event = self._event(line, c)
                 if event is _END:
                     return
@@ -142,9 +145,12 @@ class Replica:
         if line == b"[DONE]":
             return _END
         try:
-            return json.loads(line)
-        except ValueError as exc:
-            raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
+            return orjson.loads(line)
+        except orjson.JSONDecodeError:  # NaN and Infinity, which Python's own parser reads
+            try:
+                return json.loads(line)
+            except ValueError as exc:
+                raise ReplicaFailure(f"{self.url}{c.path}: bad event {line[:200]!r}") from exc
 
     def send(self, make, background: bool, opener):
         """Make the request `make(priority)` builds with `opener`; where the engine refuses

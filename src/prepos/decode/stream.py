@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prepos.core import Result
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's init sets each field the slow way
 class TokenEvent:
     token: int
     text: str  # the text this token adds (may be empty while a character is incomplete)

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 
 from prepos.decode.stream import Stream, TokenEvent
 
+Stages = dict[str, Callable[[float], None]]  # a token stage's name -> its observation
+
 log = logging.getLogger("prepos.server.direct")
 
 TRANSPORT = "prepos.transport"  # the scope key the HTTP protocol puts a plain TCP transport at
@@ -35,14 +37,14 @@ _END = object()
 
 
 def direct_body(scope, stream: Stream, make: Callable[[AsyncIterator], AsyncIterator[bytes]],
-                on_write: Callable[[float], None] | None) -> DirectBody | None:
+                stages: Stages | None) -> DirectBody | None:
     """The body written by `stream`'s producer, where the connection allows it: plain TCP,
     its send buffer empty (the headers gone out whole), its socket still open."""
     transport = scope.get(TRANSPORT)
     if transport is None or transport.is_closing() or transport.get_write_buffer_size():
         return None
     try:
-        return DirectBody(stream, make, transport, on_write)
+        return DirectBody(stream, make, transport, stages)
     except OSError:  # the connection closed meanwhile: the loop's path ends the body
         return None
 
@@ -73,7 +75,7 @@ class DirectBody:
     """The chunks of `make(source)` written as `stream`'s producer hands in its events."""
 
     def __init__(self, stream: Stream, make: Callable[[AsyncIterator], AsyncIterator[bytes]],
-                 transport: asyncio.Transport, on_write: Callable[[float], None] | None):
+                 transport: asyncio.Transport, stages: Stages | None):
         self.stream = stream
         self.transport = transport
         self.loop = asyncio.get_running_loop()
@@ -82,7 +84,13 @@ class DirectBody:
         self.chunks = make(self.feed)
         self.step = None  # the chunk generator's step under way
         self.context = contextvars.copy_context()  # the request's, on whichever thread
-        self.on_write = on_write
+        # each token's stages (`metrics.TOKEN_STAGES`), observed here as `streaming.timed`
+        # does on the event loop's path: engine, handoff, respond (making and writing its
+        # chunks), write (the socket's)
+        self.engine, self.handoff, self.respond, self.on_write = (
+            (stages["engine"], stages["handoff"], stages["respond"], stages["write"])
+            if stages is not None else (None, None, None, None))
+        self.last_at: float | None = None  # the previous event's production time
         self.via_loop = False  # the socket took a chunk in part: the rest go by the loop
         self.broken = False  # a write failed: the client has gone
         self.ended = False  # the last chunk is written: nothing more is taken
@@ -95,9 +103,20 @@ class DirectBody:
 
     def take(self, event: TokenEvent | None) -> None:
         """One event (None: the end), on the producer's thread: the chunks it makes, written."""
-        if not self.ended:
+        if self.ended:
+            return
+        if event is None or self.respond is None:
             self.feed.item = _END if event is None else event
             self.context.run(self._chunks)
+            return
+        now = time.perf_counter()
+        if self.last_at is not None:
+            self.engine(event.at - self.last_at)
+        self.last_at = event.at
+        self.handoff(now - event.at)
+        self.feed.item = event
+        self.context.run(self._chunks)
+        self.respond(time.perf_counter() - now)
 
     def _chunks(self) -> None:
         try:

@@ -24,7 +24,7 @@ from prepos.decode.stream import Stream
 from prepos.engine.implicit import is_ephemeral
 from prepos.errors import SessionNotFound
 from prepos.server.http.auth import public
-from prepos.server.http.direct import direct_body
+from prepos.server.http.direct import Stages, direct_body
 from prepos.server.http.results import json_bytes
 
 log = logging.getLogger("prepos.server.sse")
@@ -51,13 +51,14 @@ class EventStream(Response):
     def __init__(self, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None,
                  on_disconnect: Callable[[], None] | None = None,
                  on_write: Callable[[float], None] | None = None,
-                 direct: tuple[Stream, Callable[[AsyncIterator], AsyncIterator[bytes]]]
+                 direct: tuple[Stream, Callable[[AsyncIterator], AsyncIterator[bytes]], Stages]
                  | None = None):
         self.status_code = 200
         self.background = None
         self.chunks = chunks
-        # (the stream, its chunks over any event source): the body may be written by the
-        # stream's producer (`direct.py`); `chunks` is then never started
+        # (the stream, its chunks over any event source, each token's stage observations):
+        # the body may be written by the stream's producer (`direct.py`); `chunks` is then
+        # never started
         self.direct = direct
         self.on_disconnect = on_disconnect
         self.on_write = on_write  # each chunk's write time, in seconds
@@ -70,7 +71,7 @@ class EventStream(Response):
         if self.on_disconnect is not None:
             gone = asyncio.ensure_future(disconnected(receive))
             gone.add_done_callback(self._gone)
-        body = direct_body(scope, *self.direct, self.on_write) if self.direct else None
+        body = direct_body(scope, *self.direct) if self.direct else None
         try:
             if body is not None:
                 await self._by_producer(body)

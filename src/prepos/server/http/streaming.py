@@ -18,12 +18,12 @@ from prepos.core import Result
 from prepos.decode.stream import Stream, TokenEvent
 from prepos.errors import PreposError
 from prepos.server.http import results
+from prepos.server.http.direct import Stages
 from prepos.server.http.errors import as_api_error, error_body
 from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import EventStream, event
 
 Chunks = Callable[[AsyncIterator], AsyncIterator[bytes]]  # stream events -> response bytes
-Stages = dict[str, Callable[[float], None]]  # a stage's name -> its observation
 
 
 async def result(state, stream: Stream, receive,
@@ -77,7 +77,8 @@ async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
     """A finished stream (the fast path) is written as one response with its path in the
     headers; otherwise the chunks are streamed as the model worker produces them, each
     token's stages observed (`stages`: `Metrics.token_stages`). `direct`: `chunks` awaits
-    nothing but its events, so the stream's producer may write them (`direct.py`)."""
+    nothing but its events, so the stream's producer may write them (`direct.py`, which
+    observes the stages itself)."""
     if stream.done:
         async def done_source():
             for ev in stream:
@@ -93,5 +94,4 @@ async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,
     return EventStream(chunks(timed(stream.aiter(), stages)),
                        headers={**results.pending_headers(sid), **SSE_HEADERS},
                        on_disconnect=stream.cancel, on_write=stages["write"],
-                       direct=(stream, lambda source: chunks(timed(source, stages)))
-                       if direct else None)
+                       direct=(stream, chunks, stages) if direct else None)

@@ -19,6 +19,7 @@ from prepos.chat.tool_formats import PREPOS, ToolFormat
 from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.server.http import results, streaming
+from prepos.server.http.results import json_bytes
 from prepos.server.http.schemas import ChatCompletion, Completion
 from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import EventStream, event
@@ -233,10 +234,18 @@ class ChatReply(Reply):
                   "finish_reason": finish}
         return event(self.body(True, system_fingerprint=None, choices=[choice], **extra))
 
+    def _content_frame(self) -> tuple[bytes, bytes]:
+        """A text delta's chunk, `_chunk({"content": text})`, as what comes before the text's
+        JSON string and what comes after it: the same for every token of the answer."""
+        whole = self._chunk({"content": ""})
+        i = whole.rindex(b'{"content":""}')  # a string's quotes are escaped: found once
+        return whole[:i + 11], whole[i + 13:]
+
     def chunks(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
             # the first chunk carries the role only, as OpenAI's does; then the content
             yield self._chunk({"role": "assistant", "content": ""})
+            head, tail = self._content_frame()
             held = self.prefix  # text withheld while it may be a tool call's markup
             sent = ""
             async for ev in source:
@@ -252,7 +261,8 @@ class ChatReply(Reply):
                 if not text and lp is None:
                     continue
                 sent += text
-                yield self._chunk({"content": text}, logprobs=lp)
+                yield (head + json_bytes(text) + tail if lp is None
+                       else self._chunk({"content": text}, logprobs=lp))
             res = stream.result()
             msg, finish = self.message(res)
             final: dict = {}
