@@ -173,7 +173,10 @@ def test_stream_requests_carry_every_sampling_knob():
     assert c.path == "/completion" and c.json["stream"] is True and c.json["id_slot"] == 1
     assert (c.json["n_predict"], c.json["n_probs"], c.json["seed"]) == (8, 2, 4)
     assert c.json["samplers"] == ["top_k", "temperature", "top_p"]
-    assert c.json["min_p"] == 0.0 and c.json["repeat_penalty"] == 1.0
+    assert c.json["min_p"] == 0.0 and c.json["repeat_penalty"] == 1.0 and c.json["top_k"] == 5
+    # greedy: the top token kept first (the same choice, without a softmax of the vocabulary)
+    assert LlamaCppAdapter().stream_request([1], 0, SamplingParams(top_k=5), 8, frozenset(),
+                                            rid="r", background=False).json["top_k"] == 1
     assert LlamaCppAdapter().stream_request([1], 2, SamplingParams(seed=4), 8, frozenset(),
                                             rid="r", background=False).json["seed"] == -1
 

@@ -242,7 +242,9 @@ class LlamaCppAdapter(Adapter):
     Streamed answers: `stream: true`, `n_predict`, `n_probs`, `seed` (-1 when none), the
     sampler chain given explicitly as prepos applies it (`samplers: top_k, temperature,
     top_p`; llama.cpp's default chain runs top-p before temperature, and adds min-p 0.05
-    and top-k 40) with `min_p: 0`, `repeat_penalty: 1`. Each event carries one token
+    and top-k 40) with `min_p: 0`, `repeat_penalty: 1`, and `top_k: 1` at temperature 0 (the
+    same choice, without the chain's softmax over the whole vocabulary each token). Each
+    event carries one token
     (`tokens: [id]`, `completion_probabilities[0]`, raw logprobs) and the running count
     `tokens_predicted`; the final event (`stop: true`) the timings. llama-server has no stop
     token ids: it stops on the model's end-of-generation tokens, and prepos closes the
@@ -321,7 +323,11 @@ class LlamaCppAdapter(Adapter):
         body: dict = {"prompt": list(prompt), "n_predict": int(max_tokens), "n_probs": k,
                       "cache_prompt": True, "stream": True, "post_sampling_probs": False,
                       "temperature": float(sampling.temperature),
-                      "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
+                      # at temperature 0 the chain keeps the top token whatever top_k is:
+                      # top_k 1 keeps it first, sparing the rest of the chain (its last
+                      # sampler a softmax) the whole vocabulary a token
+                      "top_k": 1 if sampling.temperature <= 0 else int(sampling.top_k),
+                      "top_p": float(sampling.top_p),
                       "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
                       "presence_penalty": 0.0, "frequency_penalty": 0.0,
                       "samplers": ["top_k", "temperature", "top_p"],
