@@ -243,15 +243,14 @@ class LlamaCppAdapter(Adapter):
     sampler chain given explicitly as prepos applies it (`samplers: top_k, temperature,
     top_p`; llama.cpp's default chain runs top-p before temperature, and adds min-p 0.05
     and top-k 40) with `min_p: 0`, `repeat_penalty: 1`, and `top_k: 1` at temperature 0 (the
-    same choice, without the chain's softmax over the whole vocabulary each token). Each
-    event carries one token
-    (`tokens: [id]`, `completion_probabilities[0]`, raw logprobs) and the running count
-    `tokens_predicted`; the final event (`stop: true`) the timings. llama-server has no stop
-    token ids: it stops on the model's end-of-generation tokens, and prepos closes the
-    stream (the server then aborts the task) after any other token in the stop set. A token
-    whose text is an incomplete UTF-8 sequence is never streamed (the count shows the gap):
-    that raises, since the token ids would be wrong; serve a GGUF exported with
-    `prepos.backends.gguf_export.export(for_token_ids=True)`.
+    same choice, without the rest of the chain working on the whole vocabulary). Each
+    event carries one token (`tokens: [id]`, `completion_probabilities[0]`, raw logprobs)
+    and the running count `tokens_predicted`; the final event (`stop: true`) the timings.
+    llama-server has no stop token ids: it stops on the model's end-of-generation tokens,
+    and prepos closes the stream (the server then aborts the task) after any other token
+    in the stop set. A token whose text is an incomplete UTF-8 sequence is never streamed
+    (the count shows the gap): that raises, since the token ids would be wrong; serve a
+    GGUF exported with `prepos.backends.gguf_export.export(for_token_ids=True)`.
     """
 
     kind = "llama.cpp"
@@ -324,8 +323,8 @@ class LlamaCppAdapter(Adapter):
                       "cache_prompt": True, "stream": True, "post_sampling_probs": False,
                       "temperature": float(sampling.temperature),
                       # at temperature 0 the chain keeps the top token whatever top_k is:
-                      # top_k 1 keeps it first, sparing the rest of the chain (its last
-                      # sampler a softmax) the whole vocabulary a token
+                      # top_k 1 keeps it first, sparing the rest of the chain (and the draw
+                      # that ends it) the whole vocabulary each token
                       "top_k": 1 if sampling.temperature <= 0 else int(sampling.top_k),
                       "top_p": float(sampling.top_p),
                       "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,

@@ -37,7 +37,10 @@ class ControlTokens:
         self.special = frozenset(m for m in special if m)
         self._index = {m: i for i, m in enumerate(self.markup)}
         self._ids = {m: tokenizer.convert_tokens_to_ids(m) for m in self.markup}
-        self._starts = {m[:2] for m in self.markup} | {ESC}
+        # where a control-token string (or an escape) may start: their first two characters,
+        # searched for at once (every string of a conversation is checked at each render)
+        self._starts = re.compile("|".join(
+            map(re.escape, sorted({m[:2] for m in self.markup} | {ESC}))))
         alternatives = "|".join(map(re.escape, self.markup))
         self._markup_re = re.compile(alternatives) if self.markup else None
         self._defuse_re = re.compile(re.escape(ESC) + (f"|{alternatives}" if alternatives
@@ -48,7 +51,7 @@ class ControlTokens:
 
     # -- escaping ------------------------------------------------------------------------
     def _may_hold(self, text: str) -> bool:
-        return any(s in text for s in self._starts)
+        return self._starts.search(text) is not None
 
     def defuse(self, text: str) -> str:
         if not self._may_hold(text):  # the common case
