@@ -12,6 +12,8 @@ import time
 
 import pytest
 from conftest import NO_LLAMA_CPP
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prepos.backends import llama_cpp
 from prepos.chat.control_tokens import ESC
@@ -181,3 +183,31 @@ def test_the_agentic_demo_loop_on_smollm2(smollm2, capsys):
     assert (second["path"], second["match"]) == ("fast", "exact")
     out = capsys.readouterr().out
     assert "tool-call format 'prepos'" in out and "next turn after committed result" in out
+
+
+@pytest.fixture(scope="module")
+def formats(model_dirs):
+    from transformers import AutoTokenizer
+
+    out = [ChatFormat(AutoTokenizer.from_pretrained(str(d))) for d in model_dirs.values()]
+    if HAVE_SMOLLM2:
+        from prepos.engine.loading import load_tokenizer, resolve_model
+
+        out.append(ChatFormat(load_tokenizer(resolve_model("smollm2"))))
+    return out
+
+
+MARKUP_OR_TEXT = st.lists(st.one_of(st.text(max_size=12), st.sampled_from(
+    ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>", "<filename>", "\n",
+     " ", "  ", "é", "😀"])), max_size=8).map("".join).filter(lambda t: ESC not in t)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=MARKUP_OR_TEXT)
+def test_encoding_through_the_tokenizers_library_is_transformers_call(formats, text):
+    """`ChatFormat.encode` tokenizes rendered text with the tokenizer's `tokenizers` back
+    end directly: the ids of transformers' own call, control tokens as markup included."""
+    for fmt in formats:
+        assert fmt._direct is not None
+        want = fmt.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert fmt.encode(text) == want

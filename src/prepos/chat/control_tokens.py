@@ -142,14 +142,30 @@ def _plain_tokenizer(tokenizer: Any):
     """The tokenizer's own model, normalizer and pre-tokenizer without its added tokens
     (so none of their strings is matched), or None for a tokenizer without a `tokenizers`
     back end."""
+    return _backend_copy(tokenizer, added_tokens=False)
+
+
+def direct_tokenizer(tokenizer: Any):
+    """The tokenizer's `tokenizers` back end as transformers' call uses it (added tokens
+    matched, no truncation or padding), to encode without the call's own layers (its
+    checks, and setting the back end's truncation, padding and special-token splitting
+    every time: as much again as the encoding of a chat message); None where the tokenizer
+    has no such back end, or splits special tokens (then transformers' call is used)."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return None
+    return _backend_copy(tokenizer, added_tokens=True)
+
+
+def _backend_copy(tokenizer: Any, added_tokens: bool):
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
     from tokenizers import Tokenizer
 
     spec = json.loads(backend.to_str())
-    spec["added_tokens"] = []
-    spec["post_processor"] = None
+    if not added_tokens:
+        spec["added_tokens"] = []
+        spec["post_processor"] = None
     spec["truncation"] = None
     spec["padding"] = None
     return Tokenizer.from_str(json.dumps(spec))

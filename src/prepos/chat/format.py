@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from prepos.chat import tool_formats
-from prepos.chat.control_tokens import ESC, ControlTokens
+from prepos.chat.control_tokens import ESC, ControlTokens, direct_tokenizer
 from prepos.chat.tool_support import ToolSupport
 from prepos.errors import InvalidInput
 
@@ -61,6 +61,7 @@ class ChatFormat:
         # new ones: ~36 bytes a token, for each of thousands of sessions)
         self._id_objects = list(range(len(tokenizer)))
         self.controls = ControlTokens(tokenizer)
+        self._direct = direct_tokenizer(tokenizer)  # what `encode` tokenizes with, if any
         # every added or special token, markup wherever the template writes it (`encode`)
         self.markup_ids = {m: tokenizer.convert_tokens_to_ids(m) for m in self.controls.markup}
         self._markup_re = re.compile("|".join(map(re.escape, self.controls.markup))
@@ -194,6 +195,8 @@ class ChatFormat:
         characters."""
         if ESC in text:
             ids = self.controls.encode_pieces(text)
+        elif self._direct is not None:
+            ids = self._direct.encode(text, add_special_tokens=False).ids
         else:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         objs = self._id_objects
