@@ -46,7 +46,7 @@ class ControlTokens:
         self._defuse_re = re.compile(re.escape(ESC) + (f"|{alternatives}" if alternatives
                                                        else ""))
         self._restore_re = re.compile(re.escape(ESC) + "(.)", re.S)
-        self.plain = _plain_tokenizer(tokenizer)
+        self.plain = _backend_copy(tokenizer, added_tokens=False)
         self.prompt_frame = self._prompt_frame()
 
     # -- escaping ------------------------------------------------------------------------
@@ -138,13 +138,6 @@ class ControlTokens:
         return [], []
 
 
-def _plain_tokenizer(tokenizer: Any):
-    """The tokenizer's own model, normalizer and pre-tokenizer without its added tokens
-    (so none of their strings is matched), or None for a tokenizer without a `tokenizers`
-    back end."""
-    return _backend_copy(tokenizer, added_tokens=False)
-
-
 def direct_tokenizer(tokenizer: Any):
     """The tokenizer's `tokenizers` back end as transformers' call uses it (added tokens
     matched, no truncation or padding), to encode without the call's own layers (its
@@ -157,6 +150,9 @@ def direct_tokenizer(tokenizer: Any):
 
 
 def _backend_copy(tokenizer: Any, added_tokens: bool):
+    """The tokenizer's `tokenizers` back end without truncation or padding; without its added
+    tokens (so none of their strings is matched) unless `added_tokens`; None for a tokenizer
+    without such a back end."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

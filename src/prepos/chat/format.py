@@ -230,8 +230,7 @@ class ChatFormat:
             text = self._template(msgs, None, generation_prompt=True)
         except InvalidInput:
             return False
-        whole = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return whole == self.controls.encode_pieces(text)
+        return self.encode(text) == self.controls.encode_pieces(text)
 
     def split(self, messages: Sequence[dict], tools: Sequence[dict] | None, role: str,
               base_text: str, generation_prompt: bool = True) -> Split:

@@ -29,6 +29,33 @@ from prepos.decode.stream import Stream, TokenEvent
 
 Stages = dict[str, Callable[[float], None]]  # a token stage's name -> its observation
 
+
+class StageClock:
+    """A stream's token stages (`metrics.TOKEN_STAGES`) observed around each event's chunks,
+    on whichever path writes them (`streaming.timed` on the event loop, `DirectBody` on the
+    producer's thread): engine (since the previous event was produced), handoff (produced to
+    taken), respond (its chunks made and written)."""
+
+    __slots__ = ("engine", "handoff", "respond", "last_at")
+
+    def __init__(self, stages: Stages):
+        self.engine, self.handoff, self.respond = (stages["engine"], stages["handoff"],
+                                                   stages["respond"])
+        self.last_at: float | None = None  # the previous event's production time
+
+    def taken(self, event: TokenEvent) -> float:
+        """The event is taken now: its engine and handoff stages; returns now."""
+        now = time.perf_counter()
+        if self.last_at is not None:
+            self.engine(event.at - self.last_at)
+        self.last_at = event.at
+        self.handoff(now - event.at)
+        return now
+
+    def answered(self, since: float) -> None:
+        """Its chunks are made and written (`since`: when it was taken)."""
+        self.respond(time.perf_counter() - since)
+
 log = logging.getLogger("prepos.server.direct")
 
 TRANSPORT = "prepos.transport"  # the scope key the HTTP protocol puts a plain TCP transport at
@@ -84,13 +111,9 @@ class DirectBody:
         self.chunks = make(self.feed)
         self.step = None  # the chunk generator's step under way
         self.context = contextvars.copy_context()  # the request's, on whichever thread
-        # each token's stages (`metrics.TOKEN_STAGES`), observed here as `streaming.timed`
-        # does on the event loop's path: engine, handoff, respond (making and writing its
-        # chunks), write (the socket's)
-        self.engine, self.handoff, self.respond, self.on_write = (
-            (stages["engine"], stages["handoff"], stages["respond"], stages["write"])
-            if stages is not None else (None, None, None, None))
-        self.last_at: float | None = None  # the previous event's production time
+        # each token's stages, and each chunk's write to the socket
+        self.clock = StageClock(stages) if stages is not None else None
+        self.on_write = stages["write"] if stages is not None else None
         self.via_loop = False  # the socket took a chunk in part: the rest go by the loop
         self.broken = False  # a write failed: the client has gone
         self.ended = False  # the last chunk is written: nothing more is taken
@@ -105,18 +128,12 @@ class DirectBody:
         """One event (None: the end), on the producer's thread: the chunks it makes, written."""
         if self.ended:
             return
-        if event is None or self.respond is None:
-            self.feed.item = _END if event is None else event
-            self.context.run(self._chunks)
-            return
-        now = time.perf_counter()
-        if self.last_at is not None:
-            self.engine(event.at - self.last_at)
-        self.last_at = event.at
-        self.handoff(now - event.at)
-        self.feed.item = event
+        clock = self.clock if event is not None else None
+        since = clock.taken(event) if clock is not None else 0.0
+        self.feed.item = _END if event is None else event
         self.context.run(self._chunks)
-        self.respond(time.perf_counter() - now)
+        if clock is not None:
+            clock.answered(since)
 
     def _chunks(self) -> None:
         try:

@@ -98,7 +98,7 @@ class StraightLine:
                 self.known[seen] = body
         return body
 
-    async def append_body(self, receive, auth: str | None) -> Append:
+    async def append_body(self, receive) -> Append:
         return await self.state.parse(await read_body(receive), Append)
 
     async def answer(self, scope, receive, send, route: str, sid: str, auth: str | None,
@@ -107,8 +107,9 @@ class StraightLine:
         `x-session-id`."""
         query = route == QUERY
         try:
-            read = self.query_body if query else self.append_body
-            c = await self.state.call(auth, partial(read, receive, auth), sid, STREAMING)
+            read = (partial(self.query_body, receive, auth) if query
+                    else partial(self.append_body, receive))
+            c = await self.state.call(auth, read, sid, STREAMING)
             response = await (ask(c, receive) if query else append_data(c))
         except Exception as exc:
             response = self.respond(as_api_error(exc))

@@ -9,7 +9,6 @@ leaves cancels it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
@@ -18,7 +17,7 @@ from prepos.core import Result
 from prepos.decode.stream import Stream, TokenEvent
 from prepos.errors import PreposError
 from prepos.server.http import results
-from prepos.server.http.direct import Stages
+from prepos.server.http.direct import StageClock, Stages
 from prepos.server.http.errors import as_api_error, error_body
 from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import EventStream, event
@@ -61,15 +60,11 @@ async def timed(events: AsyncIterator[TokenEvent], stages: Stages
                 ) -> AsyncIterator[TokenEvent]:
     """A stream's events, each one's time through the server observed by stage
     (`metrics.TOKEN_STAGES`: engine, handoff, respond)."""
-    last = None
+    clock = StageClock(stages)
     async for ev in events:
-        now = time.perf_counter()
-        if last is not None:
-            stages["engine"](ev.at - last)
-        last = ev.at
-        stages["handoff"](now - ev.at)
+        since = clock.taken(ev)
         yield ev
-        stages["respond"](time.perf_counter() - now)
+        clock.answered(since)
 
 
 async def stream_response(stream: Stream, chunks: Chunks, sid: str | None,

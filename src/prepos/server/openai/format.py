@@ -237,9 +237,10 @@ class ChatReply(Reply):
     def _content_frame(self) -> tuple[bytes, bytes]:
         """A text delta's chunk, `_chunk({"content": text})`, as what comes before the text's
         JSON string and what comes after it: the same for every token of the answer."""
+        key = b'{"content":'
         whole = self._chunk({"content": ""})
-        i = whole.rindex(b'{"content":""}')  # a string's quotes are escaped: found once
-        return whole[:i + 11], whole[i + 13:]
+        i = whole.rindex(key + b'""}') + len(key)  # a string's quotes are escaped: found once
+        return whole[:i], whole[i + 2:]
 
     def chunks(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
