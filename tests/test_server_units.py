@@ -242,6 +242,67 @@ def test_the_exposition_writes_what_generate_latest_writes(labelled, observed):
             _without_created(generate_latest(r).decode())
 
 
+@pytest.fixture(scope="module")
+def engine_metrics_dict(model_dirs):
+    """A real engine's `metrics()`, after a session has been pre-positioned."""
+    from prepos.config import EngineConfig, GateConfig
+    from prepos.engine import Engine
+
+    eng = Engine.from_pretrained(model_dirs["chatml"], EngineConfig(
+        backend="torch", threads=2, gate=GateConfig(tau=0.0, answers=())))
+    try:
+        eng.create_session("streaming", standing=("up?",))
+        eng.wait_idle()
+        yield eng.metrics()
+    finally:
+        eng.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.text(max_size=12))
+def test_the_engine_families_write_what_prometheus_client_writes(engine_metrics_dict, data,
+                                                                  model):
+    """The engine's families, written as text at scrape time (`engine_metrics`), are the
+    text prometheus_client writes for the same families and values: for any numbers in the
+    engine's metrics (NaN, ±Inf, large, negative) and any model name, scrape after scrape
+    (each family's formatted names reused)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from prepos.server.http import engine_metrics
+
+    ints = st.integers(-10**18, 10**18)
+    floats = st.floats(allow_nan=True, allow_infinity=True)
+
+    def drawn(v):
+        if isinstance(v, dict):
+            return {k: drawn(x) for k, x in v.items()}
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return v
+        return data.draw(ints if isinstance(v, int) else floats)
+
+    for _ in range(2):
+        m = drawn(engine_metrics_dict)
+        pairs = [(f, v if f.label is None else list(v))
+                 for f, v in engine_metrics.samples(m, model)]
+
+        class Families:
+            def collect(self):
+                for f, v in pairs:
+                    kind = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+                    if f.label is None:
+                        yield kind(f.name, f.doc, v)
+                        continue
+                    fam = kind(f.name, f.doc, labels=[f.label])
+                    for label, x in v:
+                        fam.add_metric([label], x)
+                    yield fam
+
+        registry = CollectorRegistry()
+        registry.register(Families())
+        assert engine_metrics.text(m, model) == generate_latest(registry).decode()
+
+
 def test_every_family_the_server_exports_is_a_type_the_exposition_writes():
     from prepos.server.http.exposition import _TYPES
     from prepos.server.http.metrics import Metrics

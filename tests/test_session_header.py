@@ -6,6 +6,7 @@ naming the problem, and a malformed id in a path the route's 404, never a 500.""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -87,3 +88,40 @@ def test_an_append_answers_the_same_on_the_straight_line_and_through_the_stack(c
         assert answers[0] == answers[1], (name, answers)
         status = answers[0][0]
         assert status == 200 if name.startswith("ok") else 400 <= status < 500, (name, status)
+
+
+def test_a_scrape_answers_the_same_on_the_straight_line_and_through_the_stack(model_dirs):
+    """GET /metrics is handled in front of FastAPI's stack (fast.py); with CORS on, every
+    request goes through the stack. Both answer alike: a 401 naming the problem without a
+    metrics key, with a bad one and with an API key that is not one; the exposition's
+    families with one, no session named back."""
+    from starlette.testclient import TestClient
+
+    from prepos.config import EngineConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
+
+    answers = []
+    for origins in ((), ("http://dash.example",)):
+        app = create_app(ServerConfig(model=model_dirs["chatml"], api_keys=("key",),
+                                      metrics_keys=("scrape",), allowed_origins=origins,
+                                      engine=EngineConfig(backend="torch", threads=2)))
+        assert (app.straight is None) == bool(origins)
+        with TestClient(app) as c:
+            deadline = time.monotonic() + 120
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "the model did not load"
+                time.sleep(0.05)
+            seen = []
+            for auth in (None, "Basic x", "Bearer nope", "Bearer key", "Bearer scrape"):
+                r = c.get("/metrics", headers={"Authorization": auth} if auth else {})
+                body = ([line for line in r.text.splitlines() if line.startswith("# ")]
+                        if r.status_code == 200 else r.json())
+                seen.append((r.status_code, r.headers["content-type"], body,
+                             r.headers.get("www-authenticate"), "x-session-id" in r.headers))
+            answers.append(seen)
+    assert answers[0] == answers[1]
+    assert [a[0] for a in answers[0]] == [401, 401, 401, 401, 200]
+    assert answers[0][-1][2][:2] == ["# HELP prepos:prompt_tokens_total Prompt tokens of "
+                                     "finished requests (session state plus entry)",
+                                     "# TYPE prepos:prompt_tokens_total counter"]

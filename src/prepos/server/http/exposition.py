@@ -1,6 +1,7 @@
-"""The Prometheus text format (0.0.4) of a registry, written with what stays the same from
-one scrape to the next kept: each family's HELP and TYPE lines and each sample's name and
-labels, formatted once; a scrape formats the values only.
+"""The Prometheus text format (0.0.4), written with what stays the same from one scrape to the
+next kept: each family's HELP and TYPE lines and each sample's name and labels, formatted
+once; a scrape formats the values only. `Exposition` writes a registry's metrics, `Family`
+one family of values read at scrape time (the engine's, `engine_metrics.py`).
 
 prometheus_client's `generate_latest` escapes and validates every name and label of every
 sample on every scrape (about 3 µs a sample here, some 300 samples a scrape), on the cores
@@ -81,3 +82,32 @@ class Exposition:
                     out.append(f"{name}{floatToGoString(s.value)} "
                                f"{int(float(s.timestamp) * 1000):d}\n")
         return "".join(out).encode()
+
+
+class Family:
+    """A counter or gauge family with at most one label, whose values are read at scrape
+    time and written here (no metric objects made a scrape): its HELP and TYPE lines, and
+    each label value's sample name, formatted once. A counter's samples are named `_total`,
+    as prometheus_client names them."""
+
+    __slots__ = ("name", "doc", "kind", "label", "sample", "head", "_names")
+
+    def __init__(self, name: str, doc: str, kind: str, label: str | None = None):
+        self.name, self.doc, self.kind, self.label = name, doc, kind, label
+        self.sample = name + "_total" if kind == "counter" else name
+        self.head = help_lines(self.sample, doc, _TYPES[kind])
+        self._names: dict[str, str] = {}
+
+    def text(self, value) -> str:
+        """Its lines: `value` a number, or (with a label) (label value, number) pairs."""
+        if self.label is None:
+            return f"{self.head}{self.sample} {floatToGoString(value)}\n"
+        out, names = [self.head], self._names
+        for label, v in value:
+            name = names.get(label)
+            if name is None:
+                if len(names) > _KEPT:
+                    names.clear()
+                name = names[label] = f"{self.sample}{label_text([(self.label, label)])} "
+            out.append(f"{name}{floatToGoString(v)}\n")
+        return "".join(out)

@@ -1,17 +1,21 @@
-"""The straight line: a standing query (`POST /sessions/{id}/query`) and a data append
-(`POST /sessions/{id}/append`) handled in front of FastAPI's stack.
+"""The straight line: a standing query (`POST /sessions/{id}/query`), a data append
+(`POST /sessions/{id}/append`) and a scrape (`GET /metrics`) handled in front of FastAPI's
+stack.
 
 A standing query answered from its pre-positioned ready distribution costs the engine a few
-tens of microseconds, and a dashboard's data line a render and a tokenization; FastAPI's
-layers around either (its telemetry check, the server-error, exception-telemetry,
-body-limit, exception and exit-stack middlewares, prepos's `BodyLimit`, the router's match,
-Starlette's request and exception wrappers) cost as much again, on the cores the model
-decodes on. `App` takes such a request none of those layers would act on straight to the
-route's own code (`sessions.ask`, `sessions.append_data`), after the same checks in the
-same order (503, 401, 404, 400, 409) and with the same error responses. Every other
+tens of microseconds, a dashboard's data line a render and a tokenization, and a scrape the
+text of a few hundred values; FastAPI's layers around each (its telemetry check, the
+server-error, exception-telemetry, body-limit, exception and exit-stack middlewares,
+prepos's `BodyLimit`, the router's match, Starlette's request and exception wrappers) cost
+as much again, on the cores the model decodes on, while the dashboards append and the
+scraper scrapes through a stream's every token. `App` takes such a request none of those
+layers would act on straight to the route's own code (`sessions.ask`,
+`sessions.append_data`, `ServerState.scrape`), after the same checks in the same order
+(503, 401, 404, 400, 409) and with the same error responses. Every other
 request goes through the whole stack as before, and so does one of these whose head is over
-the limit, whose body has no Content-Length or is over the limit, that names its session in
-an `x-session-id` header, or (an append) that carries an `Idempotency-Key` (the route's
+the limit, whose body has no Content-Length or is over the limit (a scrape: that has a
+body), that names a session in an `x-session-id` header, or (an append) that carries an
+`Idempotency-Key` (the route's
 wrapper keeps its answer); so does every request of a server with CORS on (its middleware
 adds headers to every response, `Vary: Origin` at least). On a single node the line also
 stands in front of the cluster's `Front`: the path names the session, and the line names it
@@ -30,12 +34,14 @@ from starlette.responses import Response
 from prepos.engine.session import STREAMING
 from prepos.server.durable.cluster import HEADER, SESSION_ID, Front
 from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.metrics import CONTENT_TYPE
 from prepos.server.http.schemas import Append, Query
 from prepos.server.http.sessions import append_data, ask
 from prepos.server.http.state import ServerState
 
 PREFIX = "/sessions/"
 QUERY, APPEND = "/query", "/append"
+METRICS = "/metrics"
 IDEMPOTENCY = b"idempotency-key"
 KNOWN_BYTES = 1024  # query bodies up to this size are remembered parsed,
 KNOWN_BODIES = 256  # this many at most
@@ -52,20 +58,26 @@ class StraightLine:
         self.known: dict[tuple[str | None, bytes], Query] = {}
 
     def take(self, scope) -> tuple[str, str, str | None] | None:
-        """The route's suffix (`QUERY` or `APPEND`), the session id and the Authorization
-        header of a request this line handles; None for any other request."""
-        path = scope["path"]
-        if scope["method"] != "POST" or not path.startswith(PREFIX) or scope.get("root_path"):
+        """The route (`QUERY` or `APPEND`, the path's suffix; `METRICS`), the session id
+        (a scrape: none) and the Authorization header of a request this line handles; None
+        for any other request."""
+        path, method = scope["path"], scope["method"]
+        if scope.get("root_path"):
             return None
-        if path.endswith(QUERY):
+        if method == "GET" and path == METRICS:
+            route, sid = METRICS, ""
+        elif method != "POST" or not path.startswith(PREFIX):
+            return None
+        elif path.endswith(QUERY):
             route = QUERY
         elif path.endswith(APPEND):
             route = APPEND
         else:
             return None
-        sid = path[len(PREFIX):-len(route)]
-        if not SESSION_ID.fullmatch(sid):  # the route's {sid}, one path segment; else 404
-            return None
+        if route != METRICS:
+            sid = path[len(PREFIX):-len(route)]
+            if not SESSION_ID.fullmatch(sid):  # the route's {sid}, one path segment; else 404
+                return None
         head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         length = auth = None
         for name, value in scope["headers"]:  # the head counted as BodyLimit counts it
@@ -78,8 +90,11 @@ class StraightLine:
                 return None
             elif name == IDEMPOTENCY and route == APPEND:
                 return None
-        if head > self.max_head or length is None or not length.isdigit() or \
-                int(length) > self.max_body:
+        if route == METRICS:
+            body = length is not None
+        else:
+            body = length is None or not length.isdigit() or int(length) > self.max_body
+        if head > self.max_head or body:
             return None
         return route, sid, None if auth is None else auth.decode("latin-1")
 
@@ -103,17 +118,20 @@ class StraightLine:
 
     async def answer(self, scope, receive, send, route: str, sid: str, auth: str | None,
                      tag: bool = False) -> None:
-        """The query's answer or the append's commit; with `tag`, its session named back in
-        `x-session-id`."""
+        """The query's answer, the append's commit or the scrape's text; with `tag`, the
+        session named back in `x-session-id`."""
         query = route == QUERY
         try:
-            read = (partial(self.query_body, receive, auth) if query
-                    else partial(self.append_body, receive))
-            c = await self.state.call(auth, read, sid, STREAMING)
-            response = await (ask(c, receive) if query else append_data(c))
+            if route == METRICS:
+                response = Response(self.state.scrape(auth), media_type=CONTENT_TYPE)
+            else:
+                read = (partial(self.query_body, receive, auth) if query
+                        else partial(self.append_body, receive))
+                c = await self.state.call(auth, read, sid, STREAMING)
+                response = await (ask(c, receive) if query else append_data(c))
         except Exception as exc:
             response = self.respond(as_api_error(exc))
-        if tag:
+        if tag and sid:
             response.raw_headers.append((HEADER, sid.encode()))
         await response(scope, receive, send)
 

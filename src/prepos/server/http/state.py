@@ -112,6 +112,7 @@ class ServerState:
         self.config = config
         self.limits = config.limits
         self.keys = Keys(config.api_keys)
+        self.scrapers = Keys(config.metrics_keys, "metrics key")  # none: /metrics is public
         model = Path(config.model)  # the directory's name, a GGUF file's stem, or `smollm2`
         self.model_name = config.served_model_name or (
             model.stem if model.suffix == ".gguf" else model.name)
@@ -295,6 +296,13 @@ class ServerState:
         """Whether the caller with key `owner` may see session `s`: its own, never an
         ephemeral one (a stateless request's)."""
         return not is_ephemeral(s.id) and (owner is None or s.spec.owner == owner)
+
+    def scrape(self, authorization: str | None) -> bytes:
+        """GET /metrics's text, for a request with this Authorization header (401 without a
+        metrics key, where there are some). Written on the event loop (`Exposition`, the
+        engine's families and `Buckets` keep the text that stays the same): no thread hop."""
+        self.scrapers.owner_of(authorization)
+        return self.metrics.render()
 
     async def parse(self, raw: bytes, model: type[M]) -> M:
         """A request body as `model`: 400 naming the problem."""
