@@ -36,6 +36,11 @@ STREAMING = "streaming"
 AGENTIC = "agentic"
 KINDS = (STREAMING, AGENTIC)
 
+# an append that renders at most this many characters of conversation is quick: a few
+# hundred microseconds (`Session.quick_append`)
+QUICK_RENDER = 4096
+FRAME_TOKENS = 64  # at most, the tokens a chat template frames one message with
+
 HEADER = ("header",)  # the question-independent assistant header (streaming, relaxed match)
 TURN = ("turn",)  # the generation prompt of an agentic session (exact match)
 ENVELOPE = ("envelope",)  # the tool-result envelope of a session awaiting a tool result
@@ -247,6 +252,14 @@ class Session:
         held = self._turn  # `turn`: a commit of the turn in flight (it holds the lease)
         if not turn and (held is True or held is not None and not held.done):
             raise SessionBusy(f"session {self.id} has a turn in flight; retry after its answer")
+
+    def quick_append(self, text: str) -> bool:
+        """Whether appending `text` is quick whatever the template: it renders a conversation
+        of at most QUICK_RENDER characters, once (the window cannot shift: a token is at least
+        a byte of text, and FRAME_TOKENS bound the message's framing)."""
+        snap = self.snap
+        return (len(snap.text) + len(text) <= QUICK_RENDER and len(snap.tokens)
+                + len(text.encode()) + FRAME_TOKENS + self.reserve <= self.max_context)
 
     # -- mutations -----------------------------------------------------------------------
     def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
