@@ -188,6 +188,35 @@ def test_automatic_shift_near_the_context_limit(make_engine):
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
 
 
+def test_an_append_is_quick_only_while_it_renders_little_and_cannot_shift(make_engine,
+                                                                          monkeypatch):
+    """`Session.quick_append` (the server commits such an append on its event loop): never
+    true of an append that shifts the window (false as the window nears full), and false once
+    the conversation is longer than QUICK_RENDER characters."""
+    from prepos.engine import session
+
+    eng = make_engine("chatml", max_context=256, reserve_tokens=32)
+    sid = eng.create_session("streaming", system=SYSTEM)
+    s, quick, shifted = eng.session(sid), [], 0
+    for i in range(40):
+        line = f"AAPL {100 + i}.5 {101 + i}.25 é€"
+        quick.append(s.quick_append(line))
+        n = len(s.snap.messages)
+        eng.append(sid, line, wait=False)
+        if len(s.snap.messages) != n + 1:  # the window shifted
+            shifted += 1
+            assert not quick[-1], i
+    assert shifted and quick[0] and not all(quick)
+    monkeypatch.setattr(session, "QUICK_RENDER", 600)  # reached before a context fills
+    eng = make_engine("chatml")
+    sid = eng.create_session("streaming", system=SYSTEM)
+    s = eng.session(sid)
+    while len(s.snap.text) + 10 <= 600:
+        assert s.quick_append("AAPL 1.5 ")
+        eng.append(sid, "AAPL 1.5 ", wait=False)
+    assert not s.quick_append("AAPL 1.5 ") and len(s.snap.tokens) * 2 < s.max_context
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
 CALL = {"type": "function", "function": {"name": "get_price", "arguments": {"t": "AAPL"}}}
 
