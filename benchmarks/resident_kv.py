@@ -7,7 +7,10 @@ stays resident beside it; in the streams layout (a stream per session) it attend
 stream only. This measures it directly on the back end: one session of `--state` tokens
 decoding one token at a time, alone, then with `--others` sessions of `--state` tokens each
 resident and idle; the two alternate in `--blocks` blocks so that a change in the machine's
-load hits both. Then, with all of them resident, half of them decode one token at once:
+load hits both. In the same blocks, a session placed while the others were resident, decoding
+after they have all been released: llama.cpp puts new cells in the first free ones and a
+forward scans every cell up to the highest in use, so its step pays for the freed cells
+below it as if the others had stayed (`placed_above_slowdown`). Then, with all of them resident, half of them decode one token at once:
 neighbouring sequence ids against every other id (a batch the streams layout runs as one
 ubatch per run of consecutive ids), alternating the same way. With `--prefill N`, also a
 new session's prefill of N tokens (a recompute, a cold first turn) alone and beside the
@@ -17,6 +20,7 @@ others, in the same blocks: the prefill pays the occupied span in every row it r
                                      [--kv-layout unified|streams] [--prefill N]
 The last line printed is the JSON summary (`resident_slowdown`: P50 with the others
 resident / P50 alone; `gapped_batch_slowdown`: P50 every other id / P50 neighbours;
+`placed_above_slowdown`: P50 of the session placed above the released others / P50 alone;
 `prefill_slowdown`: the same for the prefill).
 """
 
@@ -80,7 +84,7 @@ def main() -> None:
             return dt
 
         me = new_session()
-        alone, beside, pf_alone, pf_beside = [], [], [], []
+        alone, beside, above, pf_alone, pf_beside = [], [], [], [], []
         per_block = max(1, args.samples // args.blocks)
         pf_n = args.prefill_samples if args.prefill else 0
         for _ in range(args.blocks):
@@ -89,8 +93,11 @@ def main() -> None:
             others = [new_session() for _ in range(args.others)]
             beside += [step(me) for _ in range(per_block)]
             pf_beside += [prefill() for _ in range(pf_n)]
+            high = new_session()  # placed above the others' cells
             for kv, _ in others:
                 be.release(kv)
+            above += [step(high) for _ in range(per_block)]
+            be.release(high[0])
 
         # half the sessions decoding at once: neighbouring sequence ids, or every other id
         # (the streams layout runs a batch as one ubatch per run of consecutive ids)
@@ -106,9 +113,12 @@ def main() -> None:
            "state_tokens": args.state, "others": args.others, "kv_layout": args.kv_layout,
            "machine": machine(),
            "alone": summarize(alone), "beside_others": summarize(beside),
+           "placed_above_released": summarize(above),
            "batch_neighbours": summarize(neighbours), "batch_every_other": summarize(gapped),
            "batch_size": len(near)}
     out["resident_slowdown"] = round(out["beside_others"]["p50_ms"] / out["alone"]["p50_ms"], 3)
+    out["placed_above_slowdown"] = round(out["placed_above_released"]["p50_ms"]
+                                         / out["alone"]["p50_ms"], 3)
     out["gapped_batch_slowdown"] = round(out["batch_every_other"]["p50_ms"]
                                          / out["batch_neighbours"]["p50_ms"], 3)
     prefill = {}
@@ -127,6 +137,8 @@ def main() -> None:
                       "alone_p50_ms": round(out["alone"]["p50_ms"], 2),
                       "beside_p50_ms": round(out["beside_others"]["p50_ms"], 2),
                       "samples": args.samples, "resident_slowdown": out["resident_slowdown"],
+                      "placed_above_p50_ms": round(out["placed_above_released"]["p50_ms"], 2),
+                      "placed_above_slowdown": out["placed_above_slowdown"],
                       "batch_neighbours_p50_ms": round(out["batch_neighbours"]["p50_ms"], 2),
                       "batch_every_other_p50_ms": round(out["batch_every_other"]["p50_ms"], 2),
                       "gapped_batch_slowdown": out["gapped_batch_slowdown"], **prefill}))

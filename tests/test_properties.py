@@ -281,5 +281,8 @@ def test_interleavings_keep_the_invariants(engine):
     assert engine.pool.counts["spills"] > 0 and engine.pool.counts["restores"] > 0
     # idle time copied KVs down, and KVs moved down to their clean copies
     assert engine.pool.counts["idle_saves"] > 0 and engine.pool.counts["clean_moves"] > 0
-    # new sessions started from a prefix another held, resident and loaded from the RAM tier
-    assert engine.pool.index.hits > engine.pool.counts["prefix_loads"] > 0
+    # new sessions started from a prefix another held: loaded from the RAM tier, and, where
+    # a request leaves idle KVs resident (forwards that scan their own cells), resident
+    hits, loads = engine.pool.index.hits, engine.pool.counts["prefix_loads"]
+    assert hits >= loads > 0
+    assert hits > loads or engine.backend.scans_resident

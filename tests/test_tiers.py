@@ -233,6 +233,43 @@ def test_idle_kvs_leave_the_scanned_cells_while_a_request_runs(make_engine, idle
     assert (eng.metrics()["kv_tiers"]["restores"] > 0) == moves
 
 
+def test_idle_kvs_move_down_before_a_returning_kv_is_placed(make_engine, monkeypatch):
+    """A forward on llama.cpp's unified layout scans every cell up to the highest in use,
+    and a KV coming back is placed in the first free cells: so the idle KVs a request moves
+    out of its forward's way move down before its own KV is loaded, not after (else it
+    would sit above their freed cells and be scanned as if they had stayed). Where forwards
+    scan their own cells only, the idle KV stays. Read from the back end's own calls, in
+    the order they ran."""
+    eng = make_engine("chatml", kv_idle_cells=0)
+    a, b = fill(eng, 2)
+    eng.wait_idle()
+    eng.query(b, "Which way is ACME moving?", GREEDY).result()
+    eng.wait_idle()
+    scans = eng.backend.scans_resident
+    assert (eng.info(a)["kv"], eng.info(b)["kv"]) == ("ram" if scans else "resident",
+                                                      "resident")
+    held = eng.pool._kv[b].handle
+    calls: list[tuple[str, object]] = []
+
+    def spy(name):
+        real = getattr(eng.backend, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, args[0]))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("load", "new_kv", "release"):
+        monkeypatch.setattr(eng.backend, name, spy(name))
+    eng.query(a, "Is BOLT up?", GREEDY).result()
+    placed = [i for i, (name, _) in enumerate(calls) if name in ("load", "new_kv")]
+    moved = [i for i, (name, h) in enumerate(calls) if name == "release" and h is held]
+    if scans:
+        assert placed and moved and moved[0] < placed[0]
+    else:
+        assert not moved and eng.info(b)["kv"] == "resident"
+
+
 def _spilled_to_disk(make_engine):
     """An engine with sessions a and b, a's KV on disk (RAM holds nothing), b resident, and
     room for a to come back without moving anyone (idle KVs left resident while a request

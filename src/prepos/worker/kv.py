@@ -141,6 +141,8 @@ class KVPool:
         and their KVs moved down (never for idle work)."""
         order = sorted(range(len(forwards)), key=lambda i: forwards[i].kv.handle is None)
         out: list[tuple[int, int, int] | BaseException | None] = [None] * len(forwards)
+        if moves and self.idle_cells is not None:
+            self._quiet({f.kv.key for f in forwards})
         keep: set[str] = set()
         added = 0  # the cells the forwards admitted so far add
         for rank, i in enumerate(order):
@@ -173,13 +175,16 @@ class KVPool:
                 return out
             added += grow
             out[i] = plan
-        if moves and self.idle_cells is not None:
-            self._quiet(keep)
         return out
 
     def _quiet(self, keep: set[str]) -> None:
-        """A foreground batch admitted: idle resident KVs beyond `idle_cells` moved down a
-        tier, least recently used first, so its forward scans its own cells, not theirs."""
+        """A foreground batch (the KVs of `keep`) about to be admitted: idle resident KVs
+        beyond `idle_cells` moved down a tier, least recently used first, so its forward
+        scans its own cells, not theirs. Done before any of the batch's KVs is loaded or
+        copied: llama.cpp places new cells in the first free ones its search finds (a
+        removal moves the search's start down to the lowest freed cell), and a forward scans
+        every cell up to the highest in use, so a KV placed above idle ones that then moved
+        down would be scanned as if they had stayed."""
         batch = sum(len(self._kv[k]) for k in keep if k in self._resident)
         while self.used - batch > self.idle_cells and self._spill_one(keep):
             pass
@@ -319,11 +324,12 @@ class KVPool:
         request might move down (beyond the most recently used within `copy_beyond`) that
         holds cells no clean copy holds, saved into the tiers and left resident (one a
         task is using skipped). So a request later moves it down without saving; idle work
-        itself never moves a KV down. Each KV is tried once a run (a state no tier keeps is
-        not saved again until the next)."""
-        tried: set[str] = set()
+        itself never moves a KV down. Each KV is tried once a run at each length (a state no
+        tier keeps is not saved again until the next; one that grew meanwhile, by idle work
+        run between the units, is)."""
+        tried: dict[str, int] = {}  # the length each KV was tried at
         while (kv := self._dirty(tried)) is not None:
-            tried.add(kv.key)
+            tried[kv.key] = len(kv)
             if not self._reserve(kv.key):
                 continue  # in use: the next housekeeping finds it again
             try:
@@ -332,14 +338,14 @@ class KVPool:
                 self._release(kv.key)
             yield
 
-    def _dirty(self, tried: set[str]) -> KVSequence | None:
+    def _dirty(self, tried: dict[str, int]) -> KVSequence | None:
         if self.tiers is None:
             return None
         held, dirty = 0, None
         for sid in list(self._resident)[::-1]:  # most recently used first
             kv = self._kv[sid]
             held += len(kv)
-            if held > self.copy_beyond and kv.tokens and sid not in tried and (
+            if held > self.copy_beyond and kv.tokens and tried.get(sid) != len(kv) and (
                     sid not in self._saved or len(kv) > kv.clean):
                 dirty = kv
         return dirty
