@@ -10,11 +10,12 @@ resident and idle; the two alternate in `--blocks` blocks so that a change in th
 load hits both. In the same blocks, a session placed while the others were resident, decoding
 after they have all been released: llama.cpp puts new cells in the first free ones and a
 forward scans every cell up to the highest in use, so its step pays for the freed cells
-below it as if the others had stayed (`placed_above_slowdown`). Then, with all of them resident, half of them decode one token at once:
-neighbouring sequence ids against every other id (a batch the streams layout runs as one
-ubatch per run of consecutive ids), alternating the same way. With `--prefill N`, also a
-new session's prefill of N tokens (a recompute, a cold first turn) alone and beside the
-others, in the same blocks: the prefill pays the occupied span in every row it runs.
+below it as if the others had stayed (`placed_above_slowdown`). Then, with all of them
+resident, half of them decode one token at once: neighbouring sequence ids against every
+other id (a batch the streams layout runs as one ubatch per run of consecutive ids),
+alternating the same way. With `--prefill N`, also a new session's prefill of N tokens (a
+recompute, a cold first turn) alone and beside the others, in the same blocks: the prefill
+pays the occupied span in every row it runs.
 
     python benchmarks/resident_kv.py [--model smollm2|timing|FILE.gguf] [--samples 64]
                                      [--kv-layout unified|streams] [--prefill N]
