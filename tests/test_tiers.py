@@ -255,7 +255,7 @@ def test_idle_kvs_move_down_before_a_returning_kv_is_placed(make_engine, monkeyp
         real = getattr(eng.backend, name)
 
         def call(*args, **kwargs):
-            calls.append((name, args[0]))
+            calls.append((name, args[0] if args else None))
             return real(*args, **kwargs)
         return call
 
