@@ -176,6 +176,13 @@ def test_background_priority_cancel_and_abort():
     cl.transport.handler = inner
     with background_work():
         be.extend(kv, [], [1, 2, 3, 4, 5])  # the next request is not affected
+
+    # a foreground request is never cancelled: a mutation cancels the session's idle work
+    # (a pre-position that gave way to this request is not done), not the request
+    aborts = len(cl.replicas["a"].aborts)
+    cl.transport.handler = handle
+    assert be.extend(kv, [], [1, 2, 3, 4, 5, 6]) is not None
+    assert len(cl.replicas["a"].aborts) == aborts
     be.close()
 
 

@@ -243,7 +243,9 @@ class RemoteBackend(Backend):
         kv.sent = 0
 
     def cancel(self, kv: RemoteKV) -> None:
-        """Abandon the handle's in-flight request, if any (thread-safe): aborted at the
+        """Abandon the handle's in-flight idle-work request, if any (thread-safe; never a
+        foreground one: a pre-position that gave way to its session's foreground request
+        is not done, and a mutation then cancels it, not that request): aborted at the
         engine where it has an abort API (a stream is also closed by the reader, which
         aborts it at any engine); its answer is discarded either way (the `extend` that
         made it, or the stream at its next token, raises `Abandoned`). Later requests are
@@ -312,7 +314,7 @@ class RemoteBackend(Backend):
         if sem is not None:
             sem.acquire()
         t0 = time.perf_counter()
-        kv.rid = rid
+        kv.rid = rid if background else None  # what `cancel` may abandon
         try:
             with contextlib.nullcontext() if background else rep.foreground_request():
                 body = rep.send(lambda prio: self.adapter.request(
@@ -363,7 +365,7 @@ class RemoteBackend(Backend):
             if sem is not None:
                 sem.acquire()
             t0 = time.perf_counter()
-            kv.rid = rid
+            kv.rid = rid if background else None  # what `cancel` may abandon
             done = False
             try:
                 with contextlib.ExitStack() as stack:

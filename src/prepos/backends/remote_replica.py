@@ -273,7 +273,7 @@ class RemoteKV:
     replica: Replica | None = None
     sent: int = 0  # tokens of the last prompt sent (the replica's cache may hold them)
     last: TopK | None = None  # what the last request reported (cached tokens included)
-    rid: str | None = None  # the request in flight
+    rid: str | None = None  # the idle-work request in flight (`cancel`'s)
     cancelled_rid: str | None = None  # the in-flight request `cancel` abandoned
     preempted_rid: str | None = None  # the background stream a foreground request preempted
 
