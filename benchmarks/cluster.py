@@ -63,7 +63,7 @@ from cluster_harness import (  # noqa: E402
 from server_harness import ServerProc  # noqa: E402
 
 from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
-from prepos.engine.session import SessionSpec  # noqa: E402
+from prepos.engine.session_spec import SessionSpec  # noqa: E402
 from prepos.lab.retrying import new_key, retrying  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
 from prepos.server.durable.journal import Journal  # noqa: E402

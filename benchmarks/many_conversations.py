@@ -273,7 +273,7 @@ def lookup_cost(sizes: tuple[int, ...], lookups: int) -> dict:
     from prepos.config import EngineConfig
     from prepos.engine import Engine
     from prepos.engine.implicit import ImplicitSessions
-    from prepos.engine.session import SessionSpec
+    from prepos.engine.session_spec import SessionSpec
     from prepos.paths import DEFAULT_MODEL
 
     eng = Engine.from_pretrained(DEFAULT_MODEL, EngineConfig(preposition=False, threads=1))

@@ -256,7 +256,7 @@ def test_a_conversation_is_found_by_its_hash_not_by_a_scan(make_engine, monkeypa
     """Finding a conversation checks one kept session, however many the key has, and never
     one of another key's."""
     import prepos.engine.implicit as implicit
-    from prepos.engine.session import SessionSpec
+    from prepos.engine.session_spec import SessionSpec
 
     eng = make_engine(preposition=False)
     kept = implicit.ImplicitSessions(lambda: eng, eng.close_session, memory=None)

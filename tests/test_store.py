@@ -13,7 +13,7 @@ import time
 import pytest
 from cluster_harness import Postgres, missing_postgres
 
-from prepos.engine.session import SessionSpec
+from prepos.engine.session_spec import SessionSpec
 from prepos.server.durable.journal import Journal
 from prepos.server.durable.lease import LeaseConfig, LeaseLost, Leases
 from prepos.server.durable.responses_store import ResponseStore, Stored

@@ -200,7 +200,7 @@ def test_idle_work_brings_a_spilled_session_back_only_where_it_is_asked(make_eng
 def test_an_implicit_session_moves_down_a_tier_and_comes_back(make_engine):
     """A session kept for a stock client (implicit) counts for no budget, yet with tiers its
     KV moves down as any other's under pressure, and its next turn restores it."""
-    from prepos.engine.session import SessionSpec
+    from prepos.engine.session_spec import SessionSpec
 
     eng = small(make_engine, cells=100)
     imp = eng.restore_session("implicit-1", SessionSpec("agentic", SYSTEM, implicit=True))

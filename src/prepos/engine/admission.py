@@ -14,7 +14,8 @@ from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat
 from prepos.core import Request, SamplingParams
 from prepos.decode.stream import Stream
-from prepos.engine.session import AGENTIC, Session, SessionSpec, SessionStore
+from prepos.engine.session import Session, SessionStore
+from prepos.engine.session_spec import AGENTIC, SessionSpec
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prepos.chat.conversation import ConversationError, message_key, resume
-from prepos.engine.session import SessionSpec, Snapshot
+from prepos.engine.session import Snapshot
+from prepos.engine.session_spec import SessionSpec
 from prepos.engine.view import EngineView as Engine  # the `Engine` that keeps them
 from prepos.errors import PreposError, TooManySessions
 

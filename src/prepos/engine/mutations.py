@@ -14,7 +14,8 @@ from typing import Sequence
 from prepos.chat.format import normalize_tool_call
 from prepos.engine.admission import check_session
 from prepos.engine.ready import ReadySet
-from prepos.engine.session import Session, SessionSpec, Snapshot
+from prepos.engine.session import Session, Snapshot
+from prepos.engine.session_spec import SessionSpec
 from prepos.errors import InvalidInput, OverBudget
 from prepos.worker.kv import Forward
 

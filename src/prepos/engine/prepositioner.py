@@ -23,15 +23,8 @@ from prepos.engine.logits import KeptLogits
 from prepos.engine.predecode import Predecoder
 from prepos.engine.rate import QueryRate
 from prepos.engine.ready import ReadySet
-from prepos.engine.session import (
-    ENVELOPE,
-    HEADER,
-    STREAMING,
-    TURN,
-    Session,
-    Snapshot,
-    query_key,
-)
+from prepos.engine.session import ENVELOPE, HEADER, TURN, Session, Snapshot, query_key
+from prepos.engine.session_spec import STREAMING
 from prepos.worker.kv import Forward, KVPool
 
 MAX_YIELDS = 1  # a chunk gives way to waiting requests at most this many times in a row

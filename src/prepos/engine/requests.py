@@ -17,7 +17,8 @@ from prepos.engine import conversation
 from prepos.engine.admission import check_request, one_turn, prompt_ids
 from prepos.engine.conversation import ChatPlan
 from prepos.engine.logits import answers_from, keeps_top
-from prepos.engine.session import AGENTIC, HEADER, STREAMING, TURN, Session, SessionSpec, query_key
+from prepos.engine.session import HEADER, TURN, Session, query_key
+from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
 from prepos.engine.view import DEFAULT
 from prepos.errors import Conflict, InvalidInput, PreposError
 

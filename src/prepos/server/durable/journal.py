@@ -28,7 +28,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from prepos.engine.implicit import is_ephemeral
-from prepos.engine.session import Session, SessionSpec, Snapshot
+from prepos.engine.session import Session, Snapshot
+from prepos.engine.session_spec import SessionSpec
 from prepos.errors import PreposError
 from prepos.server.durable.idempotency import KeyClaimed, riding
 from prepos.server.durable.store import TIMEOUT, Database

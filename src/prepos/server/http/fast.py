@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from prepos.engine.session import STREAMING
+from prepos.engine.session_spec import STREAMING
 from prepos.server.durable.cluster import HEADER, SESSION_ID, Front
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.metrics import CONTENT_TYPE

@@ -13,7 +13,7 @@ from typing import TypeVar
 from prepos.decode.stream import Stream
 from prepos.engine import Engine
 from prepos.engine.implicit import EPHEMERAL, ImplicitSessions, is_ephemeral
-from prepos.engine.session import SessionSpec
+from prepos.engine.session_spec import SessionSpec
 from prepos.errors import PreposError, TooManySessions
 from prepos.server.http.errors import ApiError
 from prepos.server.http.limits import Limits

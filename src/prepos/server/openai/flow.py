@@ -30,7 +30,8 @@ from starlette.responses import Response
 from prepos.chat.conversation import check_order
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
-from prepos.engine.session import AGENTIC, STREAMING, TURN, SessionSpec, query_key
+from prepos.engine.session import TURN, query_key
+from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError

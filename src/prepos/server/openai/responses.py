@@ -41,7 +41,7 @@ from starlette.requests import Request
 
 from prepos.chat.conversation import check_order
 from prepos.engine import Engine
-from prepos.engine.session import AGENTIC, SessionSpec
+from prepos.engine.session_spec import AGENTIC, SessionSpec
 from prepos.errors import PreposError
 from prepos.server.durable.conversation_store import ConversationStore, size
 from prepos.server.durable.responses_store import ResponseStore, Stored

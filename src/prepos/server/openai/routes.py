@@ -40,7 +40,7 @@ from starlette.requests import Request
 
 from prepos.chat.conversation import session_messages
 from prepos.engine.implicit import EPHEMERAL
-from prepos.engine.session import STREAMING
+from prepos.engine.session_spec import STREAMING
 from prepos.errors import PreposError
 from prepos.server.durable.cluster import SESSION_ID
 from prepos.server.durable.directory import hop
