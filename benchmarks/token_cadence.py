@@ -23,6 +23,11 @@ block a fresh server running every case with its share of the streams; a case's 
 pool its blocks' gaps. Reported per case and arm: gap P50, P90, P99, max and mean in ms, with
 the number of gaps, streams and tokens, and the ratios prepos over llama-server
 (`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio` at four streams).
+Per case and arm, where the machine's CPU went while its streams ran, in % of one core:
+the server's (`server_cpu_pct`), everything outside the server and this benchmark
+(`outside_cpu_pct`: other processes, the kernel's threads) and the hypervisor's steal
+(`steal_pct`); in the remote case one window holds both servers. Both servers compute on
+every core, so CPU taken outside stretches their steps: a run a neighbour disturbed shows.
 With --stages, prepos's own per-token stage times from its /metrics (histogram
 `prepos:token_stage_seconds`, P50 / P99 interpolated within buckets, in µs): the decode step,
 the hand-off to the event loop, the chunk's encoding and its write to the socket.
@@ -35,7 +40,9 @@ The last line printed is the JSON summary (also results/token_cadence.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import socket
 import statistics
 import sys
@@ -288,35 +295,93 @@ def stage_times(counts: dict) -> dict:
     return out
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> tuple[float, float]:
+    """The machine's CPU seconds so far, all CPUs: busy (user, nice, system, irq, softirq)
+    and stolen (the hypervisor ran something else on a virtual CPU), from /proc/stat."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / TICK, v[7] / TICK
+
+
+def process_cpu(pid: int) -> float:
+    """A process's CPU seconds so far, all its threads (/proc/<pid>/stat utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class CpuShare:
+    """Where the machine's CPU went while a case ran, summed over its windows: the server
+    under test, this benchmark (its clients and load), everything else (`outside`: other
+    processes, the kernel's threads) and the hypervisor's steal. Both servers compute on
+    every core, so CPU taken outside stretches their steps: a run a neighbour disturbed
+    shows it here, arm by arm."""
+
+    def __init__(self) -> None:
+        self.wall = self.server = self.outside = self.steal = 0.0
+
+    @contextlib.contextmanager
+    def window(self, *pids: int):
+        """Count the time inside; `pids`: the servers' processes."""
+        def servers() -> float:
+            return sum(process_cpu(p) for p in pids)
+        t0, (busy0, steal0), srv0 = time.perf_counter(), machine_cpu(), servers()
+        own0 = sum(os.times()[:2])
+        try:
+            yield
+        finally:
+            busy1, steal1 = machine_cpu()
+            server, own = servers() - srv0, sum(os.times()[:2]) - own0
+            self.wall += time.perf_counter() - t0
+            self.server += server
+            self.outside += max(0.0, busy1 - busy0 - server - own)
+            self.steal += steal1 - steal0
+
+    def summary(self) -> dict:
+        def pct(s: float) -> float:
+            return round(100 * s / self.wall, 2)
+        return {"server_cpu_pct": pct(self.server), "outside_cpu_pct": pct(self.outside),
+                "steal_pct": pct(self.steal)}
+
+
 class Arm:
     """One server's streams over its blocks, pooled per case."""
 
     def __init__(self) -> None:
         self.streams: dict[str, list[dict]] = {}
+        self.cpu: dict[str, CpuShare] = {}
         self.wall = 0.0  # the four case's
         self.appends = self.scrapes = self.failed = 0  # the busy case's load
         self.busy_s = self.load_cpu_s = 0.0  # its time, and the load's own CPU
         self.stages: dict[tuple[str, float], float] = {}  # the single case's bucket counts
 
-    def block(self, url: str, args, key: str | None, prepos: bool, cases: set[str],
-              runs: int) -> None:
-        """One block on a fresh server: each case with `runs` streams."""
+    def block(self, url: str, pid: int, args, key: str | None, prepos: bool,
+              cases: set[str], runs: int) -> None:
+        """One block on a fresh server (process `pid`): each case with `runs` streams."""
         one_stream(url, 99, 8, key)  # warm-up: the template, the first allocation
+
+        def share(case: str):
+            return self.cpu.setdefault(case, CpuShare()).window(pid)
         if "single" in cases:
             before = stage_buckets(url, key) if prepos and args.stages else {}
-            self.streams.setdefault("single", []).extend(run_single(url, args, key, runs))
+            with share("single"):
+                streams = run_single(url, args, key, runs)
+            self.streams.setdefault("single", []).extend(streams)
             if before:
                 for k, v in stage_buckets(url, key).items():
                     self.stages[k] = self.stages.get(k, 0.0) + v - before.get(k, 0.0)
         if "four" in cases:
-            streams, wall = run_four(url, args, key, runs)
+            with share("four"):
+                streams, wall = run_four(url, args, key, runs)
             self.streams.setdefault("four", []).extend(streams)
             self.wall += wall
         if "busy" in cases:
             with Busy(url, args.busy_sessions, key, prepos) as busy:
                 t0 = time.perf_counter()
-                self.streams.setdefault("busy", []).extend(
-                    run_single(url, args, key, runs, offset=5))
+                with share("busy"):
+                    streams = run_single(url, args, key, runs, offset=5)
+                self.streams.setdefault("busy", []).extend(streams)
                 self.busy_s += time.perf_counter() - t0
             self.appends += busy.appends
             self.scrapes += busy.scrapes
@@ -324,8 +389,8 @@ class Arm:
             self.load_cpu_s += busy.cpu_s
 
     def summaries(self) -> dict:
-        out = {case: summary(s, self.wall if case == "four" else None)
-               for case, s in self.streams.items()}
+        out = {case: {**summary(s, self.wall if case == "four" else None),
+                      **self.cpu[case].summary()} for case, s in self.streams.items()}
         if "busy" in out:
             out["busy"].update(appends=self.appends, scrapes=self.scrapes,
                                load_failed=self.failed,
@@ -345,10 +410,12 @@ def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
         one_stream(url, 99, 8, KEY)
         one_stream(llama.url, 99, 8, None)
         through, direct = [], []
-        for i in range(args.runs):
-            through.append(one_stream(url, i, args.max_tokens, KEY))
-            direct.append(one_stream(llama.url, i, args.max_tokens, None))
-        return {"prepos": summary(through), "llama_server": summary(direct)}
+        cpu = CpuShare()  # both servers alive: their CPU together, one window for both arms
+        with cpu.window(proc.pid, llama.proc.pid):
+            for i in range(args.runs):
+                through.append(one_stream(url, i, args.max_tokens, KEY))
+                direct.append(one_stream(llama.url, i, args.max_tokens, None))
+        return {"prepos": summary(through), "llama_server": summary(direct), **cpu.summary()}
     finally:
         if proc is not None:
             stop(proc)
@@ -400,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc, url = start_prepos(served, log / "prepos.log", args.threads,
                                          args.server_arg)
                 try:
-                    ours.block(url, args, KEY, True, local, runs)
+                    ours.block(url, proc.pid, args, KEY, True, local, runs)
                 finally:
                     stop(proc)
                 continue
@@ -409,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                                 log=log / "llama.log")
             llama.start(wait=300)
             try:
-                theirs.block(llama.url, args, None, False, local, runs)
+                theirs.block(llama.url, llama.proc.pid, args, None, False, local, runs)
             finally:
                 llama.stop()
         mine, peer = ours.summaries(), theirs.summaries()
