@@ -16,13 +16,17 @@ client reads it; a gap is the time between two chunks that carry content. Four c
   remote    one stream at a time through `prepos serve --backend llama-server` against the
             same llama-server directly, alternated stream by stream (both alive: prepos relays)
 
-Cases single, four and busy run with one server alive at a time (prepos, or llama-server
-`-np 4 --jinja`), in --rounds blocks ordered ABBA (prepos, llama-server, llama-server,
-prepos, ...: a drift of the machine's speed over the run falls on both arms alike), each
-block a fresh server running every case with its share of the streams; a case's figures
-pool its blocks' gaps. Reported per case and arm: gap P50, P90, P99, max and mean in ms, with
-the number of gaps, streams and tokens, and the ratios prepos over llama-server
-(`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio` at four streams).
+Cases single, four and busy run with one server running at a time: prepos and llama-server
+(`-np 4 --jinja`) are both started, and while one streams the other is paused (SIGSTOP:
+it takes no CPU, and its idle work waits). The two take turns stream by stream (four at
+once: group by group) in ABBA order, since this machine's speed changes within seconds (the
+mean gap of three streams in a row on one server varied by 7% here): a turn by turn
+alternation puts such a change on both arms alike, where blocks of streams did not. Each of
+the --rounds rounds is a fresh pair of servers running every case with its share of the
+streams; a case's figures pool its rounds' gaps. Reported per case and arm: gap P50, P90,
+P99, max and mean in ms, with the number of gaps, streams and tokens, and the ratios prepos
+over llama-server (`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio`
+at four streams).
 Per case and arm, where the machine's CPU went while its streams ran, in % of one core:
 the server's (`server_cpu_pct`), everything outside the server and this benchmark
 (`outside_cpu_pct`: other processes, the kernel's threads) and the hypervisor's steal
@@ -43,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -209,6 +214,7 @@ class Busy:
                     "standing_queries": [f"Is ticker T{i} rising? Answer briefly."]})
                 r.raise_for_status()
                 self.sids.append(r.json()["id"])
+        self.running = threading.Event()  # set while its server runs (`Pair.running`)
         self.threads = [threading.Thread(target=self._counted, args=(f,), daemon=True)
                         for f in (self._feed, self._scrape)]
 
@@ -219,6 +225,7 @@ class Busy:
 
     def __exit__(self, *exc):
         self.stop_.set()
+        self.running.set()
         for t in self.threads:
             t.join()
         for sid in self.sids:
@@ -237,13 +244,20 @@ class Busy:
             with self.lock:
                 self.cpu_s += time.thread_time() - c0
 
+    def _go(self, every: float) -> bool:
+        """Whether to send the next request: `every` seconds on, once its server runs."""
+        if self.stop_.wait(every):
+            return False
+        self.running.wait()
+        return not self.stop_.is_set()
+
     def _failed(self) -> None:  # either thread's
         with self.lock:
             self.failed += 1
 
     def _feed(self, http: RawHttp) -> None:
         i = 0
-        while self.sids and not self.stop_.wait(0.1):
+        while self.sids and self._go(0.1):
             sid = self.sids[i % len(self.sids)]
             data = f"T{i % 8} {100 + i % 17}.{i % 10} {101 + i % 13}.5"
             # `wait: false`: its KV built at idle, with the pre-position
@@ -255,7 +269,7 @@ class Busy:
             i += 1
 
     def _scrape(self, http: RawHttp) -> None:
-        while not self.stop_.wait(0.25):
+        while self._go(0.25):
             if http.request("GET", "/metrics") >= 300:
                 self._failed()
             self.scrapes += 1
@@ -346,9 +360,14 @@ class CpuShare:
 
 
 class Arm:
-    """One server's streams over its blocks, pooled per case."""
+    """One server of a round (`serve`), and its streams pooled over the rounds, per case.
+    It runs only inside `running`: paused otherwise (SIGSTOP), so that while the other arm
+    streams it takes no CPU and its idle work waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, key: str | None) -> None:
+        self.name, self.key, self.prepos = name, key, name == "prepos"
+        self.url, self.pid = "", 0
+        self.busy: Busy | None = None  # the busy case's load, while that case runs
         self.streams: dict[str, list[dict]] = {}
         self.cpu: dict[str, CpuShare] = {}
         self.wall = 0.0  # the four case's
@@ -356,37 +375,61 @@ class Arm:
         self.busy_s = self.load_cpu_s = 0.0  # its time, and the load's own CPU
         self.stages: dict[tuple[str, float], float] = {}  # the single case's bucket counts
 
-    def block(self, url: str, pid: int, args, key: str | None, prepos: bool,
-              cases: set[str], runs: int) -> None:
-        """One block on a fresh server (process `pid`): each case with `runs` streams."""
-        one_stream(url, 99, 8, key)  # warm-up: the template, the first allocation
+    def serve(self, url: str, pid: int) -> None:
+        """This round's server (running): warmed up, then paused."""
+        self.url, self.pid = url, pid
+        one_stream(url, 99, 8, self.key)  # warm-up: the template, the first allocation
+        os.kill(pid, signal.SIGSTOP)
 
-        def share(case: str):
-            return self.cpu.setdefault(case, CpuShare()).window(pid)
-        if "single" in cases:
-            before = stage_buckets(url, key) if prepos and args.stages else {}
-            with share("single"):
-                streams = run_single(url, args, key, runs)
-            self.streams.setdefault("single", []).extend(streams)
-            if before:
-                for k, v in stage_buckets(url, key).items():
-                    self.stages[k] = self.stages.get(k, 0.0) + v - before.get(k, 0.0)
-        if "four" in cases:
-            with share("four"):
-                streams, wall = run_four(url, args, key, runs)
-            self.streams.setdefault("four", []).extend(streams)
-            self.wall += wall
-        if "busy" in cases:
-            with Busy(url, args.busy_sessions, key, prepos) as busy:
-                t0 = time.perf_counter()
-                with share("busy"):
-                    streams = run_single(url, args, key, runs, offset=5)
-                self.streams.setdefault("busy", []).extend(streams)
-                self.busy_s += time.perf_counter() - t0
-            self.appends += busy.appends
-            self.scrapes += busy.scrapes
-            self.failed += busy.failed
-            self.load_cpu_s += busy.cpu_s
+    @contextlib.contextmanager
+    def running(self, case: str | None = None):
+        """The server running (and its load sending) inside; `case`: the time and CPU are
+        that case's."""
+        os.kill(self.pid, signal.SIGCONT)
+        if self.busy is not None:
+            self.busy.running.set()
+        try:
+            if case is None:
+                yield
+            else:
+                with self.cpu.setdefault(case, CpuShare()).window(self.pid):
+                    yield
+        finally:
+            if self.busy is not None:
+                self.busy.running.clear()
+            os.kill(self.pid, signal.SIGSTOP)
+
+    def stream(self, case: str, i: int, args) -> None:
+        with self.running(case):
+            got = one_stream(self.url, i, args.max_tokens, self.key)
+        self.streams.setdefault(case, []).append(got)
+
+    def four(self, args) -> None:
+        with self.running("four"):
+            streams, wall = run_four(self.url, args, self.key, 2)
+        self.streams.setdefault("four", []).extend(streams)
+        self.wall += wall
+
+    def stage_counts(self, sign: int) -> None:
+        """prepos's stage histogram added (1) or taken away (-1): read around its streams."""
+        with self.running():
+            for k, v in stage_buckets(self.url, self.key).items():
+                self.stages[k] = self.stages.get(k, 0.0) + sign * v
+
+    def load(self, args) -> None:
+        """The busy case's load made (paused with its server)."""
+        with self.running():
+            self.busy = Busy(self.url, args.busy_sessions, self.key, self.prepos).__enter__()
+
+    def unload(self) -> None:
+        busy, self.busy = self.busy, None
+        with self.running():
+            busy.__exit__(None, None, None)
+        self.appends += busy.appends
+        self.scrapes += busy.scrapes
+        self.failed += busy.failed
+        self.load_cpu_s += busy.cpu_s
+        self.busy_s = self.cpu["busy"].wall
 
     def summaries(self) -> dict:
         out = {case: {**summary(s, self.wall if case == "four" else None),
@@ -398,6 +441,36 @@ class Arm:
         if self.stages:
             out["stages"] = stage_times(self.stages)
         return out
+
+
+def one_round(arms: tuple[Arm, Arm], args, cases: set[str], runs: int) -> None:
+    """Every case on this round's two servers (prepos's first), `runs` streams a case each,
+    the arms taking turns stream by stream (four at once: group by group) in ABBA order: a
+    change of the machine's speed within seconds falls on both alike."""
+    def turns(i: int) -> tuple[Arm, Arm]:
+        return arms if i % 2 == 0 else arms[::-1]
+    if "single" in cases:
+        if args.stages:
+            arms[0].stage_counts(-1)
+        for i in range(runs):
+            for arm in turns(i):
+                arm.stream("single", i, args)
+        if args.stages:
+            arms[0].stage_counts(1)
+    if "four" in cases:
+        for r in range(max(1, runs // 2)):
+            for arm in turns(r):
+                arm.four(args)
+    if "busy" in cases:
+        for arm in arms:
+            arm.load(args)
+        try:
+            for i in range(runs):
+                for arm in turns(i):
+                    arm.stream("busy", 5 + i, args)
+        finally:
+            for arm in arms:
+                arm.unload()
 
 
 def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
@@ -438,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=8, help="streams a case (four: runs/2 rounds)")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="blocks per server, ordered ABBA; each runs runs/rounds streams a case")
+                    help="fresh pairs of servers; each runs runs/rounds streams a case and arm")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--busy-sessions", type=int, default=8)
     ap.add_argument("--cases", default="single,four,busy,remote",
@@ -459,26 +532,27 @@ def main(argv: list[str] | None = None) -> int:
     cases = set(args.cases.split(","))
     local = cases & {"single", "four", "busy"}
     if local:
-        ours, theirs = Arm(), Arm()
+        ours, theirs = Arm("prepos", KEY), Arm("llama_server", None)
         runs = max(1, args.runs // max(1, args.rounds))
-        order = [r % 4 in (0, 3) for r in range(2 * max(1, args.rounds))]  # ABBA...: prepos?
-        for prepos in order:
-            if prepos:
+        for _ in range(max(1, args.rounds)):  # a fresh pair of servers a round
+            proc = llama = None
+            try:
                 proc, url = start_prepos(served, log / "prepos.log", args.threads,
                                          args.server_arg)
-                try:
-                    ours.block(url, proc.pid, args, KEY, True, local, runs)
-                finally:
-                    stop(proc)
-                continue
-            llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096,
-                                threads=args.threads, extra=("--jinja", "--metrics"),
-                                log=log / "llama.log")
-            llama.start(wait=300)
-            try:
-                theirs.block(llama.url, llama.proc.pid, args, None, False, local, runs)
+                ours.serve(url, proc.pid)
+                llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096,
+                                    threads=args.threads, extra=("--jinja", "--metrics"),
+                                    log=log / "llama.log").start(wait=300)
+                theirs.serve(llama.url, llama.proc.pid)
+                one_round((ours, theirs), args, local, runs)
             finally:
-                llama.stop()
+                for server in (proc, llama and llama.proc):
+                    if server is not None and server.poll() is None:
+                        server.send_signal(signal.SIGCONT)  # a paused one takes its SIGTERM
+                if proc is not None:
+                    stop(proc)
+                if llama is not None:
+                    llama.stop()
         mine, peer = ours.summaries(), theirs.summaries()
         out["rounds"] = args.rounds
         for case in sorted(local):
