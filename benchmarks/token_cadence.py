@@ -6,7 +6,7 @@ asking for a long answer, a different one each stream), read line by line as a s
 client reads it; a gap is the time between two chunks that carry content. Four cases:
 
   single    one stream at a time (--runs streams)
-  four      four streams at once (--runs / 2 rounds); also aggregate tokens/s
+  four      four streams at once (--runs / 2 groups of four); also aggregate tokens/s
   busy      one stream at a time while --busy-sessions other sessions are fed a data line
             every 100 ms in turn (`wait: false`: each append's KV is built at idle, with the
             pre-position of its standing query and the pre-decode of its answer) and
@@ -118,28 +118,20 @@ def summary(streams: list[dict], wall_s: float | None = None) -> dict:
     return out
 
 
-def run_single(url: str, args, key: str | None, runs: int, offset: int = 0) -> list[dict]:
-    return [one_stream(url, offset + i, args.max_tokens, key) for i in range(runs)]
+def four_at_once(url: str, args, key: str | None) -> tuple[list[dict], float]:
+    """Four streams started together: their gaps, and the wall time until the last ends."""
+    got: list[dict] = [{}] * 4
 
+    def go(j: int) -> None:
+        got[j] = one_stream(url, j, args.max_tokens, key)
 
-def run_four(url: str, args, key: str | None, runs: int) -> tuple[list[dict], float]:
-    streams: list[dict] = []
-    wall = 0.0
-    for r in range(max(1, runs // 2)):
-        got: list[dict] = [{}] * 4
-
-        def go(j: int) -> None:
-            got[j] = one_stream(url, 4 * r + j, args.max_tokens, key)
-
-        threads = [threading.Thread(target=go, args=(j,)) for j in range(4)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall += time.perf_counter() - t0
-        streams += got
-    return streams, wall
+    threads = [threading.Thread(target=go, args=(j,)) for j in range(4)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got, time.perf_counter() - t0
 
 
 class RawHttp:
@@ -214,16 +206,16 @@ class Busy:
                     "standing_queries": [f"Is ticker T{i} rising? Answer briefly."]})
                 r.raise_for_status()
                 self.sids.append(r.json()["id"])
-        self.running = threading.Event()  # set while its server runs (`Pair.running`)
+        self.running = threading.Event()  # set while its server runs (`Arm.running`)
         self.threads = [threading.Thread(target=self._counted, args=(f,), daemon=True)
                         for f in (self._feed, self._scrape)]
 
-    def __enter__(self):
+    def start(self) -> None:
         for t in self.threads:
             t.start()
-        return self
 
-    def __exit__(self, *exc):
+    def stop(self) -> None:
+        """The load stopped and its sessions deleted (its server running)."""
         self.stop_.set()
         self.running.set()
         for t in self.threads:
@@ -372,7 +364,7 @@ class Arm:
         self.cpu: dict[str, CpuShare] = {}
         self.wall = 0.0  # the four case's
         self.appends = self.scrapes = self.failed = 0  # the busy case's load
-        self.busy_s = self.load_cpu_s = 0.0  # its time, and the load's own CPU
+        self.load_cpu_s = 0.0  # the load's own CPU
         self.stages: dict[tuple[str, float], float] = {}  # the single case's bucket counts
 
     def serve(self, url: str, pid: int) -> None:
@@ -406,7 +398,7 @@ class Arm:
 
     def four(self, args) -> None:
         with self.running("four"):
-            streams, wall = run_four(self.url, args, self.key, 2)
+            streams, wall = four_at_once(self.url, args, self.key)
         self.streams.setdefault("four", []).extend(streams)
         self.wall += wall
 
@@ -419,17 +411,17 @@ class Arm:
     def load(self, args) -> None:
         """The busy case's load made (paused with its server)."""
         with self.running():
-            self.busy = Busy(self.url, args.busy_sessions, self.key, self.prepos).__enter__()
+            self.busy = Busy(self.url, args.busy_sessions, self.key, self.prepos)
+            self.busy.start()
 
     def unload(self) -> None:
         busy, self.busy = self.busy, None
         with self.running():
-            busy.__exit__(None, None, None)
+            busy.stop()
         self.appends += busy.appends
         self.scrapes += busy.scrapes
         self.failed += busy.failed
         self.load_cpu_s += busy.cpu_s
-        self.busy_s = self.cpu["busy"].wall
 
     def summaries(self) -> dict:
         out = {case: {**summary(s, self.wall if case == "four" else None),
@@ -437,7 +429,7 @@ class Arm:
         if "busy" in out:
             out["busy"].update(appends=self.appends, scrapes=self.scrapes,
                                load_failed=self.failed,
-                               load_cpu_pct=round(100 * self.load_cpu_s / self.busy_s, 2))
+                               load_cpu_pct=round(100 * self.load_cpu_s / self.cpu["busy"].wall, 2))
         if self.stages:
             out["stages"] = stage_times(self.stages)
         return out

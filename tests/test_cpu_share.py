@@ -1,15 +1,16 @@
 """benchmarks/token_cadence.py's `CpuShare`: where the machine's CPU went while a case ran.
 A child that burns a known amount of CPU inside the window is counted as the server's, and
-nothing is counted twice (no timing: CPU seconds the child reports itself)."""
+the CPU the benchmark's own process burns meanwhile is not (no timing: CPU seconds the
+processes report themselves)."""
 
-import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from token_cadence import CpuShare, machine_cpu, process_cpu  # noqa: E402
+from token_cadence import CpuShare  # noqa: E402
 
 BURN = """
 import sys, time
@@ -33,18 +34,14 @@ def test_a_servers_cpu_is_counted_as_its_own():
             child.stdin.write("go\n")
             child.stdin.flush()
             burnt = float(child.stdout.readline())
+            own = time.process_time()
+            while time.process_time() - own < 0.3:  # the benchmark's own CPU: not the server's
+                pass
         tick = 0.02  # /proc counts in clock ticks
-        assert share.server >= burnt - tick
-        assert share.outside >= 0 and share.steal >= 0 and share.wall > 0
+        assert burnt - tick <= share.server < burnt + 0.2
         row = share.summary()
         assert set(row) == {"server_cpu_pct", "outside_cpu_pct", "steal_pct"}
         assert row["server_cpu_pct"] > 0
     finally:
         child.kill()
         child.wait()
-
-
-def test_the_machine_and_a_process_count_up():
-    busy, steal = machine_cpu()
-    assert busy > 0 and steal >= 0
-    assert process_cpu(os.getpid()) > 0
