@@ -191,8 +191,9 @@ def test_automatic_shift_near_the_context_limit(make_engine):
 def test_an_append_is_quick_only_while_it_renders_little_and_cannot_shift(make_engine,
                                                                           monkeypatch):
     """`Session.quick_append` (the server commits such an append on its event loop): never
-    true of an append that shifts the window (false as the window nears full), and false once
-    the conversation is longer than QUICK_RENDER characters."""
+    true of an append that shifts the window (false as the window nears full), nor of one
+    that renders more than QUICK_RENDER characters: the line's own where the template renders
+    a line after one line as after all of them (`appends_locally`), else the conversation's."""
     from prepos.engine import session
 
     eng = make_engine("chatml", max_context=256, reserve_tokens=32)
@@ -211,10 +212,13 @@ def test_an_append_is_quick_only_while_it_renders_little_and_cannot_shift(make_e
     eng = make_engine("chatml")
     sid = eng.create_session("streaming", system=SYSTEM)
     s = eng.session(sid)
-    while len(s.snap.text) + 10 <= 600:
+    assert s.fmt.appends_locally
+    while len(s.snap.text) <= 1200:  # past QUICK_RENDER: each line renders on its own
         assert s.quick_append("AAPL 1.5 ")
         eng.append(sid, "AAPL 1.5 ", wait=False)
-    assert not s.quick_append("AAPL 1.5 ") and len(s.snap.tokens) * 2 < s.max_context
+    assert not s.quick_append("A" * 601) and len(s.snap.tokens) * 2 < s.max_context
+    monkeypatch.setattr(s.fmt, "appends_locally", False)  # the whole conversation renders
+    assert not s.quick_append("AAPL 1.5 ")
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]

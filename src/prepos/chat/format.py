@@ -23,6 +23,8 @@ from prepos.errors import InvalidInput
 
 SENTINEL = "PREPOSxSENTINELx7f3a"
 ARGS_MARK = "PREPOSxARGSx9d41x"  # stands for a call's text arguments while rendering
+STAND_IN = {"role": "user", "content": "0"}  # the line before a data line (`render_appended`)
+MAX_BASES = 256  # system messages whose rendering `render_appended` keeps
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class ChatFormat:
         self.end_of_turn = self._end_of_turn_ids()
         probe = self.render([{"role": "user", "content": f" {SENTINEL} "}])
         self.trims_content = f" {SENTINEL} " not in probe
+        self._bases: dict[str | None, str] = {}  # `_added`'s renders, by system message
+        self.appends_locally = self._appends_locally()
 
     def check_text(self, text: Any, what: str) -> None:
         """Where control-token strings in text cannot be plain characters (`plain_text`
@@ -179,6 +183,49 @@ class ChatFormat:
             args = self.defuse(args)
             text = text.replace(json.dumps(mark), args).replace(mark, args)
         return text
+
+    def render_appended(self, messages: Sequence[dict], before: str,
+                        tools: Sequence[dict] | None = None) -> str:
+        """`render(messages)`, where `before` is the text of all but the last. A data line (a
+        user message) after data lines, a system message first or not, adds the text it
+        adds after any one line, where the template renders lines so (`appends_locally`):
+        then only the system message, a stand-in line and the new one are rendered, and a
+        stream's hundredth line costs what its second did."""
+        if not (self.appends_locally and not tools and len(messages) >= 3):
+            return self.render(messages, tools)
+        first = 1 if messages[0]["role"] == "system" else 0
+        added = self._added(messages[:first], messages[-1]) \
+            if all(map(_line, messages[first:])) else None
+        return self.render(messages, tools) if added is None else before + added
+
+    def _added(self, head: Sequence[dict], line: dict) -> str | None:
+        """The text `line` adds after `head` (a system message, or none) and a stand-in line
+        (None: not an extension of them). The text of the head and the stand-in is kept by
+        the system message's content."""
+        key = head[0]["content"] if head else None
+        was = self._bases.get(key)
+        if was is None:
+            if len(self._bases) >= MAX_BASES:
+                self._bases.clear()
+            was = self._bases[key] = self.render([*head, STAND_IN])
+        now = self.render([*head, STAND_IN, line])
+        return now[len(was):] if now.startswith(was) else None
+
+    def _appends_locally(self) -> bool:
+        """Whether data lines of different lengths, after a system message or not, each add
+        after the whole conversation the text they add after a stand-in line alone."""
+        lines = [{"role": "user", "content": c} for c in
+                 ("T1 101.5", "price 99.25 at 12:00, volume 1,200", "x", "a\nb 7", "last one")]
+        for head in ([], [{"role": "system", "content": "You watch a price feed."}]):
+            for n in range(2, len(lines) + 1):
+                msgs = [*head, *lines[:n]]
+                try:
+                    added = self._added(head, msgs[-1])
+                    if added is None or self.render(msgs[:-1]) + added != self.render(msgs):
+                        return False
+                except InvalidInput:
+                    return False
+        return True
 
     def _template(self, messages: Sequence[dict], tools: Sequence[dict] | None,
                   generation_prompt: bool = False) -> str:
@@ -312,6 +359,11 @@ def normalize_tool_call(call: object) -> dict:
         raise InvalidInput(f"tool call arguments must be a string (or a JSON object): "
                            f"{exc}") from None
     return tool_formats.call(fn["name"], args)
+
+
+def _line(m: dict) -> bool:
+    """Whether a message is a data line: a user message of text, nothing else."""
+    return m["role"] == "user" and isinstance(m.get("content"), str) and len(m) == 2
 
 
 def without_ids(m: dict) -> dict:

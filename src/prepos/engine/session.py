@@ -32,7 +32,8 @@ from prepos.errors import (
 )
 
 # an append that renders at most this many characters of conversation is quick: a few
-# hundred microseconds (`Session.quick_append`)
+# hundred microseconds (`Session.quick_append`); where the template renders a data line
+# after the one before it alone (`ChatFormat.appends_locally`), the line's own characters
 QUICK_RENDER = 4096
 FRAME_TOKENS = 64  # at most, the tokens a chat template frames one message with
 
@@ -201,12 +202,13 @@ class Session:
             raise SessionBusy(f"session {self.id} has a turn in flight; retry after its answer")
 
     def quick_append(self, text: str) -> bool:
-        """Whether appending `text` is quick whatever the template: it renders a conversation
-        of at most QUICK_RENDER characters, once (the window cannot shift: a token is at least
-        a byte of text, and FRAME_TOKENS bound the message's framing)."""
+        """Whether appending `text` is quick whatever the template: it renders at most
+        QUICK_RENDER characters of conversation, once (the window cannot shift: a token is
+        at least a byte of text, and FRAME_TOKENS bound the message's framing)."""
         snap = self.snap
-        return (len(snap.text) + len(text) <= QUICK_RENDER and len(snap.tokens)
-                + len(text.encode()) + FRAME_TOKENS + self.reserve <= self.max_context)
+        rendered = len(text) + (0 if self.fmt.appends_locally else len(snap.text))
+        return (rendered <= QUICK_RENDER and len(snap.tokens) + len(text.encode())
+                + FRAME_TOKENS + self.reserve <= self.max_context)
 
     # -- mutations -----------------------------------------------------------------------
     def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
@@ -215,7 +217,8 @@ class Session:
         _check_text(text, "data")
         with self.mutex:
             msgs = [*self.snap.messages, {"role": "user", "content": text}]
-            snap = self._render(msgs, check=False)
+            snap = self._render(msgs, check=False, text=self.fmt.render_appended(
+                msgs, self.snap.text, self.spec.tools))
             if len(snap[1]) + self.reserve > self.max_context:
                 msgs = self._shifted(msgs)
                 snap = self._render(msgs, incremental=False)
@@ -308,9 +311,11 @@ class Session:
                 break
         return [*msgs[:first], *msgs[first + drop:]]
 
-    def _render(self, msgs: list[dict], incremental: bool = True,
-                check: bool = True) -> tuple[str, tuple[int, ...]]:
-        text = self.fmt.render(msgs, self.spec.tools)
+    def _render(self, msgs: list[dict], incremental: bool = True, check: bool = True,
+                text: str | None = None) -> tuple[str, tuple[int, ...]]:
+        """`msgs`' text (`text`, where the caller rendered it) and tokens."""
+        if text is None:
+            text = self.fmt.render(msgs, self.spec.tools)
         old = self.snap
         if incremental and text.startswith(old.text):
             tokens = old.tokens + tuple(self.fmt.encode(text[len(old.text):]))

@@ -1,0 +1,92 @@
+"""A data line's text rendered without the conversation before it (`ChatFormat.
+render_appended`): for any lines, after a system message or not, on every template family
+prepos's tiny models carry (and the bundled model's, where it is installed), the text is the
+template's rendering of the whole conversation; a template whose lines depend on where they
+stand is found out by the probe and rendered whole; a streaming session's tokens after many
+appends are the whole conversation's tokens, and its appends stay quick however long it
+grows."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prepos.chat.format import ChatFormat
+from prepos.engine.session import QUICK_RENDER, Session
+from prepos.engine.session_spec import STREAMING, SessionSpec
+from prepos.lab.tiny import build_tokenizer
+
+FAMILIES = ("chatml", "qwen", "llama3", "mistral", "plain")
+NUMBERED = ("{% for m in messages %}<|im_start|>{{ m.role }} #{{ loop.index }}\n"
+            "{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    root = tmp_path_factory.mktemp("appended")
+    out = {fam: ChatFormat(build_tokenizer(root / fam, fam)) for fam in FAMILIES}
+    numbered = build_tokenizer(root / "numbered", "chatml")
+    numbered.chat_template = NUMBERED
+    out["numbered"] = ChatFormat(numbered)
+    try:
+        from prepos.engine.loading import load_tokenizer, resolve_model
+        out["smollm2"] = ChatFormat(load_tokenizer(resolve_model("smollm2")))
+    except Exception:  # not installed: the tiny families stand
+        pass
+    return out
+
+
+lines = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1,
+                max_size=40).filter(str.strip)
+# data lines as dashboards send them, and lines holding the templates' own markup
+markup = st.sampled_from(["<|im_end|>", "<|im_start|>user\n", "<|eot_id|>", "[INST]", "</s>"])
+line = st.one_of(lines, st.tuples(lines, markup, lines).map("".join))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from([*FAMILIES, "numbered", "smollm2"]),
+       system=st.one_of(st.none(), lines), data=st.lists(line, min_size=2, max_size=8))
+def test_a_line_rendered_alone_is_the_whole_conversation_s_text(formats, name, system, data):
+    fmt = formats.get(name)
+    if fmt is None:
+        return
+    msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": text} for text in data]
+    for n in range(2, len(msgs) + 1):
+        part = msgs[:n]
+        assert fmt.render_appended(part, fmt.render(part[:-1])) == fmt.render(part)
+
+
+def test_the_tiny_families_render_lines_alone_and_a_numbering_template_does_not(formats):
+    assert all(formats[fam].appends_locally for fam in FAMILIES)
+    assert "smollm2" not in formats or formats["smollm2"].appends_locally
+    fmt = formats["numbered"]
+    assert not fmt.appends_locally
+    msgs = [{"role": "user", "content": f"line {i}"} for i in range(9)]
+    text = fmt.render_appended(msgs, fmt.render(msgs[:-1]))
+    assert text == fmt.render(msgs) and "user #9\nline 8" in text
+
+
+def test_a_message_other_than_a_data_line_renders_the_whole_conversation(formats):
+    fmt = formats["chatml"]
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]
+    assert fmt.render_appended(msgs, "not the text before") == fmt.render(msgs)
+
+
+@pytest.mark.parametrize("name", ["chatml", "numbered"])
+def test_a_long_stream_s_tokens_are_its_whole_conversation_s(formats, name):
+    fmt = formats[name]
+    s = Session("s-0", SessionSpec(STREAMING, "You watch a feed."), fmt, max_context=100_000,
+                max_versions=8, shift_keep=0.5, reserve=64)
+    for i in range(120):
+        line_ = f"T{i % 8} {100 + i % 17}.{i % 10}"
+        short = len(s.snap.text) + len(line_) <= QUICK_RENDER
+        assert s.quick_append(line_) == (fmt.appends_locally or short)
+        s.append(line_)
+    snap = s.snap
+    assert len(snap.text) > QUICK_RENDER
+    assert snap.text == fmt.render(snap.messages)
+    assert list(snap.tokens) == fmt.encode(snap.text)
