@@ -184,6 +184,19 @@ def test_automatic_shift_near_the_context_limit(make_engine):
     assert len(s.snap.tokens) + 32 <= 256
     assert s.snap.messages[0]["content"] == SYSTEM
     assert s.snap.messages[-1]["content"] == "AAPL 139.5 140.25"
+    # the last shift dropped the fewest oldest lines that brought it to the target
+    msgs, target = list(s.snap.messages), int(256 * s.shift_keep)
+    for i in range(41, 80):
+        n = len(msgs)
+        msgs.append({"role": "user", "content": f"AAPL {100 + i}.5"})
+        eng.append(sid, msgs[-1]["content"], wait=False)
+        if len(s.snap.messages) != n + 1:
+            break
+    kept = list(s.snap.messages)
+    assert kept[0] == msgs[0] and kept[1:] == msgs[len(msgs) - len(kept) + 1:]
+    back = [msgs[0], *msgs[len(msgs) - len(kept):]]  # one more of the oldest kept: too long
+    assert len(eng.fmt.encode(eng.fmt.render(kept))) <= target
+    assert len(eng.fmt.encode(eng.fmt.render(back))) > target
     res = eng.query(sid, Q, Request(GREEDY1)).result()
     assert greedy_agrees(eng, s.snap.tokens + query_entry(eng, sid, Q), res.tokens[0])
 

@@ -301,15 +301,26 @@ class Session:
         return 1 if msgs and msgs[0]["role"] == "system" else 0
 
     def _shifted(self, msgs: list[dict]) -> list[dict]:
+        """`msgs` less the fewest oldest data messages that bring its tokens to the shift
+        target (the system region and the newest message always kept), found by bisection:
+        a conversation's tokens fall as its oldest messages go (a linear search rendered
+        and tokenized the conversation once for each message dropped: seconds of CPU at a
+        few hundred lines)."""
         first = 1 if msgs and msgs[0]["role"] == "system" else 0
         target = int(self.max_context * self.shift_keep)
-        drop = 0
-        while first + drop < len(msgs) - 1:
-            drop += 1
+
+        def fits(drop: int) -> bool:
             trial = [*msgs[:first], *msgs[first + drop:]]
-            if len(self.fmt.encode(self.fmt.render(trial, self.spec.tools))) <= target:
-                break
-        return [*msgs[:first], *msgs[first + drop:]]
+            return len(self.fmt.encode(self.fmt.render(trial, self.spec.tools))) <= target
+
+        lo, hi = min(1, len(msgs) - 1 - first), len(msgs) - 1 - first  # hi: the newest alone
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return [*msgs[:first], *msgs[first + lo:]]
 
     def _render(self, msgs: list[dict], incremental: bool = True, check: bool = True,
                 text: str | None = None) -> tuple[str, tuple[int, ...]]:
