@@ -3,8 +3,8 @@ process (no server, no model): the CPU of the commit's render and tokenization, 
 window's shift when the context fills.
 
 A session of the model's chat format (SmolLM2's by default) is fed data lines like a
-dashboard's; at each of --at line counts, --samples more lines are timed (each line's CPU,
-`time.thread_time_ns`):
+dashboard's; at each of --at line counts, --samples lines are timed, each appended to that
+many lines (then rolled back, untimed), each line's CPU (`time.thread_time_ns`):
 
   append        `Session.append`: the line rendered on its own after a stand-in line
                 (`ChatFormat.render_appended`, where the template renders lines so), its
@@ -70,12 +70,13 @@ def by_length(fmt: ChatFormat, at: list[int], samples: int) -> dict:
         while len(s.snap.messages) - 1 < target:
             s.append(line(i))
             i += 1
-        append, whole = [], []
-        for _ in range(samples):
-            msgs = [*s.snap.messages, {"role": "user", "content": line(i)}]
+        append, whole, base = [], [], s.snap.version
+        for k in range(samples):  # each a new line on the same `target` lines
+            msgs = [*s.snap.messages, {"role": "user", "content": line(i + k)}]
             whole.append(cpu_us(lambda: fmt.render(msgs)))
-            append.append(cpu_us(lambda: s.append(line(i))))
-            i += 1
+            append.append(cpu_us(lambda: s.append(line(i + k))))
+            s.rollback(base)
+            base = s.snap.version  # a rollback commits a new version
         a, w = stats(append), stats(whole)
         out[str(target)] = {"append": a, "render_whole": w,
                             "render_whole_over_append_p50": round(w["p50_us"] / a["p50_us"], 2)}

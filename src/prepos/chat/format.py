@@ -186,16 +186,17 @@ class ChatFormat:
 
     def render_appended(self, messages: Sequence[dict], before: str,
                         tools: Sequence[dict] | None = None) -> str:
-        """`render(messages)`, where `before` is the text of all but the last. A data line (a
-        user message) after data lines, a system message first or not, adds the text it
-        adds after any one line, where the template renders lines so (`appends_locally`):
-        then only the system message, a stand-in line and the new one are rendered, and a
-        stream's hundredth line costs what its second did."""
-        if not (self.appends_locally and not tools and len(messages) >= 3):
+        """`render(messages)`, where `before` is the text of all but the last: a streaming
+        session's, a system message (or none) and data lines (user messages of text). A
+        data line after another adds the text it adds after any one line, where the template
+        renders lines so (`appends_locally`): then only the system message, a stand-in line
+        and the new one are rendered, and a stream's hundredth line costs what its second
+        did. (The line before the new one is checked; the session keeps the rest so.)"""
+        if not (self.appends_locally and not tools and len(messages) >= 3
+                and _line(messages[-1]) and _line(messages[-2])):
             return self.render(messages, tools)
-        first = 1 if messages[0]["role"] == "system" else 0
-        added = self._added(messages[:first], messages[-1]) \
-            if all(map(_line, messages[first:])) else None
+        head = messages[:1] if messages[0]["role"] == "system" else ()
+        added = self._added(head, messages[-1])
         return self.render(messages, tools) if added is None else before + added
 
     def _added(self, head: Sequence[dict], line: dict) -> str | None:

@@ -33,6 +33,8 @@ class History:
         keep = 0
         if self._versions and self._since_whole < CHECKPOINT:
             prev, n = self._last, min(len(self._last), len(messages))
+            if prev[:n] == messages[:n]:  # an append: compared in C, the same objects
+                keep = n
             while keep < n and (prev[keep] is messages[keep] or prev[keep] == messages[keep]):
                 keep += 1
         if keep:
