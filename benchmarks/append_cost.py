@@ -3,8 +3,9 @@ process (no server, no model): the CPU of the commit's render and tokenization, 
 window's shift when the context fills.
 
 A session of the model's chat format (SmolLM2's by default) is fed data lines like a
-dashboard's; at each of --at line counts, --samples lines are timed, each appended to that
-many lines (then rolled back, untimed), each line's CPU (`time.thread_time_ns`):
+dashboard's; from each of --at line counts, the next --samples lines are timed (a session
+grown to that count for each), each line's CPU (`time.thread_time_ns`), the two kinds in
+separate passes:
 
   append        `Session.append`: the line rendered on its own after a stand-in line
                 (`ChatFormat.render_appended`, where the template renders lines so), its
@@ -18,7 +19,7 @@ bisection replaced (one render and tokenization per line dropped; reimplemented 
 reference, on the same conversation). P50 / P99 in µs (shift: ms) with the number of samples;
 the last line printed is the JSON summary (also results/append_cost.json).
 
-    python benchmarks/append_cost.py [--model smollm2] [--at 10,100,400] [--samples 200]
+    python benchmarks/append_cost.py [--model smollm2] [--at 10,100,400] [--samples 100]
                                      [--context 8192] [--shifts 3]
 """
 
@@ -64,24 +65,23 @@ def stats(xs: list[float], unit: str = "us") -> dict:
 
 
 def by_length(fmt: ChatFormat, at: list[int], samples: int) -> dict:
-    s = session(fmt, 1 << 20)
-    out, i = {}, 0
+    out = {}
     for target in at:
-        while len(s.snap.messages) - 1 < target:
+        s = session(fmt, 1 << 20)
+        for i in range(target):
             s.append(line(i))
-            i += 1
-        append, whole, base = [], [], s.snap.version
-        for k in range(samples):  # each a new line on the same `target` lines
-            msgs = [*s.snap.messages, {"role": "user", "content": line(i + k)}]
-            whole.append(cpu_us(lambda: fmt.render(msgs)))
-            append.append(cpu_us(lambda: s.append(line(i + k))))
-            s.rollback(base)
-            base = s.snap.version  # a rollback commits a new version
+        start = len(s.snap.messages)
+        # the session grows a line a sample; then the same conversations rendered whole (a
+        # pass apart: a whole render between two appends would leave the caches cold)
+        append = [cpu_us(lambda: s.append(line(i))) for i in range(target, target + samples)]
+        msgs = s.snap.messages
+        whole = [cpu_us(lambda: fmt.render(msgs[:n])) for n in range(start + 1, len(msgs) + 1)]
         a, w = stats(append), stats(whole)
         out[str(target)] = {"append": a, "render_whole": w,
                             "render_whole_over_append_p50": round(w["p50_us"] / a["p50_us"], 2)}
-        print(f"{target} lines: append P50 {a['p50_us']} µs (P99 {a['p99_us']}), the whole "
-              f"render alone P50 {w['p50_us']} µs (n={samples})", flush=True)
+        print(f"{target}-{target + samples} lines: append P50 {a['p50_us']} µs (P99 "
+              f"{a['p99_us']}), the whole render alone P50 {w['p50_us']} µs (n={samples})",
+              flush=True)
     return out
 
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2",
                     help="smollm2, an HF model directory or a .gguf file (its tokenizer)")
     ap.add_argument("--at", default="10,100,400", help="line counts to time appends at")
-    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--samples", type=int, default=100)
     ap.add_argument("--context", type=int, default=8192, help="the window, for the shifts")
     ap.add_argument("--shifts", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
