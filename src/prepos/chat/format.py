@@ -24,7 +24,7 @@ from prepos.errors import InvalidInput
 SENTINEL = "PREPOSxSENTINELx7f3a"
 ARGS_MARK = "PREPOSxARGSx9d41x"  # stands for a call's text arguments while rendering
 STAND_IN = {"role": "user", "content": "0"}  # the line before a data line (`render_appended`)
-MAX_BASES = 256  # system messages whose rendering `render_appended` keeps
+MAX_BASES = 256  # (key, system message) renderings `render_appended` keeps
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class ChatFormat:
         self.end_of_turn = self._end_of_turn_ids()
         probe = self.render([{"role": "user", "content": f" {SENTINEL} "}])
         self.trims_content = f" {SENTINEL} " not in probe
-        self._bases: dict[str | None, str] = {}  # `_added`'s renders, by system message
+        # `render_appended`'s system message and stand-in, by API key and system message
+        self._bases: dict[tuple[str | None, str | None], str] = {}
         self.appends_locally = self._appends_locally()
 
     def check_text(self, text: Any, what: str) -> None:
@@ -185,30 +186,31 @@ class ChatFormat:
         return text
 
     def render_appended(self, messages: Sequence[dict], before: str,
-                        tools: Sequence[dict] | None = None) -> str:
+                        tools: Sequence[dict] | None = None, owner: str | None = None) -> str:
         """`render(messages)`, where `before` is the text of all but the last: a streaming
         session's, a system message (or none) and data lines (user messages of text). A
         data line after another adds the text it adds after any one line, where the template
         renders lines so (`appends_locally`): then only the system message, a stand-in line
         and the new one are rendered, and a stream's hundredth line costs what its second
-        did. (The line before the new one is checked; the session keeps the rest so.)"""
+        did. (The line before the new one is checked; the session keeps the rest so.) The
+        system message and stand-in's text is kept by `owner` (the session's API key) and
+        the system message: one key's prompt is never found faster for another."""
         if not (self.appends_locally and not tools and len(messages) >= 3
                 and _line(messages[-1]) and _line(messages[-2])):
             return self.render(messages, tools)
         head = messages[:1] if messages[0]["role"] == "system" else ()
-        added = self._added(head, messages[-1])
-        return self.render(messages, tools) if added is None else before + added
-
-    def _added(self, head: Sequence[dict], line: dict) -> str | None:
-        """The text `line` adds after `head` (a system message, or none) and a stand-in line
-        (None: not an extension of them). The text of the head and the stand-in is kept by
-        the system message's content."""
-        key = head[0]["content"] if head else None
+        key = (owner, head[0]["content"] if head else None)
         was = self._bases.get(key)
         if was is None:
             if len(self._bases) >= MAX_BASES:
                 self._bases.clear()
             was = self._bases[key] = self.render([*head, STAND_IN])
+        added = self._added(was, head, messages[-1])
+        return self.render(messages, tools) if added is None else before + added
+
+    def _added(self, was: str, head: Sequence[dict], line: dict) -> str | None:
+        """The text `line` adds after `head` (a system message, or none) and a stand-in line,
+        whose text is `was` (None: not an extension of it)."""
         now = self.render([*head, STAND_IN, line])
         return now[len(was):] if now.startswith(was) else None
 
@@ -221,7 +223,7 @@ class ChatFormat:
             for n in range(2, len(lines) + 1):
                 msgs = [*head, *lines[:n]]
                 try:
-                    added = self._added(head, msgs[-1])
+                    added = self._added(self.render([*head, STAND_IN]), head, msgs[-1])
                     if added is None or self.render(msgs[:-1]) + added != self.render(msgs):
                         return False
                 except InvalidInput:

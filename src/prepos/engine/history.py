@@ -35,8 +35,9 @@ class History:
             prev, n = self._last, min(len(self._last), len(messages))
             if prev[:n] == messages[:n]:  # an append: compared in C, the same objects
                 keep = n
-            while keep < n and (prev[keep] is messages[keep] or prev[keep] == messages[keep]):
-                keep += 1
+            else:
+                while prev[keep] is messages[keep] or prev[keep] == messages[keep]:
+                    keep += 1
         if keep:
             self._deltas.append((keep, messages[keep:]))
             self._since_whole += 1

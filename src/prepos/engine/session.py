@@ -33,7 +33,7 @@ from prepos.errors import (
 
 # an append that renders at most this many characters of conversation is quick: a few
 # hundred microseconds (`Session.quick_append`); where the template renders a data line
-# after the one before it alone (`ChatFormat.appends_locally`), the line's own characters
+# on its own (`ChatFormat.appends_locally`), the line's own characters count
 QUICK_RENDER = 4096
 FRAME_TOKENS = 64  # at most, the tokens a chat template frames one message with
 
@@ -218,7 +218,7 @@ class Session:
         with self.mutex:
             msgs = [*self.snap.messages, {"role": "user", "content": text}]
             snap = self._render(msgs, check=False, text=self.fmt.render_appended(
-                msgs, self.snap.text, self.spec.tools))
+                msgs, self.snap.text, self.spec.tools, self.spec.owner))
             if len(snap[1]) + self.reserve > self.max_context:
                 msgs = self._shifted(msgs)
                 snap = self._render(msgs, incremental=False)
