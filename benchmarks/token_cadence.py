@@ -12,7 +12,8 @@ client reads it; a gap is the time between two chunks that carry content. Four c
             pre-position of its standing query and the pre-decode of its answer) and
             /metrics is scraped every 250 ms; llama-server's arm: its /metrics scraped the
             same way (it has no idle work). The load is sent from raw keep-alive
-            connections, and its own CPU reported (`load_cpu_pct`, of one core)
+            connections (one a server closed while it was paused is opened again:
+            `load_reconnects`), and its own CPU reported (`load_cpu_pct`, of one core)
   remote    one stream at a time through `prepos serve --backend llama-server` against the
             same llama-server directly, alternated stream by stream (both alive: prepos relays)
 
@@ -142,18 +143,34 @@ class RawHttp:
 
     def __init__(self, url: str, headers: dict[str, str]):
         host, port = url.removeprefix("http://").split(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=60)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.address = (host, int(port))
         self.head = "".join(f"{k}: {v}\r\n" for k, v in
                             {"Host": f"{host}:{port}", **headers}.items()).encode()
+        self.reconnects = 0  # idle connections the server had closed, opened again
+        self._connect()
+
+    def _connect(self) -> None:
+        self.sock = socket.create_connection(self.address, timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = b""
 
     def request(self, method: str, path: str, body: bytes = b"") -> int:
-        """The answer's status (its body read and dropped)."""
+        """The answer's status (its body read and dropped). A connection the server closed
+        while it was idle (its keep-alive timeout, run out while the benchmark paused it)
+        is opened again and the request sent once more: no byte of an answer had come, so
+        the server had not taken the request."""
         extra = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body) \
             if body else b""
-        self.sock.sendall(b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (
-            method.encode(), path.encode(), self.head, extra, body))
+        raw = b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (method.encode(), path.encode(), self.head,
+                                                 extra, body)
+        try:
+            self.sock.sendall(raw)
+            self._recv()
+        except (ConnectionError, OSError):
+            self.sock.close()
+            self._connect()
+            self.reconnects += 1
+            self.sock.sendall(raw)
         while b"\r\n\r\n" not in self.buf:
             self._recv()
         head, self.buf = self.buf.split(b"\r\n\r\n", 1)
@@ -196,7 +213,7 @@ class Busy:
         self.url, self.key, self.stop_ = url, key, threading.Event()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.sids: list[str] = []
-        self.appends = self.scrapes = self.failed = 0
+        self.appends = self.scrapes = self.failed = self.reconnects = 0
         self.cpu_s = 0.0  # the load's threads' CPU
         self.lock = threading.Lock()
         if prepos:
@@ -235,6 +252,7 @@ class Busy:
             http.close()
             with self.lock:
                 self.cpu_s += time.thread_time() - c0
+                self.reconnects += http.reconnects
 
     def _go(self, every: float) -> bool:
         """Whether to send the next request: `every` seconds on, once its server runs."""
@@ -363,7 +381,7 @@ class Arm:
         self.streams: dict[str, list[dict]] = {}
         self.cpu: dict[str, CpuShare] = {}
         self.wall = 0.0  # the four case's
-        self.appends = self.scrapes = self.failed = 0  # the busy case's load
+        self.appends = self.scrapes = self.failed = self.reconnects = 0  # the busy load
         self.load_cpu_s = 0.0  # the load's own CPU
         self.stages: dict[tuple[str, float], float] = {}  # the single case's bucket counts
 
@@ -421,6 +439,7 @@ class Arm:
         self.appends += busy.appends
         self.scrapes += busy.scrapes
         self.failed += busy.failed
+        self.reconnects += busy.reconnects
         self.load_cpu_s += busy.cpu_s
 
     def summaries(self) -> dict:
@@ -428,7 +447,7 @@ class Arm:
                       **self.cpu[case].summary()} for case, s in self.streams.items()}
         if "busy" in out:
             out["busy"].update(appends=self.appends, scrapes=self.scrapes,
-                               load_failed=self.failed,
+                               load_failed=self.failed, load_reconnects=self.reconnects,
                                load_cpu_pct=round(100 * self.load_cpu_s / self.cpu["busy"].wall, 2))
         if self.stages:
             out["stages"] = stage_times(self.stages)
