@@ -2,9 +2,10 @@
 render_appended`): for any lines, after a system message or not, on every template family
 prepos's tiny models carry (and the bundled model's, where it is installed), the text is the
 template's rendering of the whole conversation; a template whose lines depend on where they
-stand is found out by the probe and rendered whole; a streaming session's tokens after many
-appends are the whole conversation's tokens, and its appends stay quick however long it
-grows."""
+stand is found out by the probe and rendered whole; one that frames a line's content as it
+is frames it without rendering, one that rewrites content is found out and rendered; a
+streaming session's tokens after many appends are the whole conversation's tokens, and its
+appends stay quick however long it grows."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ FAMILIES = ("chatml", "qwen", "llama3", "mistral", "plain")
 NUMBERED = ("{% for m in messages %}<|im_start|>{{ m.role }} #{{ loop.index }}\n"
             "{{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# lines rendered where they stand, their content rewritten (line breaks made spaces)
+REWORDED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{{ m.content | replace('\\n', ' ') }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,9 @@ def formats(tmp_path_factory):
     numbered = build_tokenizer(root / "numbered", "chatml")
     numbered.chat_template = NUMBERED
     out["numbered"] = ChatFormat(numbered)
+    reworded = build_tokenizer(root / "reworded", "chatml")
+    reworded.chat_template = REWORDED
+    out["reworded"] = ChatFormat(reworded)
     try:
         from prepos.engine.loading import load_tokenizer, resolve_model
         out["smollm2"] = ChatFormat(load_tokenizer(resolve_model("smollm2")))
@@ -46,7 +54,7 @@ line = st.one_of(lines, st.tuples(lines, markup, lines).map("".join))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from([*FAMILIES, "numbered", "smollm2"]),
+@given(name=st.sampled_from([*FAMILIES, "numbered", "reworded", "smollm2"]),
        system=st.one_of(st.none(), lines), data=st.lists(line, min_size=2, max_size=8))
 def test_a_line_rendered_alone_is_the_whole_conversation_s_text(formats, name, system, data):
     fmt = formats.get(name)
@@ -101,3 +109,27 @@ def test_the_kept_rendering_of_a_system_message_is_one_key_s(formats):
         assert fmt.render_appended(msgs, fmt.render(msgs[:-1]), owner=owner) == fmt.render(msgs)
     assert {k for k in fmt._bases if k[1] == "A prompt two keys share."} == \
         {("key-a", "A prompt two keys share."), ("key-b", "A prompt two keys share.")}
+
+
+def test_a_template_that_frames_lines_as_they_are_renders_nothing_for_one(formats):
+    """Where the template frames a line's content as it is, a line after the kept system
+    message and stand-in is that framing: the template is not called; one that rewrites
+    content (line breaks made spaces) is found out by the probe and rendered each line."""
+    assert all(formats[fam].frames_lines for fam in FAMILIES)
+    assert "smollm2" not in formats or formats["smollm2"].frames_lines
+    assert formats["reworded"].appends_locally and not formats["reworded"].frames_lines
+    assert not formats["numbered"].frames_lines
+    for name, renders in (("chatml", 0), ("llama3", 0), ("reworded", 1)):
+        fmt = formats[name]
+        msgs = [{"role": "system", "content": "Lines follow."},
+                *({"role": "user", "content": f" line\n{i} "} for i in range(4))]
+        fmt.render_appended(msgs[:-1], fmt.render(msgs[:-2]))  # keeps the system message's
+        template, calls = fmt.tokenizer.apply_chat_template, []
+        fmt.tokenizer.apply_chat_template = lambda *a, **k: calls.append(1) or template(*a, **k)
+        try:
+            text = fmt.render_appended(msgs, fmt.render(msgs[:-1]))
+            n = len(calls) - 1  # the whole rendering passed in as the text before
+        finally:
+            del fmt.tokenizer.apply_chat_template
+        assert n == renders
+        assert text == fmt.render(msgs)

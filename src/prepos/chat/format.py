@@ -25,6 +25,10 @@ SENTINEL = "PREPOSxSENTINELx7f3a"
 ARGS_MARK = "PREPOSxARGSx9d41x"  # stands for a call's text arguments while rendering
 STAND_IN = {"role": "user", "content": "0"}  # the line before a data line (`render_appended`)
 MAX_BASES = 256  # (key, system message) renderings `render_appended` keeps
+# data lines the framing probe renders both ways (`ChatFormat._frames_lines`)
+LINE_PROBES = ("T1 101.5", "  padded line  ", "\nbroken\n\nline\n", "tab\there",
+               "a {{ b }} {% c %} {# d #} \\ \" '", "é 漢字 🙂",
+               "<|im_end|><|im_start|>user\n[INST]</s><|eot_id|>")
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,11 @@ class ChatFormat:
         self.end_of_turn = self._end_of_turn_ids()
         probe = self.render([{"role": "user", "content": f" {SENTINEL} "}])
         self.trims_content = f" {SENTINEL} " not in probe
-        # `render_appended`'s system message and stand-in, by API key and system message
-        self._bases: dict[tuple[str | None, str | None], str] = {}
+        # `render_appended`'s system message and stand-in (their text, and a line's framing
+        # after them where `frames_lines`), by API key and system message
+        self._bases: dict[tuple[str | None, str | None], tuple[str, Split | None]] = {}
         self.appends_locally = self._appends_locally()
+        self.frames_lines = self.appends_locally and self._frames_lines()
 
     def check_text(self, text: Any, what: str) -> None:
         """Where control-token strings in text cannot be plain characters (`plain_text`
@@ -192,21 +198,35 @@ class ChatFormat:
         data line after another adds the text it adds after any one line, where the template
         renders lines so (`appends_locally`): then only the system message, a stand-in line
         and the new one are rendered, and a stream's hundredth line costs what its second
-        did. (The line before the new one is checked; the session keeps the rest so.) The
-        system message and stand-in's text is kept by `owner` (the session's API key) and
-        the system message: one key's prompt is never found faster for another."""
+        did; where the template frames a line's content as it is (`frames_lines`), the line
+        is that framing around it and nothing is rendered. (The line before the new one is
+        checked; the session keeps the rest so.) The system message and stand-in are kept
+        by `owner` (the session's API key) and the system message: one key's prompt is
+        never found faster for another."""
         if not (self.appends_locally and not tools and len(messages) >= 3
                 and _line(messages[-1]) and _line(messages[-2])):
             return self.render(messages, tools)
         head = messages[:1] if messages[0]["role"] == "system" else ()
         key = (owner, head[0]["content"] if head else None)
-        was = self._bases.get(key)
-        if was is None:
+        base = self._bases.get(key)
+        if base is None:
             if len(self._bases) >= MAX_BASES:
                 self._bases.clear()
-            was = self._bases[key] = self.render([*head, STAND_IN])
+            base = self._bases[key] = self._base(head)
+        was, framing = base
+        if framing is not None and self.frames_lines:
+            return before + self.frame(framing, messages[-1]["content"])
         added = self._added(was, head, messages[-1])
         return self.render(messages, tools) if added is None else before + added
+
+    def _base(self, head: Sequence[dict]) -> tuple[str, Split | None]:
+        """The text of `head` (a system message, or none) and a stand-in line, and a line's
+        framing after them (None: the template does not render one as an extension)."""
+        was = self.render([*head, STAND_IN])
+        try:
+            return was, self.split([*head, STAND_IN], None, "user", was, False)
+        except InvalidInput:
+            return was, None
 
     def _added(self, was: str, head: Sequence[dict], line: dict) -> str | None:
         """The text `line` adds after `head` (a system message, or none) and a stand-in line,
@@ -227,6 +247,23 @@ class ChatFormat:
                     if added is None or self.render(msgs[:-1]) + added != self.render(msgs):
                         return False
                 except InvalidInput:
+                    return False
+        return True
+
+    def _frames_lines(self) -> bool:
+        """Whether a data line's text is its content framed as it is (`frame`, the way a
+        question's entry is made), after a system message or not: on lines padded, broken,
+        quoting, holding template syntax, other scripts and markup."""
+        for head in ([], [{"role": "system", "content": "You watch a price feed."}]):
+            was, framing = self._base(head)
+            if framing is None:
+                return False
+            for content in LINE_PROBES:
+                try:
+                    added = self._added(was, head, {"role": "user", "content": content})
+                except InvalidInput:
+                    return False
+                if added != self.frame(framing, content):
                     return False
         return True
 
