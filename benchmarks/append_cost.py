@@ -7,9 +7,10 @@ dashboard's; from each of --at line counts, the next --samples lines are timed (
 grown to that count for each), each line's CPU (`time.thread_time_ns`), the two kinds in
 separate passes:
 
-  append        `Session.append`: the line rendered on its own after a stand-in line
-                (`ChatFormat.render_appended`, where the template renders lines so), its
-                text tokenized, the new version committed
+  append        `Session.append`: the line's text (`ChatFormat.render_appended`: its
+                content framed as the template frames a line, where a probe finds it does;
+                else rendered on its own after a stand-in line, where the template renders
+                lines so), tokenized, the new version committed
   render_whole  the render it replaces: the template's rendering of the whole conversation
                 (`ChatFormat.render`), timed on the same conversations
 
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     fmt = ChatFormat(load_tokenizer(resolve_model(args.model)))
     summary = {"benchmark": "append_cost", "model": args.model,
-               "appends_locally": fmt.appends_locally, "machine": machine(),
+               "appends_locally": fmt.appends_locally, "frames_lines": fmt.frames_lines,
+               "machine": machine(),
                "by_lines": by_length(fmt, [int(x) for x in args.at.split(",")], args.samples),
                "shift": shifts(fmt, args.context, args.shifts)}
     write(args.out or "append_cost", summary)
