@@ -166,7 +166,7 @@ class RawHttp:
         try:
             self.sock.sendall(raw)
             self._recv()
-        except (ConnectionError, OSError):
+        except ConnectionError:  # closed or reset; a timeout is not retried
             self.sock.close()
             self._connect()
             self.reconnects += 1

@@ -214,19 +214,24 @@ class ChatFormat:
                 self._bases.clear()
             base = self._bases[key] = self._base(head)
         was, framing = base
-        if framing is not None and self.frames_lines:
+        if framing is not None:
             return before + self.frame(framing, messages[-1]["content"])
         added = self._added(was, head, messages[-1])
         return self.render(messages, tools) if added is None else before + added
 
     def _base(self, head: Sequence[dict]) -> tuple[str, Split | None]:
-        """The text of `head` (a system message, or none) and a stand-in line, and a line's
-        framing after them (None: the template does not render one as an extension)."""
+        """The text of `head` (a system message, or none) and a stand-in line, and where
+        the template frames lines (`frames_lines`), a line's framing after them."""
         was = self.render([*head, STAND_IN])
+        return was, self._framing(head, was) if self.frames_lines else None
+
+    def _framing(self, head: Sequence[dict], was: str) -> Split | None:
+        """A line's framing after `head` and a stand-in line, whose text is `was` (None:
+        the template does not render one as an extension of them)."""
         try:
-            return was, self.split([*head, STAND_IN], None, "user", was, False)
+            return self.split([*head, STAND_IN], None, "user", was, False)
         except InvalidInput:
-            return was, None
+            return None
 
     def _added(self, was: str, head: Sequence[dict], line: dict) -> str | None:
         """The text `line` adds after `head` (a system message, or none) and a stand-in line,
@@ -255,7 +260,8 @@ class ChatFormat:
         question's entry is made), after a system message or not: on lines padded, broken,
         quoting, holding template syntax, other scripts and markup."""
         for head in ([], [{"role": "system", "content": "You watch a price feed."}]):
-            was, framing = self._base(head)
+            was = self.render([*head, STAND_IN])
+            framing = self._framing(head, was)
             if framing is None:
                 return False
             for content in LINE_PROBES:
