@@ -6,7 +6,8 @@ asking for a long answer, a different one each stream), read line by line as a s
 client reads it; a gap is the time between two chunks that carry content. Four cases:
 
   single    one stream at a time (--runs streams)
-  four      four streams at once (--runs / 2 groups of four); also aggregate tokens/s
+  four      four streams at once (--runs / 2 groups of four, each group's four requests
+            sent together); also aggregate tokens/s
   busy      one stream at a time while --busy-sessions other sessions are fed a data line
             every 100 ms in turn (`wait: false`: each append's KV is built at idle, with the
             pre-position of its standing query and the pre-decode of its answer) and
@@ -16,6 +17,14 @@ client reads it; a gap is the time between two chunks that carry content. Four c
             `load_reconnects`), and its own CPU reported (`load_cpu_pct`, of one core)
   remote    one stream at a time through `prepos serve --backend llama-server` against the
             same llama-server directly, alternated stream by stream (both alive: prepos relays)
+
+Both servers run one KV cache layout (--kv-layout): `unified`, each one's default (one
+pool of cells for every sequence: prepos's default, llama-server's `--kv-unified`, its
+default when it picks its slots itself), or `streams` (a fixed stream per sequence: prepos's
+`--kv-layout streams`, 16 streams of 1,024 cells; llama-server's `--no-kv-unified`, a
+slot's 4,096). The layout changes the engine's step (on the unified pool, four sequences
+decoding together each attend over the cells of all four), so comparing across layouts
+would measure the layout, not the serving path.
 
 Cases single, four and busy run with one server running at a time: prepos and llama-server
 (`-np 4 --jinja`) are both started, and while one streams the other is paused (SIGSTOP:
@@ -38,7 +47,7 @@ With --stages, prepos's own per-token stage times from its /metrics (histogram
 the hand-off to the event loop, the chunk's encoding and its write to the socket.
 
     python benchmarks/token_cadence.py [--model smollm2] [--runs 8] [--rounds 2]
-                                       [--max-tokens 128]
+                                       [--max-tokens 128] [--kv-layout unified|streams]
 The last line printed is the JSON summary (also results/token_cadence.json).
 """
 
@@ -73,6 +82,10 @@ TOPICS = ["the history of the printing press", "how a steam engine works",
           "how vaccines train the immune system", "the architecture of cathedrals",
           "how tides are formed", "the invention of the telescope"]
 STAGES = ("engine", "handoff", "respond", "write")
+# both servers on one KV cache layout (--kv-layout): prepos's options, llama-server's
+LAYOUTS = {"unified": ((), ("--kv-unified",)),
+           "streams": (("--kv-layout", "streams", "--kv-sequences", "16", "--kv-cells", "16384"),
+                       ("--no-kv-unified",))}
 
 
 def prompt(i: int) -> list[dict]:
@@ -81,25 +94,33 @@ def prompt(i: int) -> list[dict]:
                                         f"{TOPICS[i % len(TOPICS)]}. Use several paragraphs."}]
 
 
-def one_stream(url: str, i: int, max_tokens: int, key: str | None) -> dict:
-    """One streamed chat completion: the client-side times of its content chunks."""
+def one_stream(url: str, i: int, max_tokens: int, key: str | None,
+               start: threading.Barrier | None = None) -> dict:
+    """One streamed chat completion: the client-side times of its content chunks. With
+    `start`, its request is sent once every party is ready to send its own."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     body = {"model": model, "messages": prompt(i), "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     times: list[float] = []
-    with httpx.Client(timeout=300) as http, \
-            http.stream("POST", url + "/v1/chat/completions", json=body,
-                        headers=headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
+    with httpx.Client(timeout=300) as http:
+        if start is not None:
+            start.wait()
+        with http.stream("POST", url + "/v1/chat/completions", json=body,
+                         headers=headers) as r:
+            _read(r, url, times)
     return {"times": times, "gaps": [b - a for a, b in zip(times, times[1:])]}
+
+
+def _read(r: httpx.Response, url: str, times: list[float]) -> None:
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+            times.append(time.perf_counter())
 
 
 def summary(streams: list[dict], wall_s: float | None = None) -> dict:
@@ -120,19 +141,22 @@ def summary(streams: list[dict], wall_s: float | None = None) -> dict:
 
 
 def four_at_once(url: str, args, key: str | None) -> tuple[list[dict], float]:
-    """Four streams started together: their gaps, and the wall time until the last ends."""
+    """Four streams sent together (each request once all four are ready to send, so that
+    how they overlap is the same each group): their gaps, and the wall time until the last
+    ends from then."""
     got: list[dict] = [{}] * 4
+    sent: list[float] = []
+    start = threading.Barrier(4, action=lambda: sent.append(time.perf_counter()))
 
     def go(j: int) -> None:
-        got[j] = one_stream(url, j, args.max_tokens, key)
+        got[j] = one_stream(url, j, args.max_tokens, key, start)
 
     threads = [threading.Thread(target=go, args=(j,)) for j in range(4)]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return got, time.perf_counter() - t0
+    return got, time.perf_counter() - sent[0]
 
 
 class RawHttp:
@@ -486,7 +510,8 @@ def one_round(arms: tuple[Arm, Arm], args, cases: set[str], runs: int) -> None:
 
 def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
     llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096, threads=args.threads,
-                        extra=("--jinja",), log=log / "llama-remote.log").start(wait=300)
+                        extra=("--jinja", *LAYOUTS[args.kv_layout][1]),
+                        log=log / "llama-remote.log").start(wait=300)
     proc = None
     try:
         proc, url = start_prepos(served, log / "prepos-remote.log", args.threads,
@@ -528,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="single,four,busy,remote",
                     help="which cases, comma-separated")
     ap.add_argument("--stages", action="store_true", help="prepos's per-token stage times")
-    ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--kv-layout", choices=sorted(LAYOUTS), default="unified",
+                    help="both servers' KV cache layout (see the docstring)")
+    ap.add_argument("--server-arg", action="append", default=[], help="one more for prepos")
     ap.add_argument("--out", type=Path, default=RESULTS / "token_cadence.json")
     args = ap.parse_args(argv)
     binary = find_binary()
@@ -539,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.mkdtemp(prefix="token-cadence-"))
     out: dict = {"benchmark": "token_cadence", "model": label, "machine": machine(),
                  "threads": args.threads, "runs": args.runs, "max_tokens": args.max_tokens,
-                 "server_args": args.server_arg}
+                 "kv_layout": args.kv_layout, "server_args": args.server_arg}
     cases = set(args.cases.split(","))
     local = cases & {"single", "four", "busy"}
     if local:
@@ -549,10 +576,11 @@ def main(argv: list[str] | None = None) -> int:
             proc = llama = None
             try:
                 proc, url = start_prepos(served, log / "prepos.log", args.threads,
-                                         args.server_arg)
+                                         [*LAYOUTS[args.kv_layout][0], *args.server_arg])
                 ours.serve(url, proc.pid)
                 llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096,
-                                    threads=args.threads, extra=("--jinja", "--metrics"),
+                                    threads=args.threads,
+                                    extra=("--jinja", "--metrics", *LAYOUTS[args.kv_layout][1]),
                                     log=log / "llama.log").start(wait=300)
                 theirs.serve(llama.url, llama.proc.pid)
                 one_round((ours, theirs), args, local, runs)
