@@ -16,7 +16,8 @@ client reads it; a gap is the time between two chunks that carry content. Four c
             connections (one a server closed while it was paused is opened again:
             `load_reconnects`), and its own CPU reported (`load_cpu_pct`, of one core)
   remote    one stream at a time through `prepos serve --backend llama-server` against the
-            same llama-server directly, alternated stream by stream (both alive: prepos relays)
+            same llama-server directly, alternated stream by stream in ABBA order (both
+            alive: prepos relays)
 
 Both servers run one KV cache layout (--kv-layout): `unified`, each one's default (one
 pool of cells for every sequence: prepos's default, llama-server's `--kv-unified`, its
@@ -36,7 +37,8 @@ the --rounds rounds is a fresh pair of servers running every case with its share
 streams; a case's figures pool its rounds' gaps. Reported per case and arm: gap P50, P90,
 P99, max and mean in ms, with the number of gaps, streams and tokens, and the ratios prepos
 over llama-server (`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio`
-at four streams).
+at four streams), and turn by turn (`turn_mean_gap_ratio`: the median and quartiles over the
+turns of prepos's mean gap over llama-server's in the same turn).
 Per case and arm, where the machine's CPU went while its streams ran, in % of one core:
 the server's (`server_cpu_pct`), everything outside the server and this benchmark
 (`outside_cpu_pct`: other processes, the kernel's threads) and the hypervisor's steal
@@ -521,14 +523,30 @@ def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
         through, direct = [], []
         cpu = CpuShare()  # both servers alive: their CPU together, one window for both arms
         with cpu.window(proc.pid, llama.proc.pid):
-            for i in range(args.runs):
-                through.append(one_stream(url, i, args.max_tokens, KEY))
-                direct.append(one_stream(llama.url, i, args.max_tokens, None))
-        return {"prepos": summary(through), "llama_server": summary(direct), **cpu.summary()}
+            sides = [(url, KEY, through), (llama.url, None, direct)]
+            for i in range(args.runs):  # ABBA, as the other cases
+                for u, key, got in sides if i % 2 == 0 else sides[::-1]:
+                    got.append(one_stream(u, i, args.max_tokens, key))
+        return {"prepos": summary(through), "llama_server": summary(direct),
+                **turn_ratios(through, direct, 1), **cpu.summary()}
     finally:
         if proc is not None:
             stop(proc)
         llama.stop()
+
+
+def turn_ratios(ours: list[dict], theirs: list[dict], per: int) -> dict:
+    """Turn by turn (`per` streams a turn, the two arms' turns side by side in time): prepos's
+    mean gap over llama-server's in the same turn; their median and quartiles. The pooled
+    ratios weigh a slow stretch of the machine by its gaps; these show whether prepos's
+    excess is in most turns or in a few."""
+    def means(streams: list[dict]) -> list[float]:
+        return [statistics.fmean(g for s in streams[i:i + per] for g in s["gaps"])
+                for i in range(0, len(streams), per)]
+    r = sorted(a / b for a, b in zip(means(ours), means(theirs)))
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else r * 3
+    return {"turn_mean_gap_ratio": {"p25": round(q[0], 3), "p50": round(statistics.median(r), 3),
+                                    "p75": round(q[2], 3), "turns": len(r)}}
 
 
 def ratios(p: dict, ls: dict) -> dict:
@@ -596,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         out["rounds"] = args.rounds
         for case in sorted(local):
             out[case] = {"prepos": mine[case], "llama_server": peer[case],
-                         **ratios(mine[case], peer[case])}
+                         **ratios(mine[case], peer[case]),
+                         **turn_ratios(ours.streams[case], theirs.streams[case],
+                                       4 if case == "four" else 1)}
         if "stages" in mine:
             out["stages_us"] = mine["stages"]
     if "remote" in cases:
