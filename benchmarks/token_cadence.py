@@ -148,7 +148,7 @@ def four_at_once(url: str, args, key: str | None) -> tuple[list[dict], float]:
     ends from then."""
     got: list[dict] = [{}] * 4
     sent: list[float] = []
-    start = threading.Barrier(4, action=lambda: sent.append(time.perf_counter()))
+    start = threading.Barrier(4, action=lambda: sent.append(time.perf_counter()), timeout=120)
 
     def go(j: int) -> None:
         got[j] = one_stream(url, j, args.max_tokens, key, start)
