@@ -85,9 +85,10 @@ TOPICS = ["the history of the printing press", "how a steam engine works",
           "how tides are formed", "the invention of the telescope"]
 STAGES = ("engine", "handoff", "respond", "write")
 # both servers on one KV cache layout (--kv-layout): prepos's options, llama-server's
-LAYOUTS = {"unified": ((), ("--kv-unified",)),
-           "streams": (("--kv-layout", "streams", "--kv-sequences", "16", "--kv-cells", "16384"),
-                       ("--no-kv-unified",))}
+LAYOUTS = {"unified": {"prepos": (), "llama_server": ("--kv-unified",)},
+           "streams": {"prepos": ("--kv-layout", "streams", "--kv-sequences", "16",
+                                  "--kv-cells", "16384"),
+                       "llama_server": ("--no-kv-unified",)}}
 
 
 def prompt(i: int) -> list[dict]:
@@ -148,16 +149,25 @@ def four_at_once(url: str, args, key: str | None) -> tuple[list[dict], float]:
     ends from then."""
     got: list[dict] = [{}] * 4
     sent: list[float] = []
+    failed: list[BaseException] = []
     start = threading.Barrier(4, action=lambda: sent.append(time.perf_counter()), timeout=120)
 
     def go(j: int) -> None:
-        got[j] = one_stream(url, j, args.max_tokens, key, start)
+        try:
+            got[j] = one_stream(url, j, args.max_tokens, key, start)
+        except BaseException as exc:  # the others then leave the barrier (broken) too
+            failed.append(exc)
+            start.abort()
 
     threads = [threading.Thread(target=go, args=(j,)) for j in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    first = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)),
+                 failed[0] if failed else None)
+    if first is not None:
+        raise RuntimeError(f"a stream of four at once failed: {first!r}") from first
     return got, time.perf_counter() - sent[0]
 
 
@@ -512,7 +522,7 @@ def one_round(arms: tuple[Arm, Arm], args, cases: set[str], runs: int) -> None:
 
 def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
     llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096, threads=args.threads,
-                        extra=("--jinja", *LAYOUTS[args.kv_layout][1]),
+                        extra=("--jinja", *LAYOUTS[args.kv_layout]["llama_server"]),
                         log=log / "llama-remote.log").start(wait=300)
     proc = None
     try:
@@ -587,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                  "kv_layout": args.kv_layout, "server_args": args.server_arg}
     cases = set(args.cases.split(","))
     local = cases & {"single", "four", "busy"}
+    layout = LAYOUTS[args.kv_layout]
     if local:
         ours, theirs = Arm("prepos", KEY), Arm("llama_server", None)
         runs = max(1, args.runs // max(1, args.rounds))
@@ -594,11 +605,11 @@ def main(argv: list[str] | None = None) -> int:
             proc = llama = None
             try:
                 proc, url = start_prepos(served, log / "prepos.log", args.threads,
-                                         [*LAYOUTS[args.kv_layout][0], *args.server_arg])
+                                         [*layout["prepos"], *args.server_arg])
                 ours.serve(url, proc.pid)
                 llama = LlamaServer(binary, gguf, slots=4, ctx_per_slot=4096,
                                     threads=args.threads,
-                                    extra=("--jinja", "--metrics", *LAYOUTS[args.kv_layout][1]),
+                                    extra=("--jinja", "--metrics", *layout["llama_server"]),
                                     log=log / "llama.log").start(wait=300)
                 theirs.serve(llama.url, llama.proc.pid)
                 one_round((ours, theirs), args, local, runs)
