@@ -59,6 +59,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -126,12 +127,18 @@ def _read(r: httpx.Response, url: str, times: list[float]) -> None:
             times.append(time.perf_counter())
 
 
+def percentile(ordered: list[float], p: float) -> float:
+    """The nearest-rank percentile of sorted values (nan for none)."""
+    n = len(ordered)
+    return ordered[min(n - 1, round(p / 100 * (n - 1)))] if n else float("nan")
+
+
 def summary(streams: list[dict], wall_s: float | None = None) -> dict:
     gaps = sorted(g * 1e3 for s in streams for g in s["gaps"])
     n = len(gaps)
 
     def pct(p: float) -> float:
-        return round(gaps[min(n - 1, round(p / 100 * (n - 1)))], 3) if n else float("nan")
+        return round(percentile(gaps, p), 3)
 
     tokens = sum(len(s["times"]) for s in streams)
     out = {"streams": len(streams), "tokens": tokens, "gaps": n, "gap_p50_ms": pct(50),
@@ -538,7 +545,8 @@ def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
                 for u, key, got in sides if i % 2 == 0 else sides[::-1]:
                     got.append(one_stream(u, i, args.max_tokens, key))
         return {"prepos": summary(through), "llama_server": summary(direct),
-                **turn_ratios(through, direct, 1), **cpu.summary()}
+                **turn_ratios(through, direct, 1), **intervals(through, direct, 1),
+                **cpu.summary()}
     finally:
         if proc is not None:
             stop(proc)
@@ -557,6 +565,38 @@ def turn_ratios(ours: list[dict], theirs: list[dict], per: int) -> dict:
     q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else r * 3
     return {"turn_mean_gap_ratio": {"p25": round(q[0], 3), "p50": round(statistics.median(r), 3),
                                     "p75": round(q[2], 3), "turns": len(r)}}
+
+
+def intervals(ours: list[dict], theirs: list[dict], per: int, draws: int = 1000) -> dict:
+    """95% bootstrap intervals of the pooled gap ratios: the run's turns drawn again with
+    replacement (a turn's streams on both arms kept together, as they ran side by side in
+    time), the ratios computed on each draw as on the run, their 2.5th and 97.5th
+    percentiles. How far the run's figures could have moved with its turns alone: a bound
+    inside a figure's interval is one this run cannot tell it meets. Seeded: the same
+    streams give the same intervals."""
+    def turns(streams: list[dict]) -> list[list[float]]:
+        return [[g for s in streams[i:i + per] for g in s["gaps"]]
+                for i in range(0, len(streams), per)]
+
+    a, b = turns(ours), turns(theirs)
+    n = min(len(a), len(b))
+    if n < 2:
+        return {}
+    rng = random.Random(0)
+    drawn: dict[str, list[float]] = {"gap_p50_ratio": [], "gap_p99_ratio": [],
+                                     "mean_gap_ratio": []}
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        x = sorted(g for i in pick for g in a[i])
+        y = sorted(g for i in pick for g in b[i])
+        drawn["gap_p50_ratio"].append(percentile(x, 50) / percentile(y, 50))
+        drawn["gap_p99_ratio"].append(percentile(x, 99) / percentile(y, 99))
+        drawn["mean_gap_ratio"].append(statistics.fmean(x) / statistics.fmean(y))
+    out = {}
+    for k, v in drawn.items():
+        v.sort()
+        out[k] = [round(percentile(v, 2.5), 3), round(percentile(v, 97.5), 3)]
+    return {"ratio_ci95": out}
 
 
 def ratios(p: dict, ls: dict) -> dict:
@@ -624,10 +664,11 @@ def main(argv: list[str] | None = None) -> int:
         mine, peer = ours.summaries(), theirs.summaries()
         out["rounds"] = args.rounds
         for case in sorted(local):
+            per = 4 if case == "four" else 1
             out[case] = {"prepos": mine[case], "llama_server": peer[case],
                          **ratios(mine[case], peer[case]),
-                         **turn_ratios(ours.streams[case], theirs.streams[case],
-                                       4 if case == "four" else 1)}
+                         **turn_ratios(ours.streams[case], theirs.streams[case], per),
+                         **intervals(ours.streams[case], theirs.streams[case], per)}
         if "stages" in mine:
             out["stages_us"] = mine["stages"]
     if "remote" in cases:
