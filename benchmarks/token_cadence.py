@@ -38,7 +38,9 @@ streams; a case's figures pool its rounds' gaps. Reported per case and arm: gap 
 P99, max and mean in ms, with the number of gaps, streams and tokens, and the ratios prepos
 over llama-server (`gap_p50_ratio`, `gap_p99_ratio`, `mean_gap_ratio`; `tokens_per_s_ratio`
 at four streams), and turn by turn (`turn_mean_gap_ratio`: the median and quartiles over the
-turns of prepos's mean gap over llama-server's in the same turn).
+turns of prepos's mean gap over llama-server's in the same turn). Each pooled gap ratio has a
+95% bootstrap interval (`ratio_ci95`: the turns drawn again with replacement, a turn's streams
+on both arms together): how far the run's figure could have moved with its turns alone.
 Per case and arm, where the machine's CPU went while its streams ran, in % of one core:
 the server's (`server_cpu_pct`), everything outside the server and this benchmark
 (`outside_cpu_pct`: other processes, the kernel's threads) and the hypervisor's steal
