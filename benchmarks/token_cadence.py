@@ -555,15 +555,19 @@ def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
         llama.stop()
 
 
+def turn_gaps(streams: list[dict], per: int) -> list[list[float]]:
+    """An arm's gaps by turn (`per` streams a turn, in the order they ran)."""
+    return [[g for s in streams[i:i + per] for g in s["gaps"]]
+            for i in range(0, len(streams), per)]
+
+
 def turn_ratios(ours: list[dict], theirs: list[dict], per: int) -> dict:
     """Turn by turn (`per` streams a turn, the two arms' turns side by side in time): prepos's
     mean gap over llama-server's in the same turn; their median and quartiles. The pooled
     ratios weigh a slow stretch of the machine by its gaps; these show whether prepos's
     excess is in most turns or in a few."""
-    def means(streams: list[dict]) -> list[float]:
-        return [statistics.fmean(g for s in streams[i:i + per] for g in s["gaps"])
-                for i in range(0, len(streams), per)]
-    r = sorted(a / b for a, b in zip(means(ours), means(theirs)))
+    r = sorted(statistics.fmean(a) / statistics.fmean(b)
+               for a, b in zip(turn_gaps(ours, per), turn_gaps(theirs, per)))
     q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else r * 3
     return {"turn_mean_gap_ratio": {"p25": round(q[0], 3), "p50": round(statistics.median(r), 3),
                                     "p75": round(q[2], 3), "turns": len(r)}}
@@ -576,11 +580,7 @@ def intervals(ours: list[dict], theirs: list[dict], per: int, draws: int = 1000)
     percentiles. How far the run's figures could have moved with its turns alone: a bound
     inside a figure's interval is one this run cannot tell it meets. Seeded: the same
     streams give the same intervals."""
-    def turns(streams: list[dict]) -> list[list[float]]:
-        return [[g for s in streams[i:i + per] for g in s["gaps"]]
-                for i in range(0, len(streams), per)]
-
-    a, b = turns(ours), turns(theirs)
+    a, b = turn_gaps(ours, per), turn_gaps(theirs, per)
     n = min(len(a), len(b))
     if n < 2:
         return {}
