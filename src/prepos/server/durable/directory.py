@@ -103,11 +103,13 @@ async def hop(state, request: Request, owner: str | None, tools: list[dict],
 
     client = cluster.forwarder.client()
     headers = [(k, v) for k, v in request.headers.raw if k not in HOP and k != FORWARDED]
-    headers.append(cluster.forwarder.header(request.scope, ""))
+    body = await request.body()
+    headers.append(cluster.forwarder.header(request.scope, "", body))
     try:
         upstream = await client.send(client.build_request(
-            "POST", url.rstrip("/") + request.url.path, headers=headers,
-            content=await request.body()), stream=True)
+            "POST", url.rstrip("/") + request.url.path + (
+                f"?{request.url.query}" if request.url.query else ""), headers=headers,
+            content=body), stream=True)
     except httpx.TransportError as exc:  # dead or away: answered here, prefilled once
         log.info("conversation's node %s did not answer (%r): answered here", url, exc)
         return None

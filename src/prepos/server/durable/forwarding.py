@@ -1,9 +1,13 @@
 """A request forwarded to the node that owns its session (`Forwarder`): its body read up to the
 server's body limit (413 beyond), its headers but the hop-by-hop ones, `x-prepos-forwarded`
 signed with the cluster's secret (HMAC-SHA256; kept in the store's `meta` table, so every node
-has it and no client does), the owner's answer streamed back. A request that arrives with that
-header counts as forwarded only where it verifies; else the header is dropped, as if never
-sent."""
+has it and no client does), the owner's answer streamed back.
+
+The signature covers the forwarding node, a timestamp, a nonce, the method, path, query, the
+session and the SHA-256 of the body, so it is bound to its one request: a request that
+arrives with the header counts as forwarded only where it verifies (else the header is
+dropped, as if never sent), and a verifying one is refused (403 `forwarding_refused`) where
+its timestamp is more than `WINDOW_S` from this node's clock or its nonce was seen before."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import time
 
 from prepos.server.durable.lease import Claim
 from prepos.server.durable.store import Database
@@ -19,6 +24,7 @@ from prepos.server.http.errors import ApiError
 
 log = logging.getLogger("prepos.server.cluster")
 FORWARDED = b"x-prepos-forwarded"
+WINDOW_S = 60.0  # how far a forwarded request's timestamp may be from this node's clock
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
        b"proxy-connection", b"content-length"}
 
@@ -28,6 +34,7 @@ class Forwarder:
         self.secret, self.node, self.max_body = secret, node, max_body
         self.count = 0
         self._client = None
+        self._seen: dict[str, float] = {}  # nonces verified lately: their timestamps
 
     def client(self):
         """The HTTP client requests are forwarded to other nodes with."""
@@ -37,29 +44,50 @@ class Forwarder:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=2.0))
         return self._client
 
-    def header(self, scope, sid: str) -> tuple[bytes, bytes]:
+    def header(self, scope, sid: str, body: bytes) -> tuple[bytes, bytes]:
         """The signed `x-prepos-forwarded` of a request this node forwards (`sid` "": a
-        stateless one)."""
-        return FORWARDED, f"{self.node}:{self.sign(self.node, scope, sid)}".encode()
+        stateless one): `node:timestamp:nonce:mac`."""
+        ts, nonce = f"{time.time():.3f}", secrets.token_hex(12)
+        mac = self.sign(self.node, ts, nonce, scope, sid, body)
+        return FORWARDED, f"{self.node}:{ts}:{nonce}:{mac}".encode()
 
-    def sign(self, node: str, scope, sid: str) -> str:
-        msg = "\n".join((node, scope["method"], scope["path"], sid)).encode()
+    def sign(self, node: str, ts: str, nonce: str, scope, sid: str, body: bytes) -> str:
+        msg = "\n".join((node, ts, nonce, scope["method"], scope["path"],
+                         scope.get("query_string", b"").decode("latin-1"), sid,
+                         hashlib.sha256(body).hexdigest())).encode()
         return hmac.new(self.secret, msg, hashlib.sha256).hexdigest()
 
-    def verify(self, scope, sid: str | None) -> None:
+    async def verify(self, scope, sid: str | None, receive) -> None:
         """`prepos.forwarded`: whether another node of this cluster forwarded the request
-        (its header verifies); a header that does not is dropped."""
+        (its header verifies, over the body: read here, kept in `prepos.body` for the app);
+        a header that does not verify is dropped; one that verifies but is stale or seen
+        before is refused."""
         value = dict(scope["headers"]).get(FORWARDED)
         if value is None:
             return
-        node, _, mac = value.decode("latin-1").rpartition(":")
-        ok = bool(node) and hmac.compare_digest(mac.encode(),
-                                                self.sign(node, scope, sid or "").encode())
+        body = await read_body(scope, receive, self.max_body)
+        node, ts, nonce, mac = (value.decode("latin-1").rsplit(":", 3) + ["", "", ""])[:4] \
+            if value.count(b":") >= 3 else ("", "", "", "")
+        ok = bool(node) and hmac.compare_digest(
+            mac.encode(), self.sign(node, ts, nonce, scope, sid or "", body).encode())
         scope["prepos.forwarded"] = ok
         if not ok:
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != FORWARDED]
             log.warning("a request for session %s came with an %s header that does not "
                         "verify: dropped", sid, FORWARDED.decode())
+            return
+        now = time.time()
+        try:
+            stale = abs(now - float(ts)) > WINDOW_S
+        except ValueError:
+            stale = True
+        if stale or nonce in self._seen:
+            raise ApiError(403, "forwarding_refused", "a forwarded request's signature is "
+                           f"{'stale' if stale else 'used already'}: each is good for one "
+                           f"request within {WINDOW_S:g} s")
+        if len(self._seen) >= 4096:  # the ones past the window can no longer verify
+            self._seen = {n: t for n, t in self._seen.items() if now - t <= 2 * WINDOW_S}
+        self._seen[nonce] = now
 
     async def forward(self, claim: Claim, sid: str, scope, receive, send) -> bool:
         """The request, answered by the owner's node; False where that node refused the
@@ -82,7 +110,7 @@ class Forwarder:
             if not message.get("more_body", False):
                 body = scope["prepos.body"] = b"".join(chunks)
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP and k != FORWARDED]
-        headers.append(self.header(scope, public(sid)))  # as the owner reads the request
+        headers.append(self.header(scope, public(sid), body))  # as the owner reads it
         target = claim.url.rstrip("/") + scope["path"]
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
@@ -117,6 +145,40 @@ class Forwarder:
         finally:
             await upstream.aclose()
         return True
+
+
+async def read_body(scope, receive, most: int) -> bytes:
+    """The request's body, whole (413 over `most` bytes), kept in `prepos.body`."""
+    if "prepos.body" in scope:
+        return scope["prepos.body"]
+    chunks, n = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        n += len(chunks[-1])
+        if n > most:
+            raise ApiError(413, "body_too_large", f"the body is over this server's limit of "
+                           f"{most} bytes")
+        if not message.get("more_body", False):
+            break
+    body = scope["prepos.body"] = b"".join(chunks)
+    return body
+
+
+def replaying(raw: bytes, receive):
+    """`receive` with the body, already read, given again first."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def redoable(scope) -> bool:

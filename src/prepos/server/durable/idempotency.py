@@ -1,5 +1,5 @@
-"""Idempotency keys: a mutation of the session API (and a chat completion on a named
-session) sent with `Idempotency-Key` is safe to retry.
+"""Idempotency keys: every route that may change something (every method but GET, HEAD and
+OPTIONS) takes `Idempotency-Key` and is then safe to retry.
 
 The first attempt's result (status, headers, body: a streamed answer's events, all of them)
 is recorded per API key and key, with a digest of the request (method, path and query,
@@ -8,21 +8,26 @@ result with `Idempotent-Replayed: true` and commits nothing, on any node (the re
 the session store); the same key on another request is 422 `idempotency_key_reused`. A retry
 that arrives while the first attempt still runs on this node waits for it, then replays it.
 
-The key rides the commit: a request's `Attempt` is a context variable that the server
-carries to the threads that commit (`ServerState.run`, and the engine for a turn's answer),
-and the journal's transaction of the request's first commit of its session inserts the
-record's row (`claim`), so the commit and its key are in the store together or not at all.
-An attempt whose claim finds the row taken (a second attempt that got past the check, on
-another node or after a takeover) fails its commit, which changes nothing, and is answered
-what is recorded. The result is written into the row when the request ends (`finish`); a row
-claimed and not finished (its request runs on another node, or was interrupted: its node
-stopped, its client left) is 409 `idempotency_key_pending`, naming the version committed.
+The key rides the request's first durable write, in that write's transaction, so the write
+and its key are in the store together or not at all: a session's commit (the journal's
+transaction inserts the record's row, `claim`; the request's `Attempt` is a context variable
+that the server carries to the threads that commit, `ServerState.run`, and the engine for a
+turn's answer), or a write of the Conversations API's store or the stored responses' (the
+attempt passed to it, `claim_in`, where the records live in the same store). An attempt
+whose claim finds the row taken (a second attempt that got past the check, on another node
+or after a takeover) fails its write, which changes nothing, and is answered what is
+recorded. The result is written into the row when the request ends (`finish`); a row claimed
+and not finished (its request runs on another node, or its node stopped) is 409
+`idempotency_key_pending`, naming what was written. A request whose client left after its
+write is finished as 409 `idempotency_key_interrupted`, naming what was written, as soon as
+its answer stops: a retry learns at once what happened, never a day of `pending`.
 
-What is recorded: every result of a request that committed; else 2xx and 4xx, but for what a
+What is recorded: every result of a request that wrote; else 2xx and 4xx, but for what a
 retry may change (408, 429, 409 `session_busy` and `session_moved`); never a 5xx: a retry of a
-failure that committed nothing runs again. Records are kept `ttl` seconds, at most `keep` per
-API key (the oldest dropped first). Without a journal, they are an in-memory SQLite table,
-lost with the sessions on a restart.
+failure that committed nothing runs again. Records are kept `ttl` seconds, at most `keep` and
+`max_bytes` of them per API key (the oldest dropped first); a result larger than `max_bytes`
+alone is recorded as 409 `idempotency_result_too_large`, naming what was written. Without a
+journal, they are an in-memory SQLite table, lost with the sessions on a restart.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import wraps
@@ -48,6 +54,7 @@ log = logging.getLogger("prepos.server.idempotency")
 HEADER = "Idempotency-Key"
 TTL_S = 86400.0  # how long a result is kept
 KEEP = 10000  # results kept per API key
+MAX_BYTES = 64 << 20  # bytes of results kept per API key
 TRANSIENT = frozenset({"session_busy", "session_moved", "idempotency_key_pending"})
 UNKEPT = (b"content-length", b"transfer-encoding")  # headers a replay makes anew
 PARAMETER = {"name": HEADER, "in": "header", "required": False,  # in /openapi.json
@@ -77,7 +84,8 @@ class Attempt:
     records: Records
     done: asyncio.Future
     claimed: bool = False
-    interrupted: bool = False  # its client left before its answer: nothing to record
+    wrote: dict | None = None  # what its claiming write wrote (`claim`'s `where`)
+    interrupted: bool = False  # its client left before its answer
 
 
 CURRENT: ContextVar[Attempt | None] = ContextVar("prepos_idempotency", default=None)
@@ -91,6 +99,11 @@ def riding(event: str, sid: str) -> Attempt | None:
                                   else event != "create"):
         return None
     return a
+
+
+def current() -> Attempt | None:
+    """The running request's attempt, to hand to a store write that claims its key."""
+    return CURRENT.get()
 
 
 def interrupted() -> None:
@@ -113,8 +126,9 @@ class Records:
     in-memory SQLite), and the attempts running on this node."""
 
     def __init__(self, db: Database, ttl: float = TTL_S, keep: int = KEEP,
-                 clock: Callable[[], float] = time.time):
+                 max_bytes: int = MAX_BYTES, clock: Callable[[], float] = time.time):
         self.db, self.ttl, self.keep, self.clock = db, ttl, keep, clock
+        self.max_bytes = max_bytes
         self._running: dict[tuple[str, str], Attempt] = {}
         self._swept = -float("inf")
         self.waited = 0  # retries that waited for their first attempt here
@@ -130,33 +144,46 @@ class Records:
             raise self.db.unavailable() from None
         return None if row is None else Recorded(*row)
 
-    def claim(self, db: Database, a: Attempt, sid: str, version: int | None) -> None:
-        """In the transaction of the attempt's first commit (the journal's, on the store's
-        writer thread): its row, or KeyClaimed where another attempt's is there."""
+    def claim(self, db: Database, a: Attempt, where: dict) -> None:
+        """In the transaction of the attempt's first write (on `db`, a connection to the
+        records' store): its row, saying `where` it wrote, or KeyClaimed where another
+        attempt's is there. The caller sets `a.claimed` once its transaction commits."""
         now = self.clock()
         db.q("DELETE FROM idempotency WHERE owner=? AND key=? AND created<?",
              (a.owner, a.key, now - self.ttl))
-        cur = db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, NULL, NULL, ?) ON CONFLICT "
-                   "(owner, key) DO NOTHING", (a.owner, a.key, a.digest, now,
-                                               json.dumps({"session_id": public(sid),
-                                                           "version": version})))
+        text = json.dumps(where)
+        cur = db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, NULL, NULL, ?, ?) ON CONFLICT "
+                   "(owner, key) DO NOTHING", (a.owner, a.key, a.digest, now, text, len(text)))
         if cur.rowcount != 1:
             raise KeyClaimed(f"another request with this {HEADER} committed first")
+        a.wrote = where
+
+    def shares(self, db: Database) -> bool:
+        """Whether `db` is a connection to the records' own store (not one in memory)."""
+        return db.target is not None and db.target == self.db.target
 
     def finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:
-        """The attempt's result in its row (inserted where no commit claimed one), then the
+        """The attempt's result in its row (inserted where no write claimed one), then the
         bounds kept."""
         now, hdrs, text = self.clock(), json.dumps(headers), body.decode()
+        if len(hdrs) + len(text) > self.max_bytes:  # alone over the key's bound
+            if not a.claimed:
+                return  # it wrote nothing: a retry runs again
+            status, hdrs, text = _said(a, 409, "idempotency_result_too_large", f"its result, "
+                                       f"{len(text)} bytes, is over the {self.max_bytes} "
+                                       "bytes of results kept per API key: read what it "
+                                       "wrote instead")
+        n = len(hdrs) + len(text)
         with self.db.tx():
             if a.claimed:
-                self.db.q("UPDATE idempotency SET status=?, headers=?, body=? WHERE owner=? "
-                          "AND key=?", (status, hdrs, text, a.owner, a.key))
+                self.db.q("UPDATE idempotency SET status=?, headers=?, body=?, bytes=? WHERE "
+                          "owner=? AND key=?", (status, hdrs, text, n, a.owner, a.key))
             else:
                 self.db.q("DELETE FROM idempotency WHERE owner=? AND key=? AND created<?",
                           (a.owner, a.key, now - self.ttl))
-                self.db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                self.db.q("INSERT INTO idempotency VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
                           "(owner, key) DO NOTHING",
-                          (a.owner, a.key, a.digest, now, status, hdrs, text))
+                          (a.owner, a.key, a.digest, now, status, hdrs, text, n))
             if now - self._swept >= min(self.ttl / 10, 60.0):
                 self._swept = now
                 self.db.q("DELETE FROM idempotency WHERE created<?", (now - self.ttl,))
@@ -165,6 +192,17 @@ class Records:
             if row is not None:
                 self.db.q("DELETE FROM idempotency WHERE owner=? AND created<=?",
                           (a.owner, row[0]))
+            # the newest first, as many as fit in the key's bytes (this one among them)
+            self.db.q("DELETE FROM idempotency WHERE owner=? AND key IN (SELECT key FROM "
+                      "(SELECT key, SUM(bytes) OVER (ORDER BY created DESC, key) AS total "
+                      "FROM idempotency WHERE owner=?) newest WHERE total>?)",
+                      (a.owner, a.owner, self.max_bytes))
+
+    def used(self, owner: str) -> tuple[int, int]:
+        """The results kept for `owner`, and their bytes."""
+        n, size = self.db.q("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM idempotency WHERE "
+                            "owner=?", (owner,)).fetchone()
+        return int(n), int(size)
 
     # -- a request (on the event loop) -----------------------------------------------------
     async def serve(self, state, owner: str, key: str, digest: str, sid: str | None,
@@ -216,7 +254,9 @@ class Records:
                 response.on_disconnect = gone
                 handed = True
                 return response
-            if not a.interrupted and (a.claimed or kept(response.status_code, None)):
+            if a.interrupted:
+                await self._interrupted(a)
+            elif a.claimed or kept(response.status_code, None):
                 await self._finish(a, response.status_code, _headers(response),
                                    bytes(response.body))
             return response
@@ -228,6 +268,7 @@ class Records:
         """The stream's chunks as they go; recorded whole at its end, unless its client left
         (its answer cancelled)."""
         parts: list[bytes] = []
+        token = CURRENT.set(a)  # a write made as the stream ends (a stored response) claims
         try:
             async for chunk in chunks:
                 parts.append(chunk)
@@ -236,7 +277,21 @@ class Records:
                 await self._finish(a, response.status_code, _headers(response),
                                    b"".join(parts))
         finally:
+            with suppress(ValueError):  # closed from another context: nothing to undo there
+                CURRENT.reset(token)
+            if a.interrupted:  # its answer stopped with its client: say what it wrote
+                await asyncio.shield(self._interrupted(a))
             self._end(a)
+
+    async def _interrupted(self, a: Attempt) -> None:
+        """The record of an attempt whose client left: nothing where it wrote nothing (a
+        retry runs again), else 409 naming what it wrote."""
+        if a.claimed:
+            status, hdrs, body = _said(a, 409, "idempotency_key_interrupted", "its client "
+                                       "left before its answer, which was cancelled: read "
+                                       "what it wrote (an empty /turn answers a turn cut off "
+                                       "at its user message)")
+            await self._finish(a, status, json.loads(hdrs), body.encode())
 
     async def _finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:
         """`finish`, on the store's writer thread (after the commits it follows)."""
@@ -253,6 +308,18 @@ class Records:
             a.done.set_result(None)
 
 
+def _said(a: Attempt, status: int, code: str, why: str) -> tuple[int, str, str]:
+    """A recorded error result for attempt `a`, which wrote: status, headers and body."""
+    body = error_body(status, code, f"the request with this {HEADER} wrote "
+                      f"({_wrote(a.wrote or {})}), and {why}", HEADER)
+    return status, json.dumps([["content-type", "application/json"]]), json.dumps(body)
+
+
+def _wrote(where: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ').removesuffix(' id')} {v}" for k, v in where.items()
+                     if v is not None) or "a change"
+
+
 def kept(status: int, code: str | None) -> bool:
     """Whether the result of a request that committed nothing is recorded."""
     return status < 500 and status not in (408, 429) and code not in TRANSIENT
@@ -262,11 +329,10 @@ def replay(found: Recorded, digest: str) -> Response:
     if found.digest != digest:
         raise reused()
     if found.status is None:
-        first = json.loads(found.body)
         raise ApiError(409, "idempotency_key_pending", f"a request with this {HEADER} "
-                       f"committed (session {first['session_id']}, version {first['version']}) "
-                       "and its result is not recorded: it still runs on another node, or "
-                       "was interrupted before its answer; retry shortly, or read the session",
+                       f"wrote ({_wrote(json.loads(found.body))}) and its result is not "
+                       "recorded: it still runs on another node, or its node stopped before "
+                       "its answer; retry shortly, or read what it wrote",
                        HEADER, {"Retry-After": "1"})
     response = Response(found.body.encode(), found.status)
     response.raw_headers = [*(h for h in response.raw_headers if h[0] == b"content-length"),
@@ -303,8 +369,9 @@ def named_session(raw: bytes) -> str | None:
 
 
 def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None):
-    """A route made safe to retry with `Idempotency-Key`. The session it mutates is the
-    path's `sid`, or `session(body)`'s (None there: the header is ignored)."""
+    """A route made safe to retry with `Idempotency-Key`. The session whose commit claims the
+    key is the path's `sid`, or `session(body)`'s (None: the one the request creates, if any;
+    a route that writes elsewhere hands `current()` to its store's write)."""
 
     def wrap(fn):
         @wraps(fn)
@@ -318,8 +385,6 @@ def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None)
             check(key)
             raw = await request.body()
             sid = session(raw) if session is not None else params.get("sid")
-            if session is not None and sid is None:
-                return await fn(request=request, **params)
             h = hashlib.sha256()
             for part in (request.method, request.url.path, request.url.query,
                          request.headers.get("x-session-id", "")):

@@ -33,6 +33,7 @@ from prepos.engine.session_spec import SessionSpec
 from prepos.errors import PreposError
 from prepos.server.durable.idempotency import KeyClaimed, riding
 from prepos.server.durable.store import TIMEOUT, Database
+from prepos.server.http.auth import public
 
 log = logging.getLogger("prepos.server.journal")
 Restored = tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]
@@ -232,7 +233,8 @@ class Journal:
                     self.fence(self._db, sid)
                 write()
                 if key is not None:
-                    key.records.claim(self._db, key, sid, version)
+                    key.records.claim(self._db, key, {"session_id": public(sid),
+                                                         "version": version})
             if key is not None:
                 key.claimed = True
         except BaseException as exc:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from prepos.server.durable.idempotency import Attempt
 from prepos.server.durable.store import Database
 
 SAME_OWNER = "owner IS NOT DISTINCT FROM ?"  # a key, or None (NULL) for an open server
@@ -69,14 +70,18 @@ class ResponseStore:
         self._swept = -float("inf")
         self.evicted = 0  # responses that went for a bound (kept, expired), not deleted
 
-    def put(self, row: Stored) -> bool:
+    def put(self, row: Stored, key: Attempt | None = None) -> bool:
         """Store a response, then the bounds kept; False where it is not stored (its own
-        conversation over `max_bytes`)."""
+        conversation over `max_bytes`). `key`, an Idempotency-Key's attempt that has not
+        written yet: claimed in the same transaction, where its records share this store."""
         messages, body = json.dumps(row.messages), json.dumps(row.body)
         size = len(messages) + len(body)  # ASCII (json.dumps escapes): characters are bytes
+        claims = key is not None and not key.claimed and key.records.shares(self._db)
         with self._lock, self._undone(), self._db.tx():
             if size + self._ancestry(row.parent) > self.max_bytes:
                 return False
+            if claims:
+                key.records.claim(self._db, key, {"response_id": row.id})
             now = self.clock()
             usage = self._count(row.owner)
             old = self._db.q(f"SELECT {self._size()}, {LIVE} FROM responses WHERE id=?",
@@ -94,6 +99,8 @@ class ResponseStore:
             usage[1] += 1
             self._expire(now)
             self._evict(row.owner, row.id)
+        if claims:
+            key.claimed = True
         return True
 
     def get(self, owner: str | None, rid: str) -> Stored | None:

@@ -99,6 +99,10 @@ CREATE TABLE IF NOT EXISTS openai_conversation_items (
 CREATE UNIQUE INDEX IF NOT EXISTS openai_conversation_items_seq
     ON openai_conversation_items (conversation, seq);
 """),
+    # the bytes of each idempotency record, bounded per API key (server/durable/idempotency.py)
+    (6, """
+ALTER TABLE idempotency ADD COLUMN bytes BIGINT NOT NULL DEFAULT 0;
+"""),
 ]
 NOW = {"sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
        "postgresql": "extract(epoch from clock_timestamp())::double precision"}

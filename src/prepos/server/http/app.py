@@ -23,6 +23,7 @@ from prepos.server.http import bodies as R
 from prepos.server.http import errors, openapi, results
 from prepos.server.http.auth import open_warning
 from prepos.server.http.console import routes as console_routes
+from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.fast import App, StraightLine
 from prepos.server.http.guard import guarded_protocol
 from prepos.server.http.limits import BodyLimit
@@ -57,6 +58,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
         app.straight = StraightLine(state, respond)
     # x-session-id both ways; with a shared store, who serves the session
     app.front = state.front = Front(respond, config.limits.max_body_bytes)
+    app.cross_site = CrossSite(config.host, config.allowed_hosts, config.allowed_origins)
 
     own = Routes()
 

@@ -57,7 +57,7 @@ def load_keys(keys: Iterable[str] = (), keys_file: str | None = None,
 def open_warning(host: str, keys: Iterable[str]) -> str | None:
     """The startup warning for a server with no keys that binds a non-loopback address
     (None where it has keys, or listens on loopback only)."""
-    if any(keys) or _loopback(host):
+    if any(keys) or loopback(host):
         return None
     return (f"no API keys and listening on {host}: every client that reaches it is the same "
             "owner, sharing all sessions (listed, read, written and closed by anyone), "
@@ -65,7 +65,7 @@ def open_warning(host: str, keys: Iterable[str]) -> str | None:
             "PREPOS_API_KEYS) to give each client its own")
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
     if host.strip().lower() in ("localhost", "localhost.localdomain"):
         return True
     try:

@@ -5,13 +5,16 @@
 Engine errors (`PreposError`) carry their own code and HTTP status; the server adds its own
 (`ApiError`) for what it checks before calling the engine: bodies, auth, limits, loading.
 Anything else is a 500 whose body names a reference into the log, never the exception's
-text (a path, a value) that the log has.
+text (a path, a value) that the log has. No message shows a server-internal id: a keyed
+session's id (`name~<its key's tag>`, `auth.scoped`) is shown as the name its client knows,
+and a stateless conversation's kept session (`eph-...`) as "a kept conversation" (`scrub`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
 
@@ -43,9 +46,27 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+# a keyed session's id as the server holds it (its key's tag after `~`), and the id of an
+# ephemeral or kept stateless session (`engine/implicit.py`'s prefix)
+_SCOPED = re.compile(r"~[0-9a-f]{8,64}\b")
+_EPHEMERAL = re.compile(r"'?\beph-[A-Za-z0-9._:-]*'?")
+_OWNER = re.compile(r"\bkey-[0-9a-f]{16}\b")  # an API key's owner id (`auth.owner_id`)
+
+
+def scrub(message: str) -> str:
+    """`message` with no server-internal id in it."""
+    if "~" in message:
+        message = _SCOPED.sub("", message)
+    if "eph-" in message:
+        message = _EPHEMERAL.sub("a kept conversation", message)
+    if "key-" in message:
+        message = _OWNER.sub("a key", message)
+    return message
+
+
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
     kind = TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind,
+    return {"error": {"message": scrub(message), "type": kind,
                       "code": code, "param": param}}
 
 

@@ -14,9 +14,8 @@ layers would act on straight to the route's own code (`sessions.ask`,
 (503, 401, 404, 400, 409) and with the same error responses. Every other
 request goes through the whole stack as before, and so does one of these whose head is over
 the limit, whose body has no Content-Length or is over the limit (a scrape: that has a
-body), that names a session in an `x-session-id` header, or (an append) that carries an
-`Idempotency-Key` (the route's
-wrapper keeps its answer); so does every request of a server with CORS on (its middleware
+body), that names a session in an `x-session-id` header, or that carries an `Idempotency-Key`
+(the route's wrapper keeps its answer); so does every request of a server with CORS on (its middleware
 adds headers to every response, `Vary: Origin` at least). On a single node the line also
 stands in front of the cluster's `Front`: the path names the session, and the line names it
 back in `x-session-id` as `Front` would; in a cluster it runs behind `Front`, after the
@@ -33,6 +32,7 @@ from starlette.responses import Response
 
 from prepos.engine.session_spec import STREAMING
 from prepos.server.durable.cluster import HEADER, SESSION_ID, Front
+from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.metrics import CONTENT_TYPE
 from prepos.server.http.schemas import Append, Query
@@ -88,7 +88,7 @@ class StraightLine:
                 auth = value if auth is None else auth
             elif name == HEADER:  # Front checks it against the path's
                 return None
-            elif name == IDEMPOTENCY and route == APPEND:
+            elif name == IDEMPOTENCY:  # the route's wrapper keeps its answer
                 return None
         if route == METRICS:
             body = length is not None
@@ -149,14 +149,18 @@ async def read_body(receive) -> bytes:
 
 
 class App(FastAPI):
-    """prepos's FastAPI app, the straight line (`straight`, once set) in front."""
+    """prepos's FastAPI app: what a web page may send checked first (`cross_site`), then
+    the straight line (`straight`, once set) in front."""
 
     straight: StraightLine | None = None
     front: Front | None = None
+    cross_site: CrossSite | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or self.front is None:
             return await self._serve(scope, receive, send)
+        if (refused := self.cross_site.check(scope)) is not None:
+            return await self.front.respond(refused)(scope, receive, send)
         line = self.straight
         if line is not None and self.front.cluster is None:
             taken = line.take(scope)

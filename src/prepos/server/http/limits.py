@@ -20,7 +20,9 @@ KNOWN_SAMPLINGS = 256
 class Limits:
     max_body_bytes: int = 1 << 20
     max_sessions: int = 100_000  # journalled; their KV moves down the tiers
-    max_sessions_per_key: int | None = None
+    max_sessions_per_key: int | None = None  # None: the key's equal share (`share`)
+    max_subscribers: int = 1024  # SSE subscriptions open at once
+    max_subscribers_per_key: int | None = None  # None: the key's equal share
     max_tokens: int = 1024  # generated tokens per request
     default_max_tokens: int = 64
     max_input_tokens: int = 8192  # tokens of input text per request
@@ -111,6 +113,15 @@ class Limits:
                            f"the model worker has {fg} requests queued (limit "
                            f"{self.max_queue}); retry after {wait} s",
                            headers={"Retry-After": str(wait)})
+
+
+def share(cap: int, per_key: int | None, keys: int) -> int | None:
+    """What one API key may hold of `cap`: `per_key` where given, else an equal part for
+    each of the server's `keys` keys, so that no key can take what the others are owed (None:
+    no keys, one owner)."""
+    if per_key is not None:
+        return per_key
+    return max(1, cap // keys) if keys else None
 
 
 class BodyLimit:

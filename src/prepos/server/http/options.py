@@ -168,7 +168,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-sessions", type=int, default=Limits.max_sessions,
                    help="sessions the server keeps (journalled; their KV in the tiers)")
-    p.add_argument("--max-sessions-per-key", type=int)
+    p.add_argument("--max-sessions-per-key", type=int,
+                   help="sessions one API key may hold (default: an equal share of "
+                   "--max-sessions for each key, so no key can crowd the others out)")
+    p.add_argument("--max-subscribers", type=int, default=Limits.max_subscribers,
+                   help="event subscriptions (SSE) open at once (default %(default)s)")
+    p.add_argument("--max-subscribers-per-key", type=int,
+                   help="event subscriptions one API key may hold open (default: an equal "
+                   "share of --max-subscribers for each key)")
     p.add_argument("--max-tokens", type=int, default=1024,
                    help="most tokens a request may generate")
     p.add_argument("--default-max-tokens", type=int, default=64,
@@ -192,7 +199,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--allowed-origins", default="",
                    help="CORS: comma-separated browser origins allowed to call the API "
-                   "('*' for any; default: none, no CORS headers)")
+                   "('*' for any; default: none, no CORS headers); web pages of other "
+                   "origins may not send requests that change something (403)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names the server answers besides IP addresses, "
+                   "localhost, the --host name and (listening beyond loopback) this "
+                   "machine's name ('.example.com' takes its subdomains; '*' any): other "
+                   "Host headers are refused (403), as DNS rebinding sends them")
     p.add_argument("--implicit-memory", type=size, default=EngineConfig.implicit_memory,
                    help="bytes of bookkeeping (tokens, text, messages; their KV is the "
                    "tiers') for stateless chat conversations kept as implicit sessions, so a "
@@ -211,6 +224,9 @@ def parser() -> argparse.ArgumentParser:
                    "and as many of conversations (K/M/G suffixes; default 256M)")
     p.add_argument("--responses-ttl", type=float, default=ServerConfig.responses_ttl,
                    help="seconds a stored response is kept (default 30 days)")
+    p.add_argument("--idempotency-bytes", type=size, default=ServerConfig.idempotency_bytes,
+                   help="bytes of Idempotency-Key results kept per API key, the oldest "
+                   "dropped first (K/M/G suffixes; default 64M)")
     p.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a client may take to send one whole request (headers and "
                    "body); slower ones are closed (default %(default)s)")
@@ -224,7 +240,8 @@ def parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions", "implicit_memory",
-                 "response_sessions", "ready_logits_memory"):
+                 "response_sessions", "ready_logits_memory", "max_sessions_per_key",
+                 "max_subscribers", "max_subscribers_per_key", "idempotency_bytes"):
         if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
@@ -259,7 +276,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           implicit_memory=args.implicit_memory,
                           implicit_sessions=args.implicit_sessions)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
-                    max_sessions_per_key=args.max_sessions_per_key, max_tokens=args.max_tokens,
+                    max_sessions_per_key=args.max_sessions_per_key,
+                    max_subscribers=args.max_subscribers,
+                    max_subscribers_per_key=args.max_subscribers_per_key, max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_input_tokens=args.max_input_tokens, max_queue=args.max_queue,
                     max_header_bytes=args.max_header_bytes)
@@ -283,9 +302,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         api_keys=load_keys(args.api_key, args.api_keys_file),
                         metrics_keys=load_keys(args.metrics_key, env="PREPOS_METRICS_KEYS"),
                         served_model_name=args.served_model_name, limits=limits,
-                        allowed_origins=origins, request_timeout=args.request_timeout,
+                        allowed_origins=origins, host=args.host,
+                        allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",")
+                                            if h.strip()),
+                        request_timeout=args.request_timeout,
                         response_sessions=args.response_sessions,
                         responses_bytes=args.responses_bytes, responses_ttl=args.responses_ttl,
+                        idempotency_bytes=args.idempotency_bytes,
                         lease=LeaseConfig(args.node_id, args.lease_seconds, args.renew_seconds,
                                           min(1.0, args.lease_seconds / 4)),
                         advertise_url=args.advertise_url)

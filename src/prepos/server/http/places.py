@@ -16,7 +16,7 @@ from prepos.engine.implicit import EPHEMERAL, ImplicitSessions, is_ephemeral
 from prepos.engine.session_spec import SessionSpec
 from prepos.errors import PreposError, TooManySessions
 from prepos.server.http.errors import ApiError
-from prepos.server.http.limits import Limits
+from prepos.server.http.limits import Limits, share
 from prepos.server.http.metrics import Metrics
 
 log = logging.getLogger("prepos.server")
@@ -28,9 +28,11 @@ class Places:
     loaded (else None)."""
 
     def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
-                 chain_memory: int, response_sessions: int | None):
+                 chain_memory: int, response_sessions: int | None, keys: int = 0):
         self.limits, self.metrics, self.loaded = limits, metrics, loaded
+        self.keys = keys  # the server's API keys: each has its share of the sessions
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
+        self.key_cap = share(self.session_cap, limits.max_sessions_per_key, keys)
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
         # Responses chain sessions (`openai/responses.py`): persistent, but kept on a client's
         # behalf, so they give way to any other session at a limit; kept by memory as the
@@ -76,8 +78,10 @@ class Places:
         engine.limit_sessions(lim.max_sessions + lim.max_queue)
         if held >= lim.max_sessions + lim.max_queue:
             self.session_cap = lim.max_sessions
+            self.key_cap = share(self.session_cap, lim.max_sessions_per_key, self.keys)
             return
         self.session_cap = cap = min(lim.max_sessions, held - max(1, held // 8))
+        self.key_cap = share(cap, lim.max_sessions_per_key, self.keys)
         log.warning("the %s back end holds the KV of %d sessions: at most %d persistent "
                     "sessions, the rest for stateless requests", engine.backend_name, held, cap)
 
@@ -85,7 +89,6 @@ class Places:
         """A 429 at the server's or the key's session limit, once no Responses chain session
         could give way (the least recently used free one: the key's own first, then, at the
         server's limit, any key's; its responses stay stored)."""
-        lim = self.limits
         while self._held(engine) >= self.session_cap:
             if self.chains.evict_one(owner) or self.chains.evict_one():
                 continue
@@ -93,13 +96,13 @@ class Places:
             raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
                            f"{self.session_cap} sessions; close one first",
                            headers={"Retry-After": "60"})
-        if lim.max_sessions_per_key is not None and owner is not None:
-            while self._held(engine, owner, mine=True) >= lim.max_sessions_per_key:
+        if self.key_cap is not None and owner is not None:
+            while self._held(engine, owner, mine=True) >= self.key_cap:
                 if self.chains.evict_one(owner):
                     continue
                 self.metrics.rejected.labels("sessions_per_key").inc()
-                raise ApiError(429, "too_many_sessions", f"this key holds its limit of "
-                               f"{lim.max_sessions_per_key} sessions; close one first",
+                raise ApiError(429, "too_many_sessions", f"this key holds its share of "
+                               f"{self.key_cap} sessions; close one first",
                                headers={"Retry-After": "60"})
 
     def _close_chain(self, sid: str) -> None:

@@ -95,10 +95,18 @@ def _route(path: str, fns: dict[str, object]) -> Route:
     if "GET" in fns:
         methods.append("HEAD")
     allow = ", ".join([*methods, "OPTIONS"])
+    # a method that changes something and does not honour Idempotency-Key refuses it (never
+    # ignored: a client that sends one counts on a retry being safe)
+    unkeyed = {m for m, fn in fns.items() if m not in ("GET", "HEAD", "OPTIONS")
+               and not getattr(fn, "idempotent", False)}
 
     async def endpoint(request: Request):
         method = request.method
         fn = fns.get("GET" if method == "HEAD" else method)
+        if method in unkeyed and "idempotency-key" in request.headers:
+            raise ApiError(400, "idempotency_key_unsupported", f"{method} {path} does not "
+                           "take an Idempotency-Key: it is not safe to retry by one",
+                           "Idempotency-Key")
         if fn is not None:
             return await fn(request=request, **request.path_params)
         if method == "OPTIONS":

@@ -306,6 +306,7 @@ async def add_message(sid: str, request: Request):
 # -- requests -----------------------------------------------------------------------------
 @routes.add("POST", "/sessions/{sid}/query", 0, summary="Ask a question (streaming)",
             body=Query, response=R.Answer, events=R.ANSWER_EVENTS, errors=(409, 429))
+@idempotent  # commits nothing: its answer is recorded, a retry answered the same
 async def query(sid: str, request: Request):
     c = await ServerState.open(request, Query, sid, STREAMING)
     return await ask(c, request.receive)

@@ -25,6 +25,7 @@ from prepos.engine.implicit import is_ephemeral
 from prepos.errors import SessionNotFound
 from prepos.server.http.auth import public
 from prepos.server.http.direct import Stages, direct_body
+from prepos.server.http.errors import ApiError
 from prepos.server.http.results import json_bytes
 
 log = logging.getLogger("prepos.server.sse")
@@ -116,8 +117,8 @@ def event(data: Any, name: str | None = None) -> bytes:
 
 
 class Subscriber:
-    def __init__(self, sid: str, maxsize: int = 1024):
-        self.sid = sid
+    def __init__(self, sid: str, owner: str | None = None, maxsize: int = 1024):
+        self.sid, self.owner = sid, owner
         self.queue: asyncio.Queue = asyncio.Queue(maxsize)
         self.closed = False
 
@@ -151,10 +152,16 @@ def _closed_queue() -> asyncio.Queue:
 
 
 class Hub:
-    def __init__(self, metrics=None):
+    """The subscriptions: at most `max_subs` open at once, `per_key` of them a key's (None:
+    no keys); a subscription past either is 429."""
+
+    def __init__(self, metrics=None, max_subs: int = 1024, per_key: int | None = None):
         self.engine = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = metrics
+        self.max_subs, self.per_key = max_subs, per_key
+        self._count = 0
+        self._by_key: dict[str | None, int] = {}  # open subscriptions by their key's owner id
         self.push_tokens: dict[str, int] = {}  # sid -> max_tokens of a pushed answer
         self._subs: dict[str, set[Subscriber]] = {}
         self._latest: dict[str, dict[str, dict]] = {}  # sid -> query -> last answer event
@@ -264,8 +271,19 @@ class Hub:
     # -- subscriptions -------------------------------------------------------------------------
     def subscribe(self, s) -> Subscriber:
         """A new subscriber; it first gets the session's state and the current answers,
-        computing any standing answer already recorded but not yet pushed."""
-        sub = Subscriber(s.id)
+        computing any standing answer already recorded but not yet pushed. A 429 past the
+        server's or the key's bound."""
+        owner = s.spec.owner
+        if self._count >= self.max_subs or (
+                self.per_key is not None and self._by_key.get(owner, 0) >= self.per_key):
+            mine = self._count < self.max_subs
+            limit = self.per_key if mine else self.max_subs
+            raise ApiError(429, "too_many_subscribers", f"{'this key' if mine else 'this server'}"
+                           f" holds its {'share' if mine else 'limit'} of {limit} event "
+                           "subscriptions; close one first", headers={"Retry-After": "10"})
+        sub = Subscriber(s.id, owner)
+        self._count += 1
+        self._by_key[owner] = self._by_key.get(owner, 0) + 1
         self._subs.setdefault(s.id, set()).add(sub)
         if self.metrics is not None:
             self.metrics.subscribers.inc()
@@ -286,6 +304,12 @@ class Hub:
         subs = self._subs.get(sub.sid)
         if subs is not None and sub in subs:
             subs.discard(sub)
+            self._count -= 1
+            left = self._by_key[sub.owner] - 1
+            if left:
+                self._by_key[sub.owner] = left
+            else:
+                del self._by_key[sub.owner]
             if self.metrics is not None:
                 self.metrics.subscribers.dec()
             if not subs:

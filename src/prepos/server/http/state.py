@@ -33,7 +33,7 @@ from prepos.server.durable.lease import LeaseConfig
 from prepos.server.durable.store import Database
 from prepos.server.http.auth import SCOPE, Keys, scoped
 from prepos.server.http.errors import ApiError, validation_error
-from prepos.server.http.limits import Limits
+from prepos.server.http.limits import Limits, share
 from prepos.server.http.metrics import Metrics
 from prepos.server.http.places import Places
 from prepos.server.http.sse import Hub, disconnected
@@ -74,6 +74,8 @@ class ServerConfig:
     threads: int = 256  # threads that wait on engine work for the event loop
     cpu_threads: int = 2  # threads that tokenize and parse large inputs off the event loop
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
+    host: str | None = "127.0.0.1"  # the address listened on (`cross_site.py` checks Host by it)
+    allowed_hosts: tuple[str, ...] = ()  # Host names taken besides ("*": any)
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
     # Responses chains kept as sessions: at most this many (None: no count; 0: none kept),
     # their bookkeeping's bytes bounded as the engine's kept conversations' are
@@ -83,6 +85,7 @@ class ServerConfig:
     responses_ttl: float = responses_store.TTL_S  # seconds a stored response is kept
     idempotency_ttl: float = idempotency.TTL_S  # seconds an Idempotency-Key's result is kept
     idempotency_keys: int = idempotency.KEEP  # results kept per API key
+    idempotency_bytes: int = idempotency.MAX_BYTES  # bytes of results kept per API key
     lease: LeaseConfig = field(default_factory=LeaseConfig)  # with a shared store
     advertise_url: str | None = None  # where other nodes forward to (default: bound address)
 
@@ -117,7 +120,9 @@ class ServerState:
         self.model_name = config.served_model_name or (
             model.stem if model.suffix == ".gguf" else model.name)
         self.metrics = Metrics(self.model_name)
-        self.hub = Hub(self.metrics)
+        self.hub = Hub(self.metrics, self.limits.max_subscribers,
+                       share(self.limits.max_subscribers, self.limits.max_subscribers_per_key,
+                             len(config.api_keys)))
         self.journal: Journal | None = None
         self.idempotency: idempotency.Records | None = None  # once loaded: in the store
         self.loaded: Engine | None = None  # the engine, once loaded
@@ -126,7 +131,8 @@ class ServerState:
         self.restored = 0
         engine_config = config.engine  # chains bounded as the engine's kept conversations
         self.places = Places(self.limits, self.metrics, lambda: self.loaded,
-                             engine_config.implicit_memory, config.response_sessions)
+                             engine_config.implicit_memory, config.response_sessions,
+                             len(config.api_keys))
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
@@ -176,7 +182,8 @@ class ServerState:
                     engine.publish_conversations(self.cluster.directory.publish)
             self.idempotency = idempotency.Records(
                 self.journal.db if self.journal is not None else Database(None),
-                self.config.idempotency_ttl, self.config.idempotency_keys)
+                self.config.idempotency_ttl, self.config.idempotency_keys,
+                self.config.idempotency_bytes)
             self.hub.attach(engine, self.loop)
             self.metrics.engine = engine
             if self.journal is not None and self.cluster is None:

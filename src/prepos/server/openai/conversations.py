@@ -18,6 +18,7 @@ import re
 
 from starlette.requests import Request
 
+from prepos.server.durable.idempotency import current, idempotent
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import QueryParam, Routes
 from prepos.server.http.schemas import AddItems, CreateConversation, UpdateConversation
@@ -86,12 +87,14 @@ def _list(data: list[dict], has_more: bool = False) -> dict:
 # -- conversations ----------------------------------------------------------------------------
 @routes.add("POST", "/v1/conversations", 61, summary="Create a conversation",
             body=CreateConversation, response=RS.ConversationObject, tags=TAGS)
+@idempotent
 async def create_conversation(request: Request):
     api, c, _ = await _open(request, None)
     body = await c.state.parse(await request.body() or b"{}", CreateConversation)  # or none
     meta = check_metadata(body.metadata)
     items = _items(body.items or [], set())
-    conv = await c.state.run(api.conversations.create, new_id("conv_"), c.owner, meta, items)
+    conv = await c.state.run(api.conversations.create, new_id("conv_"), c.owner, meta, items,
+                             current())
     return JSONBody(conv.object())
 
 
@@ -105,32 +108,36 @@ async def retrieve_conversation(request: Request, conversation_id: str):
 
 @routes.add("POST", CONV, 61, summary="Update a conversation's metadata",
             body=UpdateConversation, response=RS.ConversationObject, tags=TAGS)
+@idempotent
 async def update_conversation(request: Request, conversation_id: str):
     api, c, cid = await _open(request, conversation_id, UpdateConversation)
     meta = check_metadata(c.body.metadata)
-    conv = await c.state.run(api.conversations.update, c.owner, cid, meta)
+    conv = await c.state.run(api.conversations.update, c.owner, cid, meta, current())
     return JSONBody(conv.object())
 
 
 @routes.add("DELETE", CONV, 61, summary="Delete a conversation",
             response=RS.ConversationDeleted, errors=(400,), tags=TAGS)
+@idempotent
 async def delete_conversation(request: Request, conversation_id: str):
     """Delete a conversation and its items. The responses made on it stay stored."""
     api, c, cid = await _open(request, conversation_id)
-    await c.state.run(api.conversations.delete, c.owner, cid)
+    await c.state.run(api.conversations.delete, c.owner, cid, current())
     return JSONBody({"id": cid, "object": "conversation.deleted", "deleted": True})
 
 
 # -- items ------------------------------------------------------------------------------------
 @routes.add("POST", CONV + "/items", 61, summary="Add items to a conversation", body=AddItems,
             response=RS.ConversationItemList, query=(INCLUDE,), tags=TAGS)
+@idempotent
 async def create_conversation_items(request: Request, conversation_id: str):
     api, c, cid = await _open(request, conversation_id, AddItems)
     calls = await c.state.run(api.conversations.calls, c.owner, cid)
     if not c.body.items:
         raise bad("items must not be empty", "items")
     items = _items(c.body.items, calls)
-    await c.state.run(api.conversations.append, c.owner, cid, items, "conversation_id")
+    await c.state.run(api.conversations.append, c.owner, cid, items, "conversation_id", None,
+                      current())
     return JSONBody(_list(items))
 
 
@@ -172,9 +179,10 @@ async def retrieve_conversation_item(request: Request, conversation_id: str, ite
 
 @routes.add("DELETE", CONV + "/items/{item_id}", 61, summary="Delete a conversation's item",
             response=RS.ConversationObject, errors=(400,), tags=TAGS)
+@idempotent
 async def delete_conversation_item(request: Request, conversation_id: str, item_id: str):
     """Delete an item; the conversation as it is now."""
     api, c, cid = await _open(request, conversation_id)
     conv = await c.state.run(api.conversations.delete_item, c.owner, cid,
-                             _item_id(item_id, "item_id"))
+                             _item_id(item_id, "item_id"), current())
     return JSONBody(conv.object())

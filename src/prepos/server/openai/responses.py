@@ -43,7 +43,9 @@ from prepos.chat.conversation import check_order
 from prepos.engine import Engine
 from prepos.engine.session_spec import AGENTIC, SessionSpec
 from prepos.errors import PreposError
+from prepos.server.durable import idempotency
 from prepos.server.durable.conversation_store import ConversationStore, size
+from prepos.server.durable.idempotency import idempotent
 from prepos.server.durable.responses_store import ResponseStore, Stored
 from prepos.server.http.errors import ApiError
 from prepos.server.http.results import JSONBody
@@ -159,6 +161,8 @@ class ResponsesCall(ChatCall):
 @routes.add("POST", "/v1/responses", 7, summary="Create a response", body=CreateResponse,
             response=RS.ResponseObject, events=RS.RESPONSE_EVENTS, errors=(404, 409, 429),
             tags=("openai",))
+@idempotent  # claimed by its first write: a chain session made, its conversation's turn, or
+# the response stored (each store's transaction)
 async def create_response(request: Request):
     rename = Renamer()
     try:
@@ -234,7 +238,7 @@ async def _create(c, request: Request, rename: Renamer):
             return
         if conv:
             await state.run(api.conversations.append, owner, conv.id, turn + obj["output"],
-                            "conversation", conv.version)
+                            "conversation", conv.version, idempotency.current())
         if not store:
             return
         answer = output_message(obj["output"])
@@ -242,10 +246,12 @@ async def _create(c, request: Request, rename: Renamer):
         row = Stored(obj["id"], owner, prev.id if prev else None, sid,
                      res.version + 1 if sid else None, new + ([answer] if answer else []), obj)
         try:
-            if not await state.run(api.store.put, row):
+            if not await state.run(api.store.put, row, idempotency.current()):
                 log.warning("response %s not stored: its conversation is over the stored "
                             "responses' limit of %d bytes per key", obj["id"],
                             api.store.max_bytes)
+        except idempotency.KeyClaimed:  # another attempt with its key wrote first
+            raise
         except Exception as exc:  # the answer stands; only its retrieval by id is lost
             log.error("response %s not stored: %s", obj["id"], exc)
 
@@ -294,6 +300,7 @@ async def retrieve_response(request: Request, response_id: str):
 
 @routes.add("DELETE", "/v1/responses/{response_id}", 60, summary="Delete a response",
             response=RS.ResponseDeleted, tags=("openai",))
+@idempotent
 async def delete_response(request: Request, response_id: str):
     """Forget a stored response. Its session is not closed, and the responses that continue
     it keep their conversation."""

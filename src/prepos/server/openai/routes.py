@@ -124,7 +124,7 @@ async def model(request: Request, model_id: str):
 @routes.add("POST", "/v1/chat/completions", 5, summary="Create a chat completion",
             body=ChatCompletion, response=R.ChatCompletionResponse, events=R.CHAT_EVENTS,
             errors=(404, 409, 422, 429), tags=("openai",))
-@idempotent(session=named_session)  # an Idempotency-Key: on a named session's turn only
+@idempotent(session=named_session)  # the named session's commit claims the key
 @_context_errors
 async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)
@@ -153,6 +153,7 @@ async def chat_completions(request: Request):
 @routes.add("POST", "/v1/completions", 6, summary="Create a completion", body=Completion,
             response=R.CompletionResponse, events=R.COMPLETION_EVENTS,
             errors=(404, 409, 429), tags=("openai",))
+@idempotent(session=named_session)
 @_context_errors
 async def completions(request: Request):
     c = await ServerState.open(request, Completion)
