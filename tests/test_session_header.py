@@ -40,6 +40,29 @@ def test_a_session_made_with_the_clients_id_and_named_by_the_header(client):
     assert r.headers["x-session-id"] == "dash-1"
 
 
+def test_coding_agents_name_their_conversation_in_their_own_headers(client):
+    """Claude Code's `x-claude-code-session-id`, Codex's `session-id` / `thread-id` name the
+    conversation on the /v1/ routes where `x-session-id` is not sent (named back in it, for
+    a router to hash on); a value that is no valid name is ignored, never a 400; the session
+    API's routes keep to `x-session-id` and the path."""
+    chat = {"model": "chatml-llama", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}]}
+    for header in ("x-claude-code-session-id", "session-id", "thread-id"):
+        r = client.post("/v1/chat/completions", json=chat, headers={header: f"cc-{header}"})
+        assert r.status_code == 200 and r.headers["x-session-id"] == f"cc-{header}", r.text
+    r = client.post("/v1/chat/completions", json=chat, headers={
+        "session-id": "codex-1", "thread-id": "codex-2", "x-session-id": "mine"})
+    assert r.headers["x-session-id"] == "mine"  # x-session-id first
+    r = client.post("/v1/chat/completions", json=chat, headers={"session-id": "a b"})
+    assert r.status_code == 200 and "x-session-id" not in r.headers
+    r = client.post("/v1/responses", json={"model": "chatml-llama", "input": "hi",
+                                           "max_output_tokens": 1, "store": False},
+                    headers={"session-id": "codex-3"})
+    assert r.status_code == 200 and r.headers["x-session-id"] == "codex-3", r.text
+    made = client.post("/sessions", json={"kind": "agentic"}, headers={"session-id": "zz"})
+    assert made.status_code == 201 and made.json()["id"] != "zz"
+
+
 def test_bad_ids_are_400s_and_change_nothing(client):
     n = len(client.get("/sessions").json()["data"])
     bad = client.post("/sessions", json={"kind": "agentic"}, headers={"x-session-id": "a b"})

@@ -2,8 +2,10 @@
 
 `Front` sits in front of the whole app (the straight line included). It finds the session a
 request names (the `x-session-id` header, the `/sessions/{id}` path, or an OpenAI body's
-`session_id`; the header alone names it for the OpenAI routes too) and puts `x-session-id`
-on the response, so a router can hash on it both ways. With a shared store (`Cluster`), it
+`session_id`; the header alone names it for the OpenAI routes too, and there the headers
+coding agents name their conversation in stand for it where `x-session-id` is not sent:
+Claude Code's `x-claude-code-session-id`, Codex's `session-id` and `thread-id`) and puts
+`x-session-id` on the response, so a router can hash on it both ways. With a shared store (`Cluster`), it
 also decides who serves the request:
 - this node owns the session (its lease held with margin): served here, no store access;
 - the session is free or its owner dead: claimed (`Leases.claim`), loaded from the store
@@ -40,6 +42,9 @@ from prepos.server.http.errors import ApiError
 
 log = logging.getLogger("prepos.server.cluster")
 HEADER = b"x-session-id"
+# the headers coding agents name their conversation in, first found first: on the /v1/ routes
+# they name it where `x-session-id` is not sent (a value that is no valid name is ignored)
+AGENT_HEADERS = (b"x-claude-code-session-id", b"session-id", b"thread-id")
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 SLOW_S = 5.0  # a request on a session slower than this is logged
 NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
@@ -50,10 +55,16 @@ def named_session(scope) -> tuple[str | None, bool]:
     """The session id the path or `x-session-id` names, and whether the header gave it;
     400 where they differ."""
     header = None
+    agents: dict[bytes, str] = {}
     for name, value in scope["headers"]:
         if name == HEADER:
             header = value.decode("latin-1").strip() or None
+        elif name in AGENT_HEADERS:
+            agents[name] = value.decode("latin-1").strip()
     path = scope["path"]
+    if header is None and agents and path.startswith("/v1/"):
+        header = next((agents[h] for h in AGENT_HEADERS if SESSION_ID.fullmatch(
+            agents.get(h, ""))), None)
     in_path = None
     if path.startswith("/sessions/"):
         in_path = path[len("/sessions/"):].split("/", 1)[0] or None

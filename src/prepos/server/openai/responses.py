@@ -177,7 +177,7 @@ async def _create(c, request: Request, rename: Renamer):
     api = ResponsesApi.of(state, eng)
     refuse_unsupported(body)
     check_sizes(body)
-    tools, echo_tools = function_tools(body)
+    tools, echo_tools, omitted = function_tools(body)
     choice, echo_choice = tool_choice(body)
     fmt, echo_text = text_format(body)
     chat = ChatCompletion.model_validate({
@@ -222,8 +222,9 @@ async def _create(c, request: Request, rename: Renamer):
             "tool_choice": echo_choice, "parallel_tool_calls": body.parallel_tool_calls
             is not False, "temperature": sampling.temperature, "top_p": sampling.top_p,
             "max_output_tokens": body.max_output_tokens, "store": store,
-            "metadata": body.metadata or {}, "text": echo_text, "truncation": "disabled",
-            "user": body.user, "prompt_cache_key": body.prompt_cache_key,
+            "metadata": omitted_tools(body.metadata or {}, omitted), "text": echo_text,
+            "truncation": "disabled", "user": body.user,
+            "prompt_cache_key": body.prompt_cache_key,
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
             "top_logprobs": 0, "conversation": {"id": conv.id} if conv else None}
     reply = Reply(state, echo, bool(body.stream))
@@ -261,6 +262,14 @@ async def _create(c, request: Request, rename: Renamer):
         reply.kept = on_session and eng.keeps_conversations
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
+
+
+def omitted_tools(metadata: dict[str, str], omitted: list[str]) -> dict[str, str]:
+    """The response's metadata: the request's, and the tools left out of the prompt (names
+    joined by commas, within metadata's 512 characters)."""
+    if not omitted:
+        return metadata
+    return {**metadata, "prepos_tools_omitted": ",".join(dict.fromkeys(omitted))[:512]}
 
 
 # the longest string fields a response stores besides its conversation (metadata's bounds

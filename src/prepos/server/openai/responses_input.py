@@ -1,5 +1,9 @@
 """The Responses API's request, checked and put in the chat route's terms, before any engine
-call: options prepos cannot honour refused by name; function tools, `tool_choice` and
+call: options prepos cannot honour refused by name, options a coding agent sends that change
+nothing here accepted (`reasoning` and `include`: the model has no reasoning channel, so
+there is no reasoning to configure, summarize or return; tools the server cannot run, hosted
+ones such as `web_search` and tool namespaces, left out of the prompt and named in the
+response's `metadata`, as `prepos_tools_omitted`); function tools, `tool_choice` and
 `text.format` as chat's `tools`, `tool_choice` and `response_format`; `input` items as the
 messages a session holds; errors the chat checks raise renamed to the Responses fields.
 
@@ -51,19 +55,14 @@ def refuse_unsupported(body: CreateResponse) -> None:
     if body.conversation is not None and body.previous_response_id is not None:
         raise bad("conversation and previous_response_id cannot be used together: a "
                   "conversation holds its own history", "conversation")
-    if body.reasoning not in (None, {}) and not (
-            isinstance(body.reasoning, dict) and all(v is None for v in body.reasoning.values())):
-        raise unsupported("reasoning options are not supported: the model does not reason "
-                          "in a separate channel", "reasoning")
+    if body.reasoning is not None and not isinstance(body.reasoning, dict):
+        raise bad("reasoning must be an object", "reasoning")
     if body.truncation not in (None, "disabled"):
         raise unsupported(f"truncation {body.truncation!r} is not supported (only "
                           "'disabled': a conversation over the context is an error)", "truncation")
     if body.top_logprobs not in (None, 0):
         raise unsupported("top_logprobs is not supported on /v1/responses (use "
                           "/v1/chat/completions for logprobs)", "top_logprobs")
-    for value in body.include or ():
-        if value not in INCLUDABLE:
-            raise unsupported(f"include {value!r} is not supported", "include")
     if body.stream_options is not None and not body.stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
     check_metadata(body.metadata)
@@ -78,16 +77,22 @@ def check_metadata(meta: dict[str, str] | None) -> dict[str, str]:
     return meta
 
 
-def function_tools(body: CreateResponse) -> tuple[list[dict], list[dict]]:
-    """The request's tools in chat's form, and as the response echoes them. Only function
-    tools: any other type is refused by name."""
-    chat, echo, names = [], [], set()
+def function_tools(body: CreateResponse) -> tuple[list[dict], list[dict], list[str]]:
+    """The request's tools in chat's form, as the response echoes them, and the names of
+    those left out: only function tools are offered to the model; a tool of another type
+    (hosted, such as `web_search`, or a namespace) is named by its name, else its type."""
+    chat, echo, names, omitted = [], [], set(), []
     for i, tool in enumerate(body.tools or ()):
         where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad(f"{where} must be an object", where)
         kind = tool.get("type")
+        if not isinstance(kind, str) or not kind:
+            raise bad(f"{where}.type must be a tool type", where + ".type")
         if kind != "function":
-            raise unsupported(f"{where}: tool type {kind!r} is not supported: prepos serves "
-                              "function tools only", where + ".type")
+            name = tool.get("name")
+            omitted.append(name if isinstance(name, str) and name else kind)
+            continue
         name, params, desc = tool.get("name"), tool.get("parameters"), tool.get("description")
         if not isinstance(name, str) or not name.strip():
             raise bad(f"{where}.name must be a non-empty string", where + ".name")
@@ -106,7 +111,7 @@ def function_tools(body: CreateResponse) -> tuple[list[dict], list[dict]]:
         chat.append({"type": "function", "function": fn})
         echo.append({"type": "function", "name": name, "description": desc,
                      "parameters": params, "strict": strict})
-    return chat, echo
+    return chat, echo, omitted
 
 
 def tool_choice(body: CreateResponse) -> tuple[str | dict, str | dict]:
