@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
+from prepos.server.anthropic.routes import routes as messages_routes
 from prepos.server.durable.cluster import Front, default_url
 from prepos.server.durable.store import StoreHeld, hold, is_url, redacted
 from prepos.server.http import bodies as R
@@ -96,6 +97,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
     api = Routes()
     api.routes = [*sessions_routes.routes, *openai_routes.routes, *responses_routes.routes,
                   *conversations_routes.routes, *own.routes, *console_routes.routes]
+    api.routes += messages_routes.routes  # the Anthropic Messages API
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     openapi.install(app, api.routes)  # /openapi.json: every route above
     app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,

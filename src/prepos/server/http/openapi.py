@@ -1,9 +1,10 @@
 """`/openapi.json`: an OpenAPI 3.1 document of every route, written from the route registry
 (`server/http/routing.py`): each operation's path and query parameters, request body, success
 body (JSON, or server-sent events described event by event), and the error responses, all
-of the one error shape of `server/http/errors.py`. Schemas come from the pydantic models of
-`server/http/schemas.py` (requests) and `server/http/bodies.py` (responses), as
-`components/schemas` referenced by `$ref`.
+of the one error shape of `server/http/errors.py` (the Messages API's in Anthropic's,
+`Doc.error_body`). Schemas come from the pydantic models of `server/http/schemas.py`
+(requests) and `server/http/bodies.py` (responses), as `components/schemas` referenced by
+`$ref`.
 
 A server-sent event stream is described the way OpenAPI 3.2 reads a `text/event-stream`
 schema before `itemSchema`: the schema of one event, an object with `event` (its name) and
@@ -35,7 +36,9 @@ ERRORS = {400: "the request is invalid: the error names the field and the proble
           409: "the session is of the other kind, or its state conflicts with the request",
           413: "the body is over the server's size limit",
           429: "the server's queue or session limit is full; retry after `Retry-After`",
-          503: "the model is loading (retry after `Retry-After`) or failed to load"}
+          503: "the model is loading (retry after `Retry-After`) or failed to load",
+          529: "the model is loading or the server is overloaded (Anthropic's "
+               "`overloaded_error`; retry after `Retry-After`)"}
 
 
 def document(registered: Iterable[Registered], title: str, version: str,
@@ -135,7 +138,7 @@ def _responses(r: Registered, doc: Doc, c: _Components) -> dict:
     for status, body in (doc.others or {}).items():
         out[str(status)] = {"description": ERRORS.get(status, "see the body"),
                             "content": {"application/json": {"schema": c.schema(body)}}}
-    error = {"application/json": {"schema": c.ref(responses.ErrorBody)}}
+    error = {"application/json": {"schema": c.schema(doc.error_body or responses.ErrorBody)}}
     for status in sorted(_error_statuses(r, doc) - {int(s) for s in out}):
         out[str(status)] = {"description": ERRORS.get(status, "an error"), "content": error}
     return out

@@ -41,7 +41,8 @@ class Doc:
     event's name and its data (a model, a schema, or a literal string such as `[DONE]`; a
     tuple for alternatives); with a `response` too, the body's `stream: true` picks the
     stream. `errors`: the error statuses the route itself may answer, besides those every
-    route shares (`server/http/openapi.py`)."""
+    route shares (`server/http/openapi.py`); `error_body`, their body's model where the
+    route answers errors in another API's shape (the Messages API's)."""
 
     summary: str
     body: Any = None
@@ -53,6 +54,7 @@ class Doc:
     query: tuple[QueryParam, ...] = ()
     errors: tuple[int, ...] = ()
     public: bool = False  # no key needed and no engine: never 401 or 503
+    error_body: Any = None  # the errors' body where it is not the one shape (ErrorBody)
     tags: tuple[str, ...] = ()
     description: str | None = None
 

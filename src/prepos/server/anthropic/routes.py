@@ -1,0 +1,275 @@
+"""Anthropic's Messages API: `POST /v1/messages` (also as `/v1/messages?beta=true`, as the
+SDK's beta client and Claude Code send it), streamed or not, and `POST
+/v1/messages/count_tokens`.
+
+One more translation onto the chat route's flow (`openai_flow.ChatCall`), as the Responses
+API is: a Messages body is put in the chat route's terms (`translate.py`) and answered as a
+chat request is: statelessly on the implicit session its conversation extends (a stock client
+resending its whole conversation pays only its new messages), or on a named session; the
+reply alone is Anthropic's (`events.py`). So `ANTHROPIC_BASE_URL=http://127.0.0.1:8000 claude`
+and Anthropic's SDK work against prepos unchanged.
+
+- Keys: `x-api-key` as well as `Authorization: Bearer` (the first is read as the second).
+  `anthropic-version` and `anthropic-beta` are accepted; they change nothing.
+- The model: the served model's name, or any `claude-...` name (Claude Code asks for its own
+  models by name; the served model answers them all, and the message names it); another
+  name is a 404 `not_found_error`.
+- `max_tokens` is required, as Anthropic requires it; above the server's `--max-tokens`
+  (Claude Code asks for 32,000) it is that limit, and an answer stops where the context has
+  no more room (`max_tokens`) instead of being refused. `stop_sequences`, `temperature`,
+  `top_p`, `top_k`, `tools` and `tool_choice` are honoured (`translate.py`); `cache_control`
+  on any block is accepted: the kept conversation's KV is the cache.
+- Accepted and ignored: `thinking` (this model does not think aloud; past `thinking` blocks
+  are dropped), `context_management`, `output_config`, `service_tier`, `container`,
+  `mcp_servers`, `betas`, `metadata`, a top-level `cache_control`, `speed`, `inference_geo`
+  and any field these clients add later: never a 400. What a text-only model cannot honour is
+  refused by name: an `image` or `document` block, a server tool (`web_search_...`).
+- Claude Code's first system block, `x-anthropic-billing-header: cc_version=...;
+  cc_entrypoint=...; cch=...;`, changes its `cch=` value every request: that field is left
+  out before rendering, so consecutive requests share their prompt's prefix and the kept KV
+  is found.
+- A session named by `x-session-id`, or where none is sent by Claude Code's
+  `X-Claude-Code-Session-Id` (`Front` reads them the same way): as the chat route's
+  `session_id`, a session of the key's is answered on (an agentic one commits only
+  the conversation's delta); any other name is the client's own, and the request is answered
+  statelessly, its conversation found by its content.
+- Usage: `input_tokens` is the prompt's part not found in kept KV, `cache_read_input_tokens`
+  the part found there (the chat route's `cached_tokens`), `cache_creation_input_tokens` 0
+  (keeping KV costs nothing); `count_tokens` counts the prompt as the chat template renders
+  and the tokenizer splits it, which is their sum.
+- Errors in Anthropic's shape and statuses (`errors.py`), on these routes only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from starlette.requests import Request
+
+from prepos.chat.conversation import check_order, session_messages
+from prepos.engine.session_spec import STREAMING
+from prepos.errors import InvalidInput
+from prepos.server.durable.cluster import AGENT_HEADERS, SESSION_ID
+from prepos.server.durable.directory import hop
+from prepos.server.durable.idempotency import KeyClaimed, idempotent, kept
+from prepos.server.http.auth import public
+from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.results import JSONBody
+from prepos.server.http.routing import Routes
+from prepos.server.http.schemas import ChatCompletion, ChatMessage
+from prepos.server.http.state import ServerState
+from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
+from prepos.server.openai.flow import ChatCall, _continuation_prompt
+from prepos.server.openai.routes import named
+
+from . import schema as S
+from . import translate as T
+from .errors import Renamer, error_response
+from .events import MessageReply
+
+routes = Routes()
+MAX_STOPS = 16  # stop sequences a request may name (the server's bound)
+
+
+class MessagesCall(ChatCall):
+    """The chat route's flow with a Message for its reply."""
+
+    def __init__(self, state, body, sampling, receive, reply: MessageReply):
+        super().__init__(state, body, sampling, receive)
+        self.reply = reply
+
+    async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):
+        r = self.reply
+        r.sid, r.agentic, r.tools = sid, agentic, tools
+        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
+        r.parallel = self.body.parallel_tool_calls is not False
+        return await r.respond(self.receive, streams[0], cleanup)
+
+
+def answered(fn):
+    """A route whose every failure is answered in Anthropic's shape, messages named as the
+    client named them (`Renamer`), and which takes an `Idempotency-Key` as every route that
+    writes does (`durable/idempotency.py`: the answer it records is the one sent, in this
+    shape; a refusal it would not record, a 5xx, 408, 429 or busy session, is not)."""
+
+    async def shaped(request: Request):
+        rename = Renamer()
+        try:
+            return await fn(request, rename)
+        except KeyClaimed:  # another attempt with its key wrote first: its answer is replayed
+            raise
+        except Exception as exc:
+            err = rename(as_api_error(exc))
+            if not kept(err.status, err.code):
+                raise err from None
+            return refused(request, err)
+
+    shaped.__name__ = fn.__name__
+    keyed = idempotent(shaped)
+
+    async def route(request: Request):
+        request = with_bearer(request)
+        try:
+            return await keyed(request=request)
+        except Exception as exc:
+            return refused(request, as_api_error(exc))
+
+    route.__name__ = fn.__name__
+    route.__doc__ = fn.__doc__
+    route.idempotent = True  # documented with the header
+    return route
+
+
+def refused(request: Request, err: ApiError):
+    """An error's response, counted as the app counts the errors it answers."""
+    ServerState.of(request).metrics.errors.labels(str(err.status), err.code).inc()
+    return error_response(err)
+
+
+def with_bearer(request: Request) -> Request:
+    """The request, its `x-api-key` (Anthropic's) read as `Authorization: Bearer`, where it
+    has no Authorization header of its own."""
+    raw = request.scope["headers"]
+    key = None
+    for name, value in raw:
+        if name == b"authorization":
+            return request
+        if name == b"x-api-key":
+            key = value
+    if key is None:
+        return request
+    headers = [*raw, (b"authorization", b"Bearer " + key)]
+    return Request({**request.scope, "headers": headers}, request.receive)
+
+
+def check_model(state, model: str) -> None:
+    if model == state.model_name or model.startswith("claude"):
+        return
+    raise ApiError(404, "model_not_found", f"model {model!r} is not served here; this server "
+                   f"serves {state.model_name!r} (and answers claude-... names with it)",
+                   "model")
+
+
+class Translated:
+    """A Messages body in the chat route's terms."""
+
+    def __init__(self, body: S.AnthropicCountTokens, rename: Renamer):
+        sent, rename.where = T.conversation(body)
+        self.tools = T.function_tools(body.tools)
+        self.choice, self.parallel = T.tool_choice(body.tool_choice)
+        self.messages = [ChatMessage.model_validate(m) for m in sent]
+        self.msgs = session_messages(self.messages)
+
+    def chat(self, state, **fields) -> ChatCompletion:
+        return ChatCompletion.model_validate({
+            "model": state.model_name, "messages": [], "tools": self.tools or None,
+            "tool_choice": self.choice, "parallel_tool_calls": self.parallel, **fields})
+
+
+@routes.add("POST", "/v1/messages", 8, summary="Create a message (Anthropic's Messages API)",
+            body=S.AnthropicMessages, response=S.AnthropicMessage, events=S.MESSAGE_EVENTS,
+            errors=(404, 409, 422, 429, 529), error_body=S.AnthropicError, tags=("anthropic",))
+@answered
+async def create_message(request: Request, rename: Renamer):
+    c = await ServerState.open(request, S.AnthropicMessages)
+    state, eng, owner, body = c.state, c.engine, c.owner, c.body
+    check_model(state, body.model)
+    if body.max_tokens < 1:
+        raise T.bad(f"max_tokens must be at least 1, got {body.max_tokens}", "max_tokens")
+    t = Translated(body, rename)
+    stops = tuple(body.stop_sequences or ())
+    if len(stops) > MAX_STOPS:
+        raise T.bad(f"at most {MAX_STOPS} stop sequences", "stop_sequences")
+    if any(not s for s in stops):
+        raise T.bad("a stop sequence must not be empty", "stop_sequences")
+    # Claude Code asks for 32,000 tokens: answered up to the server's limit and the context's
+    # end, unless the server refuses such requests (its strict_max_tokens, where it has one)
+    strict = getattr(state.limits, "strict_max_tokens", False)
+    asked = body.max_tokens if strict else min(body.max_tokens, state.limits.max_tokens)
+    chat = t.chat(state, max_completion_tokens=asked, temperature=body.temperature,
+                  top_p=body.top_p, top_k=body.top_k, stream=bool(body.stream))
+    sampling = chat_sampling(state, chat)
+    sampling = replace(sampling, stop=stops, fit_context=sampling.fit_context or not strict)
+    msgs = t.msgs
+    for i, m in enumerate(msgs):
+        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
+    tools = tool_specs(chat)
+    reply = MessageReply(state, state.model_name, bool(body.stream), stops, rename=rename)
+    call = MessagesCall(state, chat, sampling, request.receive, reply)
+    s = named(state, eng, _Named(session_name(request)), owner)
+    if s is None:  # no session of this key's named: stateless, found by its content
+        kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
+        if kept_elsewhere is not None:
+            return kept_elsewhere
+        return await call.stateless(eng, owner, msgs, tools)
+    if s.kind == STREAMING:
+        return await call.streaming(eng, s, msgs)
+    if body.tools is not None and tools != list(s.spec.tools):
+        raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
+                       f"{public(s.id)} was created with; send the same tools or none", "tools")
+    chat.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
+    return await call.agentic(eng, s, msgs)
+
+
+class _Named:
+    """What `openai_routes.named` reads of a body: its `session_id`."""
+
+    def __init__(self, session_id: str | None):
+        self.session_id = session_id
+
+
+def session_name(request: Request) -> str | None:
+    """The session a request names in its headers: `x-session-id`, else the first valid name
+    of the headers coding agents name their conversation in (Claude Code's
+    `x-claude-code-session-id`), as `Front` reads them (`durable/cluster.py`)."""
+    value = (request.headers.get("x-session-id") or "").strip()
+    if value:
+        return value
+    for name in AGENT_HEADERS:
+        value = (request.headers.get(name.decode()) or "").strip()
+        if SESSION_ID.fullmatch(value):
+            return value
+    return None
+
+
+@routes.add("POST", "/v1/messages/count_tokens", 9, summary="Count a message's input tokens",
+            body=S.AnthropicCountTokens, response=S.AnthropicTokenCount,
+            errors=(404, 409, 422, 529), error_body=S.AnthropicError, tags=("anthropic",))
+@answered
+async def count_tokens(request: Request, rename: Renamer):
+    """The prompt's tokens, as `POST /v1/messages` with the same body would place them:
+    rendered by the chat template (the tools too, unless `tool_choice` is `none`) and
+    tokenized."""
+    c = await ServerState.open(request, S.AnthropicCountTokens)
+    state, eng, body = c.state, c.engine, c.body
+    check_model(state, body.model)
+    t = Translated(body, rename)
+    msgs = t.msgs
+    for i, m in enumerate(msgs):
+        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
+    chat = t.chat(state)
+    tool_choice(chat)  # refused as a create refuses it: a tool none of the tools is
+    tools = [] if t.choice == "none" else tool_specs(chat)
+    check_order([], msgs, 0, continue_final=True)
+    n = await asyncio.get_running_loop().run_in_executor(state.cpu, prompt_tokens, eng,
+                                                         msgs, tools)
+    return JSONBody({"input_tokens": n})
+
+
+def prompt_tokens(eng, msgs: list[dict], tools: list[dict]) -> int:
+    """The prompt's length in tokens: the conversation rendered for the answer; one that
+    ends with an assistant message, up to its text (continued, as the chat flow does)."""
+    fmt = eng.fmt
+    try:
+        if msgs[-1]["role"] != "assistant":
+            return len(fmt.encode(fmt.render(msgs, tools, generation_prompt=True)))
+        full = fmt.render(msgs, tools)
+        content = msgs[-1]["content"]
+        content = fmt.defuse(content.strip() if fmt.trims_content else content)
+        at = full.rfind(content) if content else -1
+        text = (fmt.render(msgs[:-1], tools, generation_prompt=True) if at < 0
+                else full[:at + len(content)])
+        return len(fmt.encode_prompt(_continuation_prompt(fmt, text)))
+    except InvalidInput as exc:
+        raise ApiError(400, "invalid_input", str(exc), "messages") from None
