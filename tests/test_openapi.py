@@ -3,7 +3,8 @@ its methods; real responses of every operation (JSON bodies, each event of an SS
 error bodies) validate against the documented schemas (`jsonschema`, Draft 2020-12); and a
 bounded, derandomized schemathesis run over every operation finds no 5xx, no undocumented
 status or content type, no response off its schema, and only 4xx error bodies of the one
-JSON shape, naming the problem, with OpenAI's error type."""
+JSON shape, naming the problem, with OpenAI's error type (Anthropic's shape and types on the
+Messages API's routes)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def openai_type(status: int) -> str:
     """OpenAI's error type of a 4xx: invalid_request_error, but for keys and rate limits."""
     return {401: "authentication_error", 403: "permission_error",
             429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type of a 4xx (the Messages API's routes)."""
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error"}.get(status,
+                                                                   "invalid_request_error")
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +81,11 @@ def test_every_registered_route_is_documented_with_its_methods(model_dirs, doc):
             assert op["summary"] and op["operationId"], (method, path)
             ok = [s for s in op["responses"] if s.startswith("2")]
             assert ok and op["responses"][ok[0]]["content"], (method, path)
+            shape = "AnthropicError" if path.startswith("/v1/messages") else "ErrorBody"
             for status, resp in op["responses"].items():
                 if status.startswith("4"):
                     ref = resp["content"]["application/json"]["schema"]["$ref"]
-                    assert ref == "#/components/schemas/ErrorBody", (method, path, status)
+                    assert ref == f"#/components/schemas/{shape}", (method, path, status)
             if "requestBody" in op:
                 ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
                 assert ref.rsplit("/", 1)[1] in schemas
@@ -241,6 +250,17 @@ def test_real_responses_of_every_route_validate_against_the_document(client, doc
                                          "max_output_tokens": 3}))
     check(one_cv, "DELETE", client.delete(f"{cv}/{cid}"))
     check(one_cv, "GET", get(f"{cv}/{cid}"))  # 404
+    # the Anthropic Messages API: a message (whole, streamed, a forced call), a count
+    msg, count = "/v1/messages", "/v1/messages/count_tokens"
+    price = {"name": "get_price", "input_schema": TOOLS[0]["function"]["parameters"]}
+    for extra in ({"system": SYSTEM}, {"stream": True},
+                  {"tools": [price], "tool_choice": {"type": "any"}},
+                  {"tools": [price], "tool_choice": {"type": "any"}, "stream": True}):
+        check(msg, "POST", post(msg, json={"model": model, "max_tokens": 3,
+                                           "messages": msgs, **extra}))
+    check(count, "POST", post(count, json={"model": model, "messages": msgs}))
+    check(msg, "POST", post(msg, json={"model": model, "messages": msgs}))  # 400
+    check(count, "POST", post(count, json={"model": "nope", "messages": msgs}))  # 404
     # errors: the one shape, documented for each route
     check(S, "GET", get("/sessions/nope"))
     check(S + "/append", "POST", post(f"/sessions/{a}/append", json={"data": "x"}))  # 409
@@ -307,7 +327,11 @@ def test_schemathesis_finds_no_5xx_and_every_response_on_its_schema(
             case.body["model"] = model  # past the model check, into the request's own
         r = case.call_and_validate(checks=CHECKS, timeout=60)
         assert r.status_code < 500, r.text
-        if 400 <= r.status_code < 500:
+        if 400 <= r.status_code < 500 and path.startswith("/v1/messages"):
+            body = r.json()  # Anthropic's shape and error types
+            assert body["type"] == "error" and body["error"]["message"], r.text
+            assert body["error"]["type"] == anthropic_type(r.status_code), r.text
+        elif 400 <= r.status_code < 500:
             err = r.json()["error"]
             assert err["message"] and err["code"], r.text
             assert err["type"] == openai_type(r.status_code), r.text
