@@ -476,7 +476,8 @@ def test_an_error_after_the_stream_begins_is_an_error_event():
         raise RuntimeError("the model failed")
 
     async def read():
-        return [c async for c in reply._guarded(None, lambda: cleaned.append(1))(source())]
+        running = SimpleNamespace(done=False)  # a stream still being answered
+        return [c async for c in reply._guarded(running, lambda: cleaned.append(1))(source())]
 
     events = sse_events(b"".join(asyncio.run(read())).decode())
     assert [n for n, _ in events] == ["message_start", "ping", "content_block_start",

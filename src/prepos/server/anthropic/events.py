@@ -9,9 +9,10 @@ begun is an `error` event in Anthropic's error shape.
 
 Streamed text that may be a tool call's markup is withheld until it is known not to be (as
 the chat route's chunks are); the calls are sent whole at the end, each as one block.
-`message_start` goes out before the prompt is placed, so its usage counts nothing yet;
-`message_delta` carries the whole usage (input, cache read and output tokens), as
-Anthropic's does, and the SDK's accumulator takes it from there.
+`message_start` goes out before the prompt is placed, so its usage counts nothing yet (but
+for an answer served at once from a prepared entry, whose prompt is known); `message_delta`
+carries the whole usage (input, cache read and output tokens), as Anthropic's does, and the
+SDK's accumulator takes it from there.
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ class MessageReply:
 
     def _events(self, stream: Stream) -> streaming.Chunks:
         async def run(source):
-            yield emit("message_start", message=self.body([], None, None, None))
+            start = self.body([], None, None, None)
+            if stream.done:  # answered at once (a prepared entry): its prompt is known
+                start["usage"] = {**T.usage(stream.result()), "output_tokens": 0}
+            yield emit("message_start", message=start)
             yield emit("ping")
             fmt = self.state.engine.fmt.tool_format
             held = self.prefix  # text withheld while it may be a tool call's markup
