@@ -26,6 +26,7 @@ LIMITS = ["--api-key", KEY, "--max-tokens", "16", "--max-input-tokens", "400",
           "--max-session-tokens", "256", "--max-header-bytes", "16384"]
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,8 @@ def cases(model: str, t: dict, long_text: str):
         ("seed-under-int64-turn", "POST", "/sessions/{A}/turn",
          {"json": {"user": "u", "seed": -(2**63) - 1}}, 400, "invalid_sampling", "seed"),
         ("temperature-infinite", "POST", "/sessions/{S}/query",
-         {"content": b'{"question": "q", "temperature": 1e400}'}, 400, None, "temperature"),
+         {"content": b'{"question": "q", "temperature": 1e400}', "headers": JSON}, 400, None,
+         "temperature"),
         ("presence-penalty", "POST", V1, {"json": chat(presence_penalty=3)}, 400,
          "invalid_request", "presence_penalty"),
         ("frequency-penalty", "POST", CMPL, {"json": cmpl(frequency_penalty=-2.5)}, 400,
@@ -323,8 +325,8 @@ def test_half_sent_requests_are_closed_at_their_deadline(small):
                 chunks.append(got)
             replies[name] = b"".join(chunks)
 
-    partial = {"head": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
-               "body": b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    partial = {"head": b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ",
+               "body": b"POST /sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
                        b"\r\nContent-Length: 100\r\n\r\n{\"kind\": ",
                "silent": b""}
     threads = [threading.Thread(target=hold, args=item) for item in partial.items()]
@@ -361,7 +363,7 @@ def _exchange(url: str, pieces: list[bytes]) -> bytes:
 def test_a_head_sent_in_pieces_past_the_limit_is_431_and_closed(server):
     """Headers sent a few KB at a time, never ending: once they pass the limit (16 KB
     here) the answer is a JSON 431 and the connection closes; nothing else is answered."""
-    pieces = [b"GET /health HTTP/1.1\r\nHost: x\r\n"] + \
+    pieces = [b"GET /health HTTP/1.1\r\nHost: localhost\r\n"] + \
         [b"X-Pad-%d: %s\r\n" % (i, b"y" * 4000) for i in range(8)]
     reply = _exchange(server.url, pieces)
     assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
@@ -370,7 +372,7 @@ def test_a_head_sent_in_pieces_past_the_limit_is_431_and_closed(server):
 
 
 def test_a_request_the_parser_cannot_read_is_a_json_400(server):
-    reply = _exchange(server.url, [b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"])
+    reply = _exchange(server.url, [b"GET /health HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n"])
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     assert b'"invalid_request"' in reply
     assert httpx.get(server.url + "/health").status_code == 200
@@ -379,8 +381,8 @@ def test_a_request_the_parser_cannot_read_is_a_json_400(server):
 def test_pipelined_requests_are_each_answered_in_order(server):
     """Two requests in one write on a kept-alive connection, then a third that closes it:
     three answers, in order (the guard's head count and deadline are per request)."""
-    get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a\r\n\r\n"
-    bad = b"GET /v1/models/nope HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a\r\n" \
+    get = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer key-a\r\n\r\n"
+    bad = b"GET /v1/models/nope HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer key-a\r\n" \
           b"Connection: close\r\n\r\n"
     reply = _exchange(server.url, [get + get, bad])
     assert re.findall(rb"HTTP/1.1 (\d{3}) ", reply) == [b"200", b"200", b"404"], reply[:400]

@@ -181,6 +181,31 @@ def test_on_streams_a_request_longer_than_its_stream_is_refused_clearly(model_di
                    .result(timeout=60).tokens) >= 1
 
 
+def test_context_length_extends_the_context_with_yarn(model_dirs):
+    """Past the training context, the context is YaRN-scaled RoPE: a session may hold that
+    many tokens, the resident cells hold one such session whatever --kv-cells says, and a
+    session runs past the trained length; within it, the context is capped as asked."""
+    gguf = exported_gguf(model_dirs["chatml"])
+    plain = llama_cpp.LlamaCppBackend(gguf, n_ctx=512, threads=2, max_sequences=2)
+    trained = int(llama_cpp._ll.llama_model_n_ctx_train(plain.model))
+    plain.close()
+    cfg = EngineConfig(backend="llama.cpp", threads=2, kv_cells=256, max_sequences=2,
+                       context_length=2 * trained, gate=GateConfig(tau=0.0, answers=()))
+    with Engine.from_pretrained(model_dirs["chatml"], cfg) as eng:
+        assert eng.max_context == 2 * trained and eng.backend.kv_cells >= 2 * trained
+        assert eng.config.budget.session_cells == 2 * trained  # one session: all of it
+        sid = eng.create_session("streaming", system="You read market data.")
+        line = "AAPL " + " ".join(str(100 + i % 50) for i in range(40))
+        while len(eng.session(sid).snap.tokens) < trained + 64:
+            eng.append(sid, line)
+        res = eng.query(sid, Q, Request(SamplingParams(max_tokens=2))).result(timeout=120)
+        assert res.prompt_tokens > trained and len(res.tokens) >= 1
+    cut = EngineConfig(backend="llama.cpp", threads=2, kv_cells=1024, context_length=300,
+                       gate=GateConfig(tau=0.0, answers=()))
+    with Engine.from_pretrained(model_dirs["chatml"], cut) as eng:
+        assert eng.max_context == 300
+
+
 def test_crop_removes_the_positions_it_drops(backend):
     """After a crop the sequence attends to its kept prefix only: re-running the dropped
     positions gives a fresh run's logits (stale cells would change them)."""

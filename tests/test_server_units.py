@@ -92,9 +92,17 @@ def test_tool_call_markup_is_held_back():
 def test_limits():
     lim = Limits(max_tokens=8, default_max_tokens=4, max_input_tokens=10)
     assert lim.sampling(None).max_tokens == 4
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(ApiError) as err:  # the session API's: refused
         lim.sampling(9)
     assert err.value.code == "max_tokens_limit"
+    cut = lim.sampling(9, fit=True)  # the OpenAI and Anthropic routes': cut, to the context too
+    assert (cut.max_tokens, cut.fit_context) == (8, True)
+    assert lim.sampling(None, fit=True).max_tokens == 8
+    strict = Limits(max_tokens=8, strict_max_tokens=True)
+    with pytest.raises(ApiError) as err:
+        strict.sampling(9, fit=True)
+    assert err.value.code == "max_tokens_limit"
+    assert not strict.sampling(5, fit=True).fit_context  # asked within: refused past the context
     with pytest.raises(ApiError) as err:  # the engine's check, naming its field
         lim.sampling(2, temperature=-1)
     assert (err.value.code, err.value.param) == ("invalid_sampling", "temperature")

@@ -72,7 +72,7 @@ class GateConfig:
 class BudgetConfig:
     """KV cell budgets, in tokens. Pre-positions that would exceed them are skipped."""
 
-    session_cells: int = 4096
+    session_cells: int | None = None  # None: the model's whole context
     engine_cells: int = 262_144
 
 
@@ -108,6 +108,9 @@ class EngineConfig:
     dtype: str = "float32"
     chunk_tokens: int = 8  # idle work runs in chunks of this many tokens, yielding between them
     max_context: int | None = None  # default: the model's max_position_embeddings
+    # llama.cpp: the model's context, extended past its training context with YaRN (RoPE
+    # models only); the resident cells hold at least one session of it. None: as trained
+    context_length: int | None = None
     shift_keep: float = 0.5  # a window shift keeps this fraction of the context for data
     reserve_tokens: int = 64  # head-room a streaming session keeps for a query and its answer
     max_versions: int = 1024  # committed versions kept for rollback per session

@@ -85,7 +85,7 @@ class LlamaCppBackend(Backend):
 
     def __init__(self, gguf: str | Path, n_ctx: int = 8192, threads: int | None = None,
                  n_batch: int = 512, max_sequences: int = 64, logit_tolerance: float = 0.05,
-                 kv_layout: str = "unified"):
+                 kv_layout: str = "unified", context_length: int | None = None):
         if _ll is None:
             raise LlamaCppError(IMPORT_ERROR)
         if not Path(gguf).is_file():
@@ -122,6 +122,8 @@ class LlamaCppBackend(Backend):
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = kv_layout == "unified"
         cparams.no_perf = True
+        trained = int(_ll.llama_model_n_ctx_train(self.model))
+        self.context = _extend(cparams, self.model, trained, context_length, gguf)
         self.ctx = _ll.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             _ll.llama_model_free(self.model)
@@ -134,7 +136,7 @@ class LlamaCppBackend(Backend):
         self.n_ctx = int(_ll.llama_n_ctx(self.ctx))
         self.kv_cells = self.n_ctx
         self.max_context = min(int(_ll.llama_n_ctx_seq(self.ctx)),  # a stream, or the pool
-                               int(_ll.llama_model_n_ctx_train(self.model)))
+                               self.context)
         self.threads = threads
         self.n_batch = n_batch
         self.max_batch = self.n_seq
@@ -309,6 +311,22 @@ class LlamaCppBackend(Backend):
         _ll.llama_batch_free(self._batch)
         _ll.llama_free(self.ctx)
         _ll.llama_model_free(self.model)
+
+
+def _extend(cparams, model, trained: int, length: int | None, gguf) -> int:
+    """The context a session may use: `length` where given (within the training context,
+    as asked; past it, RoPE scaled by YaRN as llama-server's `--rope-scaling yarn --rope-scale
+    F --yarn-orig-ctx T` scales it, F = length / T), else the training context."""
+    if length is None or length <= trained:
+        return trained if length is None else max(1, length)
+    if _ll.llama_model_rope_type(model) == _ll.LLAMA_ROPE_TYPE_NONE:
+        raise ValueError(f"--context-length {length} is past {gguf}'s training context of "
+                         f"{trained} tokens, and its positions are not RoPE: it cannot be "
+                         "extended")
+    cparams.rope_scaling_type = _ll.LLAMA_ROPE_SCALING_TYPE_YARN
+    cparams.rope_freq_scale = trained / length
+    cparams.yarn_orig_ctx = trained
+    return length
 
 
 _LOG_CB = None

@@ -4,6 +4,8 @@ read-only view (`view.py`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 from typing import Callable
 
@@ -31,11 +33,15 @@ from prepos.worker.tiers import Tiers
 class Engine(Mutations, Requests, EngineView):
     def __init__(self, backend: Backend, fmt: ChatFormat, config: EngineConfig | None = None,
                  model_name: str = "model"):
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.backend = backend
         self.fmt = fmt
         self.model_name = model_name
         self.max_context = min(config.max_context or backend.max_context, backend.max_context)
+        if config.budget.session_cells is None:  # a session may use the whole context
+            config = replace(config, budget=replace(config.budget,
+                                                    session_cells=self.max_context))
+        self.config = config
         self.gate = Gate(config.gate, fmt)
         self.sessions = SessionStore(config.max_sessions if backend.holds_tiers
                                      else backend.max_sessions or SessionStore.DEFAULT_MAX)

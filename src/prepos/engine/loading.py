@@ -130,8 +130,9 @@ def _llama_cpp(path: Path, config: EngineConfig) -> Backend:
     from prepos.backends.llama_cpp import LlamaCppBackend
 
     gguf = path if path.suffix == ".gguf" else exported_gguf(path)
-    return LlamaCppBackend(gguf, n_ctx=config.kv_cells, threads=config.threads,
-                           max_sequences=config.max_sequences, kv_layout=config.kv_layout)
+    return LlamaCppBackend(gguf, n_ctx=max(config.kv_cells, config.context_length or 0),
+                           threads=config.threads, max_sequences=config.max_sequences,
+                           kv_layout=config.kv_layout, context_length=config.context_length)
 
 
 def _cached(kind: str, name: str, sources: list[Path]) -> Path:

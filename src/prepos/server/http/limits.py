@@ -23,9 +23,12 @@ class Limits:
     max_sessions_per_key: int | None = None  # None: the key's equal share (`share`)
     max_subscribers: int = 1024  # SSE subscriptions open at once
     max_subscribers_per_key: int | None = None  # None: the key's equal share
-    max_tokens: int = 1024  # generated tokens per request
+    max_tokens: int = 1024  # generated tokens per request (a request asking more gets this)
     default_max_tokens: int = 64
-    max_input_tokens: int = 8192  # tokens of input text per request
+    max_input_tokens: int | None = None  # tokens of input text per request (None: the context)
+    # refuse (400) a max_tokens over `max_tokens` or past the context, instead of answering up
+    # to either and stopping there with finish_reason "length"
+    strict_max_tokens: bool = False
     max_queue: int = 256  # foreground tasks queued on the model worker before 429
     max_header_bytes: int = 64 * 1024  # a request's line and headers (431 beyond)
     # the sampling of each set of values asked for lately (a dashboard asks alike every time)
@@ -39,10 +42,12 @@ class Limits:
                  frequency_penalty: float | None = None,
                  logit_bias: tuple[tuple[int, float], ...] = (),
                  fit: bool = False) -> SamplingParams:
-        """A request's sampling, checked: 400 naming the field beyond a limit or out of its
-        range. max_tokens left out is `default_max_tokens`, or with `fit` (OpenAI's) the rest
-        of the context, up to `max_tokens`. Remembered per distinct request (the fast path's
-        are the same request again and again)."""
+        """A request's sampling, checked: 400 naming the field out of its range. max_tokens
+        left out is `default_max_tokens`; with `fit` (the OpenAI and Anthropic routes) an
+        answer stops at the context's end, its max_tokens left out taken as `max_tokens`, and
+        one over `max_tokens` cut to it, as llama.cpp's server does (400 instead with
+        `strict_max_tokens`). Remembered per distinct request (the fast path's are the same
+        request again and again)."""
         key = (max_tokens, temperature, top_k, top_p, seed,
                tuple(stop) if isinstance(stop, list) else stop, param, top_logprobs,
                presence_penalty, frequency_penalty, logit_bias, fit)
@@ -61,8 +66,8 @@ class Limits:
                   top_logprobs: int, presence_penalty, frequency_penalty,
                   logit_bias, fit: bool) -> SamplingParams:
         n = self.default_max_tokens if max_tokens is None else max_tokens
-        fit = fit and max_tokens is None
-        if fit:
+        fit = fit and (max_tokens is None or not self.strict_max_tokens)
+        if fit and (max_tokens is None or isinstance(n, int) and n > self.max_tokens):
             n = self.max_tokens
         if isinstance(n, int) and n > self.max_tokens:
             raise ApiError(400, "max_tokens_limit",
@@ -94,16 +99,20 @@ class Limits:
         model's context is refused as the engine would (400 `context_length_exceeded` there)
         whatever the limit. A byte-level token covers at least one byte, so text within the
         limit in bytes is never tokenized here."""
-        if len(text) <= self.max_input_tokens and len(text.encode()) <= self.max_input_tokens:
+        limit = self.input_limit(engine)
+        if len(text) <= limit and len(text.encode()) <= limit:
             return
         n = len(engine.fmt.encode(text))
         if context and n > engine.max_context:
             raise ApiError(413, "over_budget", f"{what} is {n} tokens, over the model's "
                            f"context of {engine.max_context}", what)
-        if n > self.max_input_tokens:
+        if n > limit:
             raise ApiError(413, "input_too_large",
                            f"{what} is {n} tokens, over this server's limit of "
-                           f"{self.max_input_tokens} tokens per request", what)
+                           f"{limit} tokens per request", what)
+
+    def input_limit(self, engine) -> int:
+        return self.max_input_tokens or engine.max_context
 
     def backpressure(self, engine, step_seconds: float) -> None:
         fg, _ = engine.queue_lengths()

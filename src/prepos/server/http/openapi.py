@@ -34,7 +34,11 @@ ERRORS = {400: "the request is invalid: the error names the field and the proble
                "wrong one was sent",
           404: "no such session for this key, or no such model",
           409: "the session is of the other kind, or its state conflicts with the request",
+          403: "a web page's request: its Host or Origin is not one this server takes "
+               "(--allowed-hosts, --allowed-origins)",
           413: "the body is over the server's size limit",
+          415: "the body is not JSON (send Content-Type: application/json)",
+          422: "this Idempotency-Key was used for another request",
           429: "the server's queue or session limit is full; retry after `Retry-After`",
           503: "the model is loading (retry after `Retry-After`) or failed to load",
           529: "the model is loading or the server is overloaded (Anthropic's "
@@ -145,11 +149,15 @@ def _responses(r: Registered, doc: Doc, c: _Components) -> dict:
 
 
 def _error_statuses(r: Registered, doc: Doc) -> set[int]:
-    statuses = set(doc.errors)
+    statuses = set(doc.errors) | {403}  # `cross_site.py`: every request's Host
     if not doc.public:
         statuses |= {401, 503}
     if doc.body is not None:
         statuses |= {400, 413}
+    if r.method not in ("GET", "HEAD", "OPTIONS"):
+        statuses |= {400, 415}  # a body that is not JSON; an Idempotency-Key not taken
+    if getattr(r.fn, "idempotent", False):
+        statuses |= {409, 422}  # the key's first request still running; used for another
     if doc.query:
         statuses.add(400)
     if path_params(r.path):

@@ -182,12 +182,20 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens a session-API request generates when it names no max_tokens "
                         "(an OpenAI request without one takes the rest of the context, up "
                         "to --max-tokens)")
-    p.add_argument("--max-input-tokens", type=int, default=8192,
-                   help="most tokens of input text in one request")
+    p.add_argument("--strict-max-tokens", action="store_true",
+                   help="refuse (400) a max_tokens over --max-tokens or past the context, "
+                   "instead of answering up to either with finish_reason length")
+    p.add_argument("--max-input-tokens", type=int,
+                   help="most tokens of input text in one request (default: the model's "
+                   "context)")
+    p.add_argument("--context-length", type=int,
+                   help="the model's context in tokens (llama.cpp): past its training "
+                   "context, RoPE scaled with YaRN (default: as trained); the resident KV "
+                   "cells are at least this many")
     p.add_argument("--max-session-tokens", type=int,
                    help="most tokens a session may hold (default: the model's context)")
     p.add_argument("--max-session-cells", type=int, default=BudgetConfig.session_cells,
-                   help="default per-session KV cell budget")
+                   help="default per-session KV cell budget (default: the model's context)")
     p.add_argument("--max-kv-cells", type=int, default=BudgetConfig.engine_cells,
                    help="the engine's KV cell budget")
     p.add_argument("--max-queue", type=int, default=256,
@@ -241,7 +249,8 @@ def parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for flag in ("lookup_tokens", "lookup_said_tokens", "implicit_sessions", "implicit_memory",
                  "response_sessions", "ready_logits_memory", "max_sessions_per_key",
-                 "max_subscribers", "max_subscribers_per_key", "idempotency_bytes"):
+                 "max_subscribers", "max_subscribers_per_key", "idempotency_bytes",
+                 "max_input_tokens"):
         if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
@@ -264,6 +273,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                                               else {"ram_bytes": args.kv_ram}),
                                            disk_bytes=args.kv_disk, disk_dir=args.kv_dir),
                           max_context=args.max_session_tokens,
+                          context_length=args.context_length,
                           preposition=not args.no_preposition,
                           predecode_tokens=max(0, args.predecode_tokens),
                           predecode_min_hit=args.predecode_min_hit,
@@ -281,6 +291,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                     max_subscribers_per_key=args.max_subscribers_per_key, max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
                     max_input_tokens=args.max_input_tokens, max_queue=args.max_queue,
+                    strict_max_tokens=args.strict_max_tokens,
                     max_header_bytes=args.max_header_bytes)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     remote = None

@@ -331,8 +331,8 @@ class ServerState:
                           context: bool = False) -> None:
         """`Limits.check_input`: text short enough is never tokenized; longer text is
         tokenized off the event loop, in the bounded CPU pool."""
-        if len(text) <= self.limits.max_input_tokens and \
-                len(text.encode()) <= self.limits.max_input_tokens:
+        limit = self.limits.input_limit(engine)
+        if len(text) <= limit and len(text.encode()) <= limit:
             return
         await asyncio.get_running_loop().run_in_executor(
             self.cpu, self.limits.check_input, engine, text, what, context)
