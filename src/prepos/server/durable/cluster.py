@@ -213,8 +213,10 @@ class Cluster:
         lease is touched: the app answers 404). An OpenAI request naming no stored session
         names a conversation of the client's: served here, no lease (the app answers it
         statelessly)."""
-        owner = self.state.keys.owner_of(dict(scope["headers"]).get(
-            b"authorization", b"").decode("latin-1") or None)
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization") or (  # Anthropic's clients send x-api-key
+            b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers else b"")
+        owner = self.state.keys.owner_of(auth.decode("latin-1") or None)
         client_named = scope["path"] in CLIENT_NAMED
         for sid in dict.fromkeys((scoped(owner, name), name)):  # as `session_named` finds it
             if self.leases.owns(sid) or owner is None and not client_named:
