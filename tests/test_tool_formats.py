@@ -217,3 +217,145 @@ def test_json_nested_deeper_than_the_decoder_recurses_is_no_call():
     # a client's call with such arguments is held as the text it sent
     assert normalize_tool_call({"function": {"name": "f", "arguments": deep}})[
         "function"]["arguments"] == deep
+
+
+# -- a call cut by max_tokens -------------------------------------------------------------
+ARGS = '{"city": "Paris"}'
+# each family's call markup, with its marker and without it (detokenized away), and the
+# text before it: (format, text, lead, whether the markup is a mark (else bare JSON))
+CUT_FORMS = [
+    (tf.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + '}\n</tool_call>',
+     "Let me look.\n", True),
+    (tf.PREPOS, '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + '}\n</tool_call>',
+     "Let me look.\n", True),
+    (tf.PREPOS, '{"name": "get_weather", "arguments": ' + ARGS + "}", "", False),
+    (tf.LLAMA3, '<|python_tag|>{"name": "get_weather", "parameters": ' + ARGS + "}", "", True),
+    (tf.LLAMA3, '{"name": "get_weather", "parameters": ' + ARGS + "}", "", False),
+    (tf.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + ARGS + "}]", "Sure. ",
+     True),
+    (tf.MISTRAL, '[{"name": "get_weather", "arguments": ' + ARGS + "}]", "", False),
+    (tf.MISTRAL, "[TOOL_CALLS]get_weather[ARGS]" + ARGS, "Sure. ", True),
+]
+
+
+def _whole(fmt, before: str, c) -> tuple[str, list[dict]]:
+    """What the reply writers make of a cut answer: the text before the cut call parsed
+    for content and whole calls, then the cut call."""
+    content, calls = fmt.parse(before)
+    return content, calls + ([c] if c else [])
+
+
+@pytest.mark.parametrize("fmt,markup,lead,marked", CUT_FORMS,
+                         ids=[f"{f.name}-{i}" for i, (f, *_) in enumerate(CUT_FORMS)])
+def test_a_call_cut_anywhere_is_its_name_and_arguments_so_far(fmt, markup, lead, marked):
+    text = lead + markup
+    start = text.index(ARGS)
+    # a call from the character after its name (a closing quote, or `[ARGS]`'s `[`), or
+    # for bare JSON after the arguments' key
+    named = text.index("get_weather") + 12 if marked else text.index(ARGS) - 2
+    for k in range(len(text) + 1):
+        cut = text[:k]
+        before, c = tf.cut_call(cut, fmt)
+        content, calls = _whole(fmt, before, c)
+        if k < len(lead):  # before the markup: the text as it is, no call
+            assert (before, c) == (cut, None), cut
+            continue
+        if k < named:  # cut before the name: no call, and no mark's text in the content
+            assert c is None and not calls, cut
+            assert content == (lead if marked else cut), cut
+            continue
+        assert content.strip() == lead.strip(), cut
+        (got,) = calls
+        assert got["function"]["name"] == "get_weather", cut
+        args = got["function"]["arguments"]
+        if isinstance(args, dict):  # read whole by the parser (the call complete)
+            assert args == {"city": "Paris"} and k >= start + len(ARGS), cut
+            continue
+        # the raw text so far: a prefix of the arguments as written (or all of them)
+        assert args == text[start:min(k, start + len(ARGS))], cut
+        read = tf.lenient_arguments(args)  # as far as it goes: the city so far, or none
+        assert read == {} or "Paris".startswith(read["city"]) and set(read) == {"city"}, cut
+        assert read == {"city": "Paris"} or k < start + len(ARGS), cut
+
+
+def test_whole_calls_before_the_cut_one_are_kept():
+    one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+    before, c = tf.cut_call("Hi. " + one + '<tool_call>\n{"name": "b", "arguments": {"x', tf.HERMES)
+    assert _whole(tf.HERMES, before, c) == ("Hi.", [tf.call("a", {}),
+                                                   {"type": "function", "function": {
+                                                       "name": "b", "arguments": '{"x'}}])
+    before, c = tf.cut_call('{"name": "a", "parameters": {}}; {"name": "b', tf.LLAMA3)
+    assert _whole(tf.LLAMA3, before, c) == ("", [tf.call("a", {})])  # b's name not whole
+    for mistral in ('[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": ',
+                    '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": '):
+        before, c = tf.cut_call(mistral, tf.MISTRAL)
+        content, calls = _whole(tf.MISTRAL, before, c)
+        assert content == "" and [x["function"]["name"] for x in calls] == ["a", "b"]
+        assert calls[1]["function"]["arguments"] == ""
+    before, c = tf.cut_call("[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR", tf.MISTRAL)
+    assert _whole(tf.MISTRAL, before, c)[1] == [tf.call("a", {}), {
+        "type": "function", "function": {"name": "b", "arguments": ""}}]
+
+
+def test_an_answer_not_cut_in_a_call_is_as_it_was():
+    for fmt in (tf.HERMES, tf.PREPOS, tf.LLAMA3, tf.MISTRAL):
+        for text in ("It is sunny in Paris.", "[1, 2] is a list", '{"answer": "sun',
+                     "a <tool_call> b </tool_call> c", ""):
+            before, c = tf.cut_call(text, fmt)
+            assert c is None and (before == text or not before.strip()), (fmt.name, text)
+    # a JSON answer with a "name" but no arguments yet is content, not a call
+    assert tf.cut_call('{"name": "Ada", "age": 3', tf.LLAMA3) == ('{"name": "Ada", "age": 3',
+                                                                   None)
+
+
+def _forced(fmt: ChatFormat, names: list[str]) -> dict[str, str]:
+    msgs = [{"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in names]
+    shown = {}
+    for n in names:
+        opening = fmt.call_markup(msgs, tools, n).opening
+        shown[n] = "".join(p for p in fmt.controls.split_special(opening) if isinstance(p, str))
+    return shown
+
+
+@pytest.mark.parametrize("fam", list(EXPECTED))
+def test_a_forced_call_cut_anywhere_is_the_forced_function_s(formats, fam):
+    """A forced answer is calls alone, read from the openings the grammar writes: forced to
+    one function, a cut call is that function's from its first character; forced to one of
+    several, from where its name is written."""
+    fmt = formats[fam]
+    one = _forced(fmt, ["get_weather"])
+    two = _forced(fmt, ["get_weather", "get_time"])
+    opening = one["get_weather"]
+    text = opening + ARGS
+    named = opening.index("get_weather") + len("get_weather")
+    for k in range(len(text)):
+        cut = text[:k]
+        before, c = tf.cut_call(cut, fmt, one)
+        assert before == "" and c["function"]["name"] == "get_weather", cut
+        assert c["function"]["arguments"] == text[len(opening):max(k, len(opening))], cut
+        before, c = tf.cut_call(cut, fmt, two)
+        assert before == "" or not before.strip(), cut
+        assert (c is None) == (k < named), cut
+    # whole: no call left over for the cut reader
+    assert tf.cut_call(text + "}", fmt, one) == (text + "}", None)
+
+
+def test_lenient_arguments_close_what_was_cut():
+    cases = {
+        '{"city": "Paris"}': {"city": "Paris"},
+        '{"city": "Par': {"city": "Par"},
+        '{"city": "Paris", "days": [1, 2': {"city": "Paris", "days": [1, 2]},
+        '{"city": "Paris", "da': {"city": "Paris"},
+        '{"city": "Paris", "days": ': {"city": "Paris"},
+        '{"a": {"b": "c\\': {"a": {"b": "c"}},
+        '{"a": tr': {},
+        '{"n": 12': {"n": 12},
+        "": {}, "{": {}, "[1, 2]": {}, "not json": {}, "{'a': 1}": {},
+        '{"a": "x\x13y"': {"a": "x\x13y"},  # a control character, as a small model writes
+    }
+    for text, want in cases.items():
+        assert tf.lenient_arguments(text) == want, text
+    deep = '{"a": ' + "[" * 5000
+    assert tf.lenient_arguments(deep) == {}  # nested deeper than the decoder recurses
