@@ -4,7 +4,8 @@ a call is accepted token by token and no sampled token is refused, whatever the 
 (an added `<tool_call>` token that is not special, as the bundled model's and Qwen's; markup
 the tokenizer splits into characters; byte fallback for characters outside the vocabulary).
 A forced answer is its calls alone: content null beside them, a call whose opening was cut
-is none, a turn cut inside a call says `length` with no markup in the content. End to end
+before its name is none (but forced to one function, that function's), a turn cut inside a
+call says `length` with the call so far and no markup in the content. End to end
 on the bundled model: named, required, streamed, cut and replayed."""
 
 from __future__ import annotations
@@ -180,10 +181,27 @@ def test_a_forced_answer_is_its_calls_alone():
                 for c in msg["tool_calls"]] == [("get_price", "")]
 
 
+def test_an_answer_forced_to_one_function_cut_anywhere_is_its_call():
+    opening = '<tool_call>\n{"name": "get_price", "arguments": '
+    forced = {"get_price": opening}
+    for cut in ("", "<tool_", "<tool_call>", opening[:opening.index("get_pr") + 6], opening):
+        msg, finish = message(_result(cut, "length"), True, forced=forced)
+        assert finish == "length" and msg["content"] is None, cut
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in msg["tool_calls"]] == [("get_price", "")], cut
+    msg, _ = message(_result(opening + '{"ticker": "AC', "length"), True, forced=forced)
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"ticker": "AC'
+
+
 def test_an_answer_cut_inside_a_call_leaves_no_markup_in_the_content():
     text = 'Let me look.\n<tool_call>\n{"name": "get_pr'
     msg, finish = message(_result(text, "length"), True)
-    assert finish == "length" and msg["content"] == "Let me look.\n"
+    assert finish == "length" and msg == {"role": "assistant", "content": "Let me look.\n"}
+    # past the name: the call so far beside the text (an unforced answer: LangChain's loop)
+    msg, finish = message(_result(text + 'ice", "arguments": {"ticker": "AC', "length"), True)
+    assert finish == "length" and msg["content"] == "Let me look."
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in msg["tool_calls"]] == [("get_price", '{"ticker": "AC')]
     # a whole answer keeps what is not a call, malformed markup included
     msg, _ = message(_result("a <tool_call> b", "stop"), True)
     assert msg["content"] == "a <tool_call> b"

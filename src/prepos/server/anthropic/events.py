@@ -8,7 +8,9 @@ reason and stop sequence, and the usage) and `message_stop`. A failure after the
 begun is an `error` event in Anthropic's error shape.
 
 Streamed text that may be a tool call's markup is withheld until it is known not to be (as
-the chat route's chunks are); the calls are sent whole at the end, each as one block.
+the chat route's chunks are); the calls are sent whole at the end, each as one block, its
+input as one `input_json_delta` (a call cut by max_tokens: its input as far as it was
+read, so the SDK's accumulator rebuilds the input a create returns).
 `message_start` goes out before the prompt is placed, so its usage counts nothing yet (but
 for an answer served at once from a prepared entry, whose prompt is known); `message_delta`
 carries the whole usage (input, cache read and output tokens), as Anthropic's does, and the

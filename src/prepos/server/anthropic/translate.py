@@ -12,7 +12,9 @@ tools (`input_schema` is the parameters); `tool_choice` `auto`, `any` (required)
 (the named function) and `none`, `disable_parallel_tool_use` as `parallel_tool_calls`.
 
 The answer: the chat flow's parse (`openai_format.message`) as content blocks (text, then
-`tool_use` blocks with `toolu_` ids and their input objects), its stop reason and usage.
+`tool_use` blocks with `toolu_` ids and their input objects), its stop reason and usage. A
+call cut by max_tokens is a `tool_use` block too, its input read as far as it was written,
+and the stop reason `max_tokens`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import uuid
 from typing import Any
 
+from prepos.chat import tool_formats
 from prepos.core import Result
 from prepos.server.http import results
 from prepos.server.http.errors import ApiError
@@ -231,18 +234,12 @@ def new_id(prefix: str) -> str:
 
 
 def tool_uses(calls: list[dict]) -> list[dict]:
-    """The chat message's tool calls as tool_use blocks; a call whose arguments are no JSON
-    object (cut by max_tokens inside them) is left out: no client should run it."""
-    out = []
-    for c in calls:
-        try:
-            args = json.loads(c["function"]["arguments"] or "{}")
-        except ValueError:
-            continue
-        if isinstance(args, dict):
-            out.append({"type": "tool_use", "id": new_id("toolu_"),
-                        "name": c["function"]["name"], "input": args})
-    return out
+    """The chat message's tool calls as tool_use blocks; a call cut by max_tokens inside its
+    arguments has them read as far as they go (`tool_formats.lenient_arguments`: open
+    strings and objects closed, else {}), the message's stop reason saying it was cut."""
+    return [{"type": "tool_use", "id": new_id("toolu_"), "name": c["function"]["name"],
+             "input": tool_formats.lenient_arguments(c["function"]["arguments"])}
+            for c in calls]
 
 
 def stop_sequence(fmt, res: Result, stops: tuple[str, ...]) -> str | None:

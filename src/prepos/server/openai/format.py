@@ -9,7 +9,6 @@ import copy
 import json
 import time
 import uuid
-from dataclasses import replace
 
 from starlette.responses import Response
 
@@ -43,17 +42,21 @@ def message(res: Result, agentic: bool, prefix: str = "",
     max_tokens, a call or not, as OpenAI's). `prefix`: the text the answer continued (a
     tool call's opening); `forced`: the openings of the functions it must call, by name:
     the answer is its calls alone (`forced_calls`), content null beside them; `fmt`: the
-    tool-call markup of the model's family. A turn cut inside a call's markup leaves none
-    of it in the content."""
+    tool-call markup of the model's family. A turn cut inside a call returns that call as
+    far as it was written, its arguments the raw text so far (`tool_formats.cut_call`),
+    and none of its markup in the content."""
     text = prefix + res.text
     cut = res.finish_reason == "length"
+    last = None  # the call the answer was cut in
+    if agentic and (cut or forced):
+        text, last = tool_formats.cut_call(text, fmt, forced)
     if forced:
         calls = forced_calls(text, forced)
         content = ""
     else:
         content, calls = fmt.parse(text) if agentic else (res.text, [])
-        if agentic and cut:  # the markup of a call the turn was cut in is no text
-            content = content[:tool_formats.safe_prefix(content, replace(fmt, starts=()))]
+    if last is not None:  # the text beside it trimmed, as the parsers trim it beside calls
+        content, calls = content.strip(), [*calls, last]
     if not parallel:
         calls = calls[:1]
     msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
@@ -66,11 +69,10 @@ def message(res: Result, agentic: bool, prefix: str = "",
 
 
 def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
-    """The calls of a forced answer: each where a function's opening (as the answer shows
-    it) starts, its arguments the JSON object after it, the last one's the text as it is
-    where the turn was cut inside them (none where it was cut before them); a call whose
-    opening was cut is that function's once its name is written, none before. What lies
-    between calls (a closing, a separator) is markup."""
+    """The whole calls of a forced answer: each where a function's opening (as the answer
+    shows it) starts, its arguments the JSON object after it (the call it was cut in is
+    read by `tool_formats.cut_call`). What lies between calls (a closing, a separator) is
+    markup."""
     calls: list[dict] = []
     at = 0
     dec = json.JSONDecoder()
@@ -78,32 +80,17 @@ def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
         found = [(i, name, op) for name, op in forced.items()
                  if (i := text.find(op.lstrip(), at)) >= 0]
         if not found:
-            cut = _named_opening(text, at, forced)
-            return calls + [cut] if cut else calls
+            return calls
         i, name, opening = min(found)
         at = i + len(opening.lstrip())
         try:
             args, end = dec.raw_decode(text, at)
-        except (ValueError, RecursionError):  # cut inside the arguments
-            calls.append({"function": {"name": name, "arguments": text[at:]}})
+        except (ValueError, RecursionError):
             return calls
         if not isinstance(args, dict):
             return calls
         calls.append({"function": {"name": name, "arguments": args}})
         at = end
-
-
-def _named_opening(text: str, at: int, forced: dict[str, str]) -> dict | None:
-    """The call whose opening `text` ends in, cut past its function's name."""
-    for name, opening in forced.items():
-        opening = opening.lstrip()
-        k = opening.find(json.dumps(name)[1:-1])
-        if k < 0:
-            continue
-        i = text.find(opening[:k + len(json.dumps(name)[1:-1])], at)
-        if i >= 0 and opening.startswith(text[i:]):
-            return {"function": {"name": name, "arguments": ""}}
-    return None
 
 
 def _arguments(args) -> str:
