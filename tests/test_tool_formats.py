@@ -2,7 +2,9 @@
 (well-formed calls, several calls, malformed markup kept as text), the streamed answer's
 withholding of each family's opening marker, and prepos's fallback on a template that
 renders no tools (tools in a system block, calls written as text the parser reads back;
-through the server: rendered, never dropped)."""
+through the server: rendered, never dropped); a call cut by max_tokens at every character,
+in every family's markup and in a forced answer's, read as far as it was written
+(`cut_calls`), and its arguments read leniently."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
+from prepos.chat import cut_calls as cc
 from prepos.chat import tool_formats as tf
 from prepos.chat.format import ChatFormat, normalize_tool_call
 from prepos.lab.tiny import build_model, build_tokenizer
@@ -255,7 +258,7 @@ def test_a_call_cut_anywhere_is_its_name_and_arguments_so_far(fmt, markup, lead,
     named = text.index("get_weather") + 12 if marked else text.index(ARGS) - 2
     for k in range(len(text) + 1):
         cut = text[:k]
-        before, c = tf.cut_call(cut, fmt)
+        before, c = cc.cut_call(cut, fmt)
         content, calls = _whole(fmt, before, c)
         if k < len(lead):  # before the markup: the text as it is, no call
             assert (before, c) == (cut, None), cut
@@ -273,26 +276,26 @@ def test_a_call_cut_anywhere_is_its_name_and_arguments_so_far(fmt, markup, lead,
             continue
         # the raw text so far: a prefix of the arguments as written (or all of them)
         assert args == text[start:min(k, start + len(ARGS))], cut
-        read = tf.lenient_arguments(args)  # as far as it goes: the city so far, or none
+        read = cc.lenient_arguments(args)  # as far as it goes: the city so far, or none
         assert read == {} or "Paris".startswith(read["city"]) and set(read) == {"city"}, cut
         assert read == {"city": "Paris"} or k < start + len(ARGS), cut
 
 
 def test_whole_calls_before_the_cut_one_are_kept():
     one = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
-    before, c = tf.cut_call("Hi. " + one + '<tool_call>\n{"name": "b", "arguments": {"x', tf.HERMES)
+    before, c = cc.cut_call("Hi. " + one + '<tool_call>\n{"name": "b", "arguments": {"x', tf.HERMES)
     assert _whole(tf.HERMES, before, c) == ("Hi.", [tf.call("a", {}),
                                                    {"type": "function", "function": {
                                                        "name": "b", "arguments": '{"x'}}])
-    before, c = tf.cut_call('{"name": "a", "parameters": {}}; {"name": "b', tf.LLAMA3)
+    before, c = cc.cut_call('{"name": "a", "parameters": {}}; {"name": "b', tf.LLAMA3)
     assert _whole(tf.LLAMA3, before, c) == ("", [tf.call("a", {})])  # b's name not whole
     for mistral in ('[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": ',
                     '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": '):
-        before, c = tf.cut_call(mistral, tf.MISTRAL)
+        before, c = cc.cut_call(mistral, tf.MISTRAL)
         content, calls = _whole(tf.MISTRAL, before, c)
         assert content == "" and [x["function"]["name"] for x in calls] == ["a", "b"]
         assert calls[1]["function"]["arguments"] == ""
-    before, c = tf.cut_call("[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR", tf.MISTRAL)
+    before, c = cc.cut_call("[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[AR", tf.MISTRAL)
     assert _whole(tf.MISTRAL, before, c)[1] == [tf.call("a", {}), {
         "type": "function", "function": {"name": "b", "arguments": ""}}]
 
@@ -301,10 +304,10 @@ def test_an_answer_not_cut_in_a_call_is_as_it_was():
     for fmt in (tf.HERMES, tf.PREPOS, tf.LLAMA3, tf.MISTRAL):
         for text in ("It is sunny in Paris.", "[1, 2] is a list", '{"answer": "sun',
                      "a <tool_call> b </tool_call> c", ""):
-            before, c = tf.cut_call(text, fmt)
+            before, c = cc.cut_call(text, fmt)
             assert c is None and (before == text or not before.strip()), (fmt.name, text)
     # a JSON answer with a "name" but no arguments yet is content, not a call
-    assert tf.cut_call('{"name": "Ada", "age": 3', tf.LLAMA3) == ('{"name": "Ada", "age": 3',
+    assert cc.cut_call('{"name": "Ada", "age": 3', tf.LLAMA3) == ('{"name": "Ada", "age": 3',
                                                                    None)
 
 
@@ -332,14 +335,14 @@ def test_a_forced_call_cut_anywhere_is_the_forced_function_s(formats, fam):
     named = opening.index("get_weather") + len("get_weather")
     for k in range(len(text)):
         cut = text[:k]
-        before, c = tf.cut_call(cut, fmt, one)
+        before, c = cc.cut_call(cut, fmt, one)
         assert before == "" and c["function"]["name"] == "get_weather", cut
         assert c["function"]["arguments"] == text[len(opening):max(k, len(opening))], cut
-        before, c = tf.cut_call(cut, fmt, two)
+        before, c = cc.cut_call(cut, fmt, two)
         assert before == "" or not before.strip(), cut
         assert (c is None) == (k < named), cut
     # whole: no call left over for the cut reader
-    assert tf.cut_call(text + "}", fmt, one) == (text + "}", None)
+    assert cc.cut_call(text + "}", fmt, one) == (text + "}", None)
 
 
 def test_lenient_arguments_close_what_was_cut():
@@ -356,6 +359,6 @@ def test_lenient_arguments_close_what_was_cut():
         '{"a": "x\x13y"': {"a": "x\x13y"},  # a control character, as a small model writes
     }
     for text, want in cases.items():
-        assert tf.lenient_arguments(text) == want, text
+        assert cc.lenient_arguments(text) == want, text
     deep = '{"a": ' + "[" * 5000
-    assert tf.lenient_arguments(deep) == {}  # nested deeper than the decoder recurses
+    assert cc.lenient_arguments(deep) == {}  # nested deeper than the decoder recurses

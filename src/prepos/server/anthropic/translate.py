@@ -24,7 +24,7 @@ import re
 import uuid
 from typing import Any
 
-from prepos.chat import tool_formats
+from prepos.chat import cut_calls
 from prepos.core import Result
 from prepos.server.http import results
 from prepos.server.http.errors import ApiError
@@ -235,10 +235,10 @@ def new_id(prefix: str) -> str:
 
 def tool_uses(calls: list[dict]) -> list[dict]:
     """The chat message's tool calls as tool_use blocks; a call cut by max_tokens inside its
-    arguments has them read as far as they go (`tool_formats.lenient_arguments`: open
+    arguments has them read as far as they go (`cut_calls.lenient_arguments`: open
     strings and objects closed, else {}), the message's stop reason saying it was cut."""
     return [{"type": "tool_use", "id": new_id("toolu_"), "name": c["function"]["name"],
-             "input": tool_formats.lenient_arguments(c["function"]["arguments"])}
+             "input": cut_calls.lenient_arguments(c["function"]["arguments"])}
             for c in calls]
 
 

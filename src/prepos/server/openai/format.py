@@ -12,7 +12,7 @@ import uuid
 
 from starlette.responses import Response
 
-from prepos.chat import tool_formats
+from prepos.chat import cut_calls, tool_formats
 from prepos.chat.format import ChatFormat
 from prepos.chat.tool_formats import PREPOS, ToolFormat
 from prepos.core import Result
@@ -43,13 +43,13 @@ def message(res: Result, agentic: bool, prefix: str = "",
     tool call's opening); `forced`: the openings of the functions it must call, by name:
     the answer is its calls alone (`forced_calls`), content null beside them; `fmt`: the
     tool-call markup of the model's family. A turn cut inside a call returns that call as
-    far as it was written, its arguments the raw text so far (`tool_formats.cut_call`),
+    far as it was written, its arguments the raw text so far (`cut_calls.cut_call`),
     and none of its markup in the content."""
     text = prefix + res.text
     cut = res.finish_reason == "length"
     last = None  # the call the answer was cut in
     if agentic and (cut or forced):
-        text, last = tool_formats.cut_call(text, fmt, forced)
+        text, last = cut_calls.cut_call(text, fmt, forced)
     if forced:
         calls = forced_calls(text, forced)
         content = ""
@@ -71,7 +71,7 @@ def message(res: Result, agentic: bool, prefix: str = "",
 def forced_calls(text: str, forced: dict[str, str]) -> list[dict]:
     """The whole calls of a forced answer: each where a function's opening (as the answer
     shows it) starts, its arguments the JSON object after it (the call it was cut in is
-    read by `tool_formats.cut_call`). What lies between calls (a closing, a separator) is
+    read by `cut_calls.cut_call`). What lies between calls (a closing, a separator) is
     markup."""
     calls: list[dict] = []
     at = 0

@@ -9,7 +9,7 @@ that may be a tool call's markup is withheld until it is known not to be (as cha
 are); the calls are sent whole at the end (`response.function_call_arguments.delta` and
 `.done`). A response cut at `max_output_tokens` is `incomplete`, its reason
 `max_output_tokens`; a call it was cut in is a `function_call` item `incomplete` too, its
-`arguments` the raw text written so far (`tool_formats.cut_call`).
+`arguments` the raw text written so far (`cut_calls.cut_call`).
 """
 
 from __future__ import annotations
