@@ -53,6 +53,10 @@ class Counters:
     predecoded_tokens: int = 0
     predecode_served: int = 0
     predecode_wasted: int = 0
+    # requests bringing the next message (a user message or tool result) after an answer,
+    # and of those, the ones whose session's entry was pre-positioned when they arrived
+    next_turns: int = 0
+    next_turns_ready: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -152,6 +156,7 @@ class Prepositioner:
                     self._record(ready, session, target, seq, step.logits)
                     recorded.append((target.key, seq))
             if started and ready.valid:
+                ready.mark(prepared=True)
                 self._bump("recorded")
                 yield from self.predecoder.run(session, ready, kv, recorded, MAX_YIELDS)
         finally:
@@ -183,6 +188,13 @@ class Prepositioner:
         """A request used this ready set (a record, or its pre-paid KV): a hit."""
         if ready is not None and ready.consume():
             self._bump("consumed")
+
+    def arrived(self, was_ready: bool) -> None:
+        """A request brought the next message after an answer; `was_ready`: the entry was
+        pre-positioned (the current version's job had prepared it) when it arrived."""
+        self._bump("next_turns")
+        if was_ready:
+            self._bump("next_turns_ready")
 
     def asked(self, s: Session, key: tuple = QueryRate.ANY) -> None:
         """A request came: an exact one for the entry at `key`, or (ANY) another."""

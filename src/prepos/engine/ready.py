@@ -47,6 +47,7 @@ class ReadySet:
         self.scheduled = False  # a background job was queued for it
         self.started = False  # the background job began its first forward
         self.done = False  # the background job finished (recorded, skipped or discarded)
+        self.prepared = False  # the job brought every entry into the KV (and recorded it)
         self._lock = threading.Lock()
 
     def record(self, key: tuple, rec: ReadyRecord) -> bool:
@@ -102,12 +103,14 @@ class ReadySet:
         with self._lock:
             self.valid = False
 
-    def mark(self, scheduled: bool = False, started: bool = False, done: bool = False) -> None:
-        """Its pre-position job was queued / began / finished."""
+    def mark(self, scheduled: bool = False, started: bool = False, done: bool = False,
+             prepared: bool = False) -> None:
+        """Its pre-position job was queued / began / finished / prepared its entries."""
         with self._lock:
             self.scheduled |= scheduled
             self.started |= started
             self.done |= done
+            self.prepared |= prepared
 
     def consume(self) -> bool:
         """A request used it; True the first time (a hit to count), unless already wasted."""

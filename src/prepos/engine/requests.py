@@ -106,9 +106,13 @@ class Requests:
             self.fmt.check_text(message["content"], "user" if message["role"] == "user"
                                 else "content")
             n_header = len(s.entries(base).header)
+            after_answer = bool(base.messages) and base.messages[-1]["role"] == "assistant"
+            was_ready = ready.prepared  # as the request arrived
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
                 message, expected_version=req.expected_version,
                 check=lambda n: self.room.check(s, n + n_header, sampling), turn=True)
+            if after_answer:
+                self.prepositioner.arrived(was_ready)
             self._emit("commit", s, snap)
         header = s.entries(snap).header
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
