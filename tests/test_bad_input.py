@@ -326,8 +326,9 @@ def test_half_sent_requests_are_closed_at_their_deadline(small):
             replies[name] = b"".join(chunks)
 
     partial = {"head": b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ",
-               "body": b"POST /sessions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
-                       b"\r\nContent-Length: 100\r\n\r\n{\"kind\": ",
+               "body": b"POST /sessions HTTP/1.1\r\nHost: localhost\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                       b"{\"kind\": ",
                "silent": b""}
     threads = [threading.Thread(target=hold, args=item) for item in partial.items()]
     t0 = time.monotonic()
@@ -372,7 +373,8 @@ def test_a_head_sent_in_pieces_past_the_limit_is_431_and_closed(server):
 
 
 def test_a_request_the_parser_cannot_read_is_a_json_400(server):
-    reply = _exchange(server.url, [b"GET /health HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n"])
+    reply = _exchange(server.url,
+                      [b"GET /health HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n"])
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     assert b'"invalid_request"' in reply
     assert httpx.get(server.url + "/health").status_code == 200

@@ -5,7 +5,6 @@ read-only view (`view.py`)."""
 from __future__ import annotations
 
 from dataclasses import replace
-
 from pathlib import Path
 from typing import Callable
 

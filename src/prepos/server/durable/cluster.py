@@ -5,7 +5,8 @@ request names (the `x-session-id` header, the `/sessions/{id}` path, or an OpenA
 `session_id`; the header alone names it for the OpenAI routes too, and there the headers
 coding agents name their conversation in stand for it where `x-session-id` is not sent:
 Claude Code's `x-claude-code-session-id`, Codex's `session-id` and `thread-id`) and puts
-`x-session-id` on the response, so a router can hash on it both ways. With a shared store (`Cluster`), it
+`x-session-id` on the response, so a router can hash on it both ways. With a shared store
+(`Cluster`), it
 also decides who serves the request:
 - this node owns the session (its lease held with margin): served here, no store access;
 - the session is free or its owner dead: claimed (`Leases.claim`), loaded from the store

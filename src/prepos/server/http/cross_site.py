@@ -40,7 +40,8 @@ class CrossSite:
         hosts = {h.strip().lower().rstrip(".") for h in allowed_hosts if h.strip()}
         self.any_host = "*" in hosts
         self.suffixes = tuple(h for h in hosts if h.startswith("."))
-        self.hosts = {h for h in hosts if not h.startswith(".")} | {"localhost", "localhost.localdomain"}
+        self.hosts = {h for h in hosts if not h.startswith(".")} | {"localhost",
+                                                                    "localhost.localdomain"}
         if bound:
             name = bound.strip().strip("[]").lower()
             if not _ip(name):

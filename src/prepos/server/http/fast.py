@@ -15,8 +15,8 @@ layers would act on straight to the route's own code (`sessions.ask`,
 request goes through the whole stack as before, and so does one of these whose head is over
 the limit, whose body has no Content-Length or is over the limit (a scrape: that has a
 body), that names a session in an `x-session-id` header, or that carries an `Idempotency-Key`
-(the route's wrapper keeps its answer); so does every request of a server with CORS on (its middleware
-adds headers to every response, `Vary: Origin` at least). On a single node the line also
+(the route's wrapper keeps its answer); so does every request of a server with CORS on (its
+middleware adds headers to every response, `Vary: Origin` at least). On a single node the line also
 stands in front of the cluster's `Front`: the path names the session, and the line names it
 back in `x-session-id` as `Front` would; in a cluster it runs behind `Front`, after the
 session's owner is settled."""
