@@ -120,7 +120,7 @@ def test_opencode_three_turns(server, tmp_path):
                 "npm": "@ai-sdk/openai-compatible", "name": "prepos",
                 "options": {"baseURL": f"{rec.url}/v1", "apiKey": "unused"},
                 "models": {"smollm2": {"name": "SmolLM2",
-                                       "limit": {"context": 32768, "output": 32000}}}}},
+                                       "limit": {"context": 32768, "output": 4096}}}}},
             "model": "prepos/smollm2", "autoupdate": False, "share": "disabled"}))
         env = {"OPENCODE_DISABLE_MODELS_FETCH": "true", "OPENCODE_DISABLE_AUTOUPDATE": "true",
                "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_STATE_HOME": str(tmp_path / "st")}
@@ -134,7 +134,9 @@ def test_opencode_three_turns(server, tmp_path):
             turns.append([e for e in rec.seen[n:] if e.path == "/v1/chat/completions"
                           and (e.request or {}).get("tools")])
     check_turns(turns)
-    assert turns[0][0].request["max_tokens"] == 32000  # over --max-tokens: answered, cut
+    # its output limit: past it (or past the context less it) OpenCode compacts the
+    # conversation before each step; over --max-tokens, answered and cut there
+    assert turns[0][0].request["max_tokens"] == 4096
 
 
 def claude_env(rec: Recorder, home) -> dict:
