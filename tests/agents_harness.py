@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from server_harness import sse_events
 
 AGENTS = Path(os.environ.get("AGENTS_CACHE", Path.home() / ".cache" / "prepos-agents"))
 HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length"}
@@ -38,21 +39,7 @@ class Exchange:
 
     def events(self) -> list[tuple[str, object]]:
         """The response's server-sent events: (name, data parsed as JSON where it parses)."""
-        out = []
-        for block in self.body.decode(errors="replace").replace("\r\n", "\n").split("\n\n"):
-            name, data = "message", []
-            for line in block.split("\n"):
-                if line.startswith("event:"):
-                    name = line[6:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].lstrip())
-            if data:
-                raw = "\n".join(data)
-                try:
-                    out.append((name, json.loads(raw)))
-                except ValueError:
-                    out.append((name, raw))
-        return out
+        return sse_events(self.body.decode(errors="replace"))
 
 
 @dataclass
