@@ -143,3 +143,13 @@ def test_call_arguments_that_are_not_a_json_object_are_held_as_sent():
     for bad in (7, [1], None, True):
         with pytest.raises(Exception, match="must be a string"):
             normalize_tool_call({"function": {"name": "f", "arguments": bad}})
+
+
+def test_a_conversation_may_end_with_system_messages_after_a_user_message():
+    """Claude Code sends its environment as a system message after the user's: answered as
+    the user's turn; after an assistant message (continued) or alone it is as before."""
+    user, sys_msg = {"role": "user", "content": "u"}, {"role": "system", "content": "env"}
+    check_order([], [user, sys_msg, dict(sys_msg)], 0)
+    with pytest.raises(ConversationError):
+        check_order([], [user, {"role": "assistant", "content": "a"}, sys_msg], 0,
+                    continue_final=True)

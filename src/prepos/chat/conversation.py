@@ -124,8 +124,9 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
     """The rules the session applies to each message of `delta` (messages[offset:] of the
     request) after `base`, checked before any is committed. System messages go where the
     chat template allows them (it refuses the others when the conversation is rendered).
-    The conversation must end with a user or tool message, or be a system message alone;
-    with `continue_final`, an assistant message may end it (its content is continued)."""
+    The conversation must end with a user or tool message, followed by none or more system
+    messages (Claude Code sends its environment so), or be a system message alone; with
+    `continue_final`, an assistant message may end it (its content is continued)."""
     msgs = list(base)
     for k, m in enumerate(delta):
         i = offset + k
@@ -145,13 +146,19 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
                                     f"messages[{i}].tool_call_id", "unknown_tool_call_id")
         msgs.append(m)
     last = msgs[-1]["role"] if msgs else None
+    trailing = last == "system"
+    if trailing:  # what the trailing system messages follow
+        last = next((m["role"] for m in reversed(msgs) if m["role"] != "system"), "system")
+        if last == "system" and len(msgs) == 1:
+            return  # a system message alone
     if last == "tool" and pending_calls(msgs):
         raise ConversationError(f"the conversation ends while {_awaited(pending_calls(msgs))}:"
                                 " send a tool message for each call", "messages",
                                 "tool_result_awaited", 409)
-    if last in ("user", "tool") or (last == "system" and len(msgs) == 1):
+    if last in ("user", "tool"):
         return
-    if last == "assistant" and continue_final and not msgs[-1].get("tool_calls"):
+    if last == "assistant" and continue_final and not trailing and \
+            not msgs[-1].get("tool_calls"):
         return
     raise ConversationError("the conversation must end with a user or tool message for the "
                             "model to answer (a stateless request may also end with an "
