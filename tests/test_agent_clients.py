@@ -206,7 +206,9 @@ def test_the_anthropic_and_agent_sdks_three_turns_with_a_tool(server, tmp_path):
                     await client.query(said)
                     async for message in client.receive_response():
                         if isinstance(message, sdk.ResultMessage):
-                            assert not message.is_error, message
+                            assert not message.is_error, (message, [
+                                (e.path, e.status, e.body[:300]) for e in rec.seen[k:]
+                                if not 200 <= e.status < 300])
                     done.append([e for e in rec.seen[k:] if e.path == "/v1/messages"
                                  and (e.request or {}).get("tools")])
             return done

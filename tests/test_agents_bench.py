@@ -1,10 +1,11 @@
-"""benchmarks/agents.py without timing: its synthetic requests have each client's captured
+"""benchmarks/agent_jobs.py without timing: its synthetic requests have each client's captured
 shape (and no timing is asserted), a next turn resends the conversation with the answer and
 the tool's result in the API's form, the draws are seeded; and the engine's counter of the
 tool waits whose next entry was pre-positioned before the result arrived."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,9 +15,12 @@ import pytest
 from helpers import hold_worker
 from prepos.core import Request, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import agents  # noqa: E402
+# loaded by its path, under its own name: `agents` is the OpenAI Agents SDK's package
+_spec = importlib.util.spec_from_file_location(
+    "agent_jobs", Path(__file__).resolve().parents[1] / "benchmarks" / "agent_jobs.py")
+agents = importlib.util.module_from_spec(_spec)
+sys.modules["agent_jobs"] = agents
+_spec.loader.exec_module(agents)
 
 
 def first_jobs(scale: float = 1.0, seed: int = 0, agent: int = 0) -> dict:

@@ -84,10 +84,10 @@ Ratios are prepos over llama-server. Targets at every N: turn_ttft_ratio_vs_llam
 (P50) <= 1.0, job_time_ratio_vs_llama_server (P50) <= 1.0, cached >= 0.95 of the ceiling,
 errors 0, tool_waits_prepositioned >= 0.9 (`targets`).
 
-    python benchmarks/agents.py [--agents 1,4,16] [--turns 4] [--seed 0] [--quick]
+    python benchmarks/agent_jobs.py [--agents 1,4,16] [--turns 4] [--seed 0] [--quick]
                                 [--arms prepos,llama_server]
-The last line printed is the JSON summary (also results/agents.json, every turn in
-results/agents_turns.json, the figure results/agents.png; --quick: agents-quick*).
+The last line printed is the JSON summary (also results/agent_jobs.json, every turn in
+results/agent_jobs_turns.json, the figure results/agent_jobs.png; --quick: agent_jobs-quick*).
 """
 
 from __future__ import annotations
@@ -922,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     args.tool_seconds = tuple(float(x) for x in (args.tool_seconds or "0.2,5").split(","))
     args.result_chars = tuple(float(x) for x in args.result_chars.split(","))
     arms = [a for a in args.arms.split(",") if a]
-    name = "agents-quick" if q else "agents"
+    name = "agent_jobs-quick" if q else "agent_jobs"
     out_path = args.out or RESULTS / f"{name}.json"
 
     binary = find_binary()
