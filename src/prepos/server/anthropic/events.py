@@ -84,14 +84,7 @@ class MessageReply:
     async def respond(self, receive, stream: Stream, cleanup=None) -> Response:
         state = self.state
         if not self.stream:
-            try:
-                res = await state.result(stream, receive)
-            except BaseException:
-                stream.cancel()
-                raise
-            finally:
-                if cleanup is not None:
-                    cleanup()
+            res = await streaming.result(state, stream, receive, cleanup)
             return results.JSONBody(self.whole(res), headers=results.headers(res, self.sid))
         return await streaming.stream_response(stream, self._guarded(stream, cleanup),
                                                self.sid, state.metrics.token_stages)

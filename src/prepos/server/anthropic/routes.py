@@ -60,7 +60,7 @@ from prepos.server.http.routing import Routes
 from prepos.server.http.schemas import ChatCompletion, ChatMessage
 from prepos.server.http.state import ServerState
 from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
-from prepos.server.openai.flow import ChatCall, _continuation_prompt
+from prepos.server.openai.flow import RepliedCall, _continuation_prompt
 from prepos.server.openai.routes import named
 
 from . import schema as S
@@ -70,21 +70,6 @@ from .events import MessageReply
 
 routes = Routes()
 MAX_STOPS = 16  # stop sequences a request may name (the server's bound)
-
-
-class MessagesCall(ChatCall):
-    """The chat route's flow with a Message for its reply."""
-
-    def __init__(self, state, body, sampling, receive, reply: MessageReply):
-        super().__init__(state, body, sampling, receive)
-        self.reply = reply
-
-    async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):
-        r = self.reply
-        r.sid, r.agentic, r.tools = sid, agentic, tools
-        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
-        r.parallel = self.body.parallel_tool_calls is not False
-        return await r.respond(self.receive, streams[0], cleanup)
 
 
 def answered(fn):
@@ -196,7 +181,7 @@ async def create_message(request: Request, rename: Renamer):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(chat)
     reply = MessageReply(state, state.model_name, bool(body.stream), stops, rename=rename)
-    call = MessagesCall(state, chat, sampling, request.receive, reply)
+    call = RepliedCall(state, chat, sampling, request.receive, reply)
     s = named(state, eng, _Named(session_name(request)), owner)
     if s is None:  # no session of this key's named: stateless, found by its content
         kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node

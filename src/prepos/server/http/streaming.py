@@ -27,9 +27,13 @@ Chunks = Callable[[AsyncIterator], AsyncIterator[bytes]]  # stream events -> res
 
 async def result(state, stream: Stream, receive,
                  cleanup: Callable[[], None] | None = None) -> Result:
-    """The stream's result, for a response that is not streamed; `cleanup` either way."""
+    """The stream's result, for a response that is not streamed (the stream cancelled if the
+    wait fails); `cleanup` either way."""
     try:
         return await state.result(stream, receive)
+    except BaseException:
+        stream.cancel()
+        raise
     finally:
         if cleanup is not None:
             cleanup()

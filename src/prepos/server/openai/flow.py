@@ -288,6 +288,22 @@ class ChatCall:
                                    cleanup=cleanup and (lambda: cleanup(stream)))
 
 
+class RepliedCall(ChatCall):
+    """The chat route's flow with another API's reply (`reply.respond`: the Responses API's
+    or the Messages API's), told what the chat reply would have been told."""
+
+    def __init__(self, state: ServerState, body: ChatCompletion, sampling, receive, reply):
+        super().__init__(state, body, sampling, receive)
+        self.reply = reply
+
+    async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):
+        r = self.reply
+        r.sid, r.agentic, r.tools = sid, agentic, tools
+        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
+        r.parallel = self.body.parallel_tool_calls is not False
+        return await r.respond(self.receive, streams[0], cleanup)
+
+
 def prompt_text(eng, prompt: str | list[int], where: str) -> str:
     """A session query's prompt as text: token ids are taken where they are the tokenizer's
     own encoding of their text (a leading BOS may be left out)."""

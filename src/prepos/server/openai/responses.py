@@ -54,7 +54,7 @@ from prepos.server.http.schemas import ChatCompletion, CreateResponse
 from prepos.server.http.state import ServerState
 from prepos.server.openai import responses_schema as RS
 from prepos.server.openai.checks import chat_sampling
-from prepos.server.openai.flow import ChatCall
+from prepos.server.openai.flow import ChatCall, RepliedCall
 from prepos.server.openai.responses_format import Reply
 from prepos.server.openai.responses_input import (
     Renamer,
@@ -143,21 +143,6 @@ class ResponsesApi:
         stream.on_end(lambda: self.chains.release(sid))  # free for the next response at once
 
 
-class ResponsesCall(ChatCall):
-    """The chat route's flow with the Responses API's reply."""
-
-    def __init__(self, state, body, sampling, receive, reply: Reply):
-        super().__init__(state, body, sampling, receive)
-        self.reply = reply
-
-    async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):
-        r = self.reply
-        r.sid, r.agentic, r.tools = sid, agentic, tools
-        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
-        r.parallel = self.body.parallel_tool_calls is not False
-        return await r.respond(self.receive, streams[0], cleanup)
-
-
 @routes.add("POST", "/v1/responses", 7, summary="Create a response", body=CreateResponse,
             response=RS.ResponseObject, events=RS.RESPONSE_EVENTS, errors=(404, 409, 429),
             tags=("openai",))
@@ -228,7 +213,7 @@ async def _create(c, request: Request, rename: Renamer):
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
             "top_logprobs": 0, "conversation": {"id": conv.id} if conv else None}
     reply = Reply(state, echo, bool(body.stream))
-    call = ResponsesCall(state, chat, sampling, request.receive, reply)
+    call = RepliedCall(state, chat, sampling, request.receive, reply)
     forced = call.choice not in ("auto", "none")
 
     async def save(obj: dict, res) -> None:

@@ -115,14 +115,7 @@ class Reply:
     async def respond(self, receive, stream: Stream, cleanup=None) -> Response:
         state = self.state
         if not self.stream:
-            try:
-                res = await state.result(stream, receive)
-            except BaseException:
-                stream.cancel()
-                raise
-            finally:
-                if cleanup is not None:
-                    cleanup()
+            res = await streaming.result(state, stream, receive, cleanup)
             return results.JSONBody(await self.finished(res),
                                          headers=results.headers(res, self.sid))
         return await streaming.stream_response(stream, self._guarded(stream, cleanup),
