@@ -111,7 +111,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stock_clients import resolve, stop  # noqa: E402
+from stock_clients import resolve, serve_prepos, stop  # noqa: E402
 
 from common import RESULTS, machine, metric_samples, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
@@ -601,29 +601,10 @@ def read_stream(r: httpx.Response, path: str, t0: float) -> Answer:
 
 # -- servers ------------------------------------------------------------------------------
 def start_prepos(model: str, log: Path, args) -> tuple[subprocess.Popen, str]:
-    port_file = log.with_suffix(".port")
-    port_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "prepos.cli", "serve", "--model", model, "--port", "0",
-           "--port-file", str(port_file), "--journal", "none", "--log-level", "warning",
-           "--threads", str(args.threads), "--context-length", str(args.context),
-           "--kv-ram", f"{args.ram_mib}M", "--max-tokens", str(args.answer_tokens),
-           *args.server_arg]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prepos serve exited: {log.read_text()[-2000:]}")
-        if port_file.exists() and port_file.read_text().strip():
-            url = f"http://127.0.0.1:{int(port_file.read_text())}"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("prepos serve not ready in 900 s")
+    return serve_prepos(model, log, [
+        "--threads", str(args.threads), "--context-length", str(args.context),
+        "--kv-ram", f"{args.ram_mib}M", "--max-tokens", str(args.answer_tokens),
+        *args.server_arg])
 
 
 class Llama(LlamaServer):

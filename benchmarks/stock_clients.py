@@ -193,12 +193,18 @@ def scripted_call(convo: dict, k: int) -> dict:
 # -- servers -------------------------------------------------------------------------------
 def start_prepos(model: str, log: Path, threads: int, extra: list[str]
                  ) -> tuple[subprocess.Popen, str]:
+    return serve_prepos(model, log, ["--threads", str(threads),
+                                     *[a for k in KEYS.values() for a in ("--api-key", k)],
+                                     *extra])
+
+
+def serve_prepos(model: str, log: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`prepos serve` on a free port, no journal, with `args`; waited for until ready."""
     port_file = log.with_suffix(".port")
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "prepos.cli", "serve", "--model", model, "--port", "0",
            "--port-file", str(port_file), "--journal", "none", "--log-level", "warning",
-           "--threads", str(threads), *[a for k in KEYS.values() for a in ("--api-key", k)],
-           *extra]
+           *args]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 900
