@@ -272,3 +272,22 @@ def safe_prefix(text: str, fmt: ToolFormat = PREPOS) -> int:
                 cut = min(cut, len(text) - k)
                 break
     return cut
+
+
+class Withheld:
+    """A streamed answer's text as it may be sent: with `tools`, what may still be a tool
+    call's opening markup (`safe_prefix`, after `prefix`, text the answer continues) held
+    back; `sent`, all the text given out so far."""
+
+    def __init__(self, fmt: ToolFormat, tools: bool, prefix: str = ""):
+        self.fmt, self.tools, self.held, self.sent = fmt, tools, prefix, ""
+
+    def feed(self, text: str) -> str:
+        """The part of the text so far, with `text` added, that may be sent now."""
+        if self.tools:
+            self.held += text
+            safe = max(safe_prefix(self.sent + self.held, self.fmt) - len(self.sent), 0)
+            text, self.held = self.held[:safe], self.held[safe:]
+        self.sent += text
+        return text
+

@@ -112,23 +112,18 @@ class MessageReply:
                 start["usage"] = {**T.usage(stream.result()), "output_tokens": 0}
             yield emit("message_start", message=start)
             yield emit("ping")
-            fmt = self.state.engine.fmt.tool_format
-            held = self.prefix  # text withheld while it may be a tool call's markup
-            sent = ""
+            out = tool_formats.Withheld(self.state.engine.fmt.tool_format, self.tools,
+                                        self.prefix)
             opened = False
             async for token in source:
-                text = token.text
-                if self.tools:
-                    held += text
-                    safe = max(tool_formats.safe_prefix(sent + held, fmt) - len(sent), 0)
-                    text, held = held[:safe], held[safe:]
+                text = out.feed(token.text)
                 if not text:
                     continue
                 if not opened:
                     opened = True
                     yield _text_start(0)
-                sent += text
                 yield _text_delta(0, text)
+            sent = out.sent
             res = stream.result()
             text, uses, reason, stopped = self.parts(res)
             index = 0

@@ -147,25 +147,20 @@ class Reply:
             yield ev.emit("response.created", response=started)
             yield ev.emit("response.in_progress", response=started)
             where = {"item_id": self.msg_id, "output_index": 0}
-            held = self.prefix  # text withheld while it may be a tool call's markup
-            sent = ""
+            out = tool_formats.Withheld(self.state.engine.fmt.tool_format, self.tools,
+                                        self.prefix)
             opened = False
-            fmt = self.state.engine.fmt.tool_format
             async for token in source:
-                text = token.text
-                if self.tools:
-                    held += text
-                    safe = max(tool_formats.safe_prefix(sent + held, fmt) - len(sent), 0)
-                    text, held = held[:safe], held[safe:]
+                text = out.feed(token.text)
                 if not text:
                     continue
                 if not opened:
                     opened = True
                     for chunk in self._open(ev, where):
                         yield chunk
-                sent += text
                 yield ev.emit("response.output_text.delta", **where, content_index=0,
                               delta=text, logprobs=[])
+            sent = out.sent
             res = stream.result()
             status, content, calls = self.output(res)
             items = []
