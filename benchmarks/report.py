@@ -1,11 +1,11 @@
-"""Generate docs/RESULTS.md from the JSON every benchmark writes into results/ and from
-benchmarks/findings.md (the findings, written by hand and appended as written): our Table 1
+"""Generate docs/RESULTS.md from the JSON every benchmark writes into results/: our Table 1
 beside the reference's, row by row, each number with its sample count and source, measured
 and derived quantities labelled, and the figures embedded.
 
 One way only: each generated section is rebuilt from its benchmark's JSON when that JSON is in
 results/ and kept as RESULTS.md has it otherwise, so a run of one benchmark rewrites its own
-section and nothing else; every hand-written line lives in findings.md.
+section and nothing else. The findings, from `# Findings behind the design` to the end, are
+written by hand in RESULTS.md itself and kept as they stand.
 
     python benchmarks/report.py          write docs/RESULTS.md (and its figures)
     python benchmarks/report.py --check  exit 1 if regenerating it would change it
@@ -23,7 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 DOCS = ROOT / "docs"
-FINDINGS = Path(__file__).with_name("findings.md")  # written by hand, appended as it is
 
 
 def load(name: str) -> dict | None:
@@ -709,8 +708,8 @@ was printed by the command named in its row on this machine (`prepos bench` runs
 Reference: Table 1 of the paper *Speculative Pre-Positioning: Decoding Stateful Sessions to
 the Next Decision Point Off the Critical Path* (one H100, a 70B-class model at 4-bit,
 2026-06-28). The measurement ids HW-1..HW-6 and the timing model are defined under
-"Findings behind the design" below, with the findings the design rests on (from
-`benchmarks/findings.md`, appended as written).
+"Findings behind the design" below, with the findings the design rests on (written by
+hand below the generated sections).
 
 Runs (when each wrote its results; the 1-minute load average at its start, if recorded):
 {runs}
@@ -737,7 +736,7 @@ def whole_answers() -> str | None:
 
 def figures() -> str:
     """The benchmarks' figures in docs/figures (tracked; the console's screenshots are the
-    README's), each embedded: always rebuilt."""
+    console page's), each embedded: always rebuilt."""
     return "\n".join(f"![{png.stem}](figures/{png.name})"
                      for png in sorted((DOCS / "figures").glob("*.png"))
                      if not png.name.startswith("console-"))
@@ -766,13 +765,19 @@ SECTIONS = (
     ("## GPU run (`benchmarks/gpu.sh`)", lambda: gpu_table(RESULTS / "gpu")),
     ("## Figures", figures),
 )
-FINDINGS_HEADING = "# Findings behind the design"
+FINDINGS_HEADING = "# Findings behind the design"  # from here to the end: written by hand
 
 
 def written_sections(doc: str) -> dict[str, str]:
     """The generated part of a RESULTS.md, by heading: each section's text, heading first."""
     head = doc.split("\n" + FINDINGS_HEADING, 1)[0]
     return {block.split("\n", 1)[0]: block for block in re.split(r"\n(?=## )", head)}
+
+
+def findings(doc: str) -> str:
+    """The hand-written part of a RESULTS.md, its heading first, as it stands."""
+    at = doc.find("\n" + FINDINGS_HEADING + "\n")
+    return doc[at + 1:] if at >= 0 else FINDINGS_HEADING + "\n"
 
 
 def build(old: str) -> tuple[str, list[str]]:
@@ -786,8 +791,7 @@ def build(old: str) -> tuple[str, list[str]]:
         else:
             blocks.append(f"{heading}\n{body}\n")
             rebuilt.append(heading)
-    findings = FINDINGS.read_text().split("-->", 1)[-1].strip()
-    return "\n".join(blocks) + "\n" + findings + "\n", rebuilt
+    return "\n".join(blocks) + "\n" + findings(old), rebuilt
 
 
 def main() -> int:

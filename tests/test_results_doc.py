@@ -1,6 +1,7 @@
 """docs/RESULTS.md is made one way, by benchmarks/report.py: regenerating it with no benchmark
-output at hand changes nothing (every hand-written line is in benchmarks/findings.md), and a
-benchmark's output rebuilds its own section and nothing else."""
+output at hand changes nothing (every hand-written line is in its findings, from
+`# Findings behind the design` to the end, kept as they stand), and a benchmark's output
+rebuilds its own section and nothing else."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_regenerating_results_changes_nothing(report):
     text, rebuilt = report.build(old)
     assert rebuilt == ["## Figures"]  # drawn from the tracked figures, always
     assert text == old, "docs/RESULTS.md differs from what benchmarks/report.py makes: " \
-        "hand-written lines belong in benchmarks/findings.md"
+        f"hand-written lines belong below '{report.FINDINGS_HEADING}'"
 
 
 def test_a_benchmarks_output_rebuilds_its_section_only(report, monkeypatch):
@@ -44,3 +45,12 @@ def test_a_benchmarks_output_rebuilds_its_section_only(report, monkeypatch):
         {h: b for h, b in before.items() if h != heading}
     findings = report.FINDINGS_HEADING
     assert text[text.index("\n" + findings):] == old[old.index("\n" + findings):]
+
+
+def test_the_findings_are_kept_as_written(report):
+    """The findings are written in RESULTS.md itself, their one source: an edit there stays."""
+    old = (ROOT / "docs" / "RESULTS.md").read_text()
+    edited = old + "\nA finding written since.\n"
+    text, _ = report.build(edited)
+    assert text == edited
+    assert not (ROOT / "benchmarks" / "findings.md").exists()
