@@ -16,6 +16,7 @@ from prepos.chat.conversation import (
     session_messages,
 )
 from prepos.chat.format import normalize_tool_call, without_ids
+from prepos.server.http.errors import status_of
 from prepos.server.http.schemas import ChatMessage
 
 
@@ -65,13 +66,13 @@ def test_order_rules_before_any_commit():
     check_order([call], [{"role": "tool", "content": "42"}], 1)
     with pytest.raises(ConversationError) as err:
         check_order([call], [{"role": "user", "content": "u"}], 1)
-    assert (err.value.code, err.value.status) == ("tool_result_awaited", 409)
+    assert (err.value.code, status_of(err.value)) == ("tool_result_awaited", 409)
     with pytest.raises(ConversationError) as err:
         check_order([], [{"role": "tool", "content": "42"}], 0)
     assert err.value.code == "no_tool_result_awaited"
     with pytest.raises(ConversationError) as err:  # an assistant message would orphan it
         check_order([call], [{"role": "assistant", "content": "a"}], 1)
-    assert (err.value.code, err.value.status, err.value.param) == ("tool_result_awaited", 409,
+    assert (err.value.code, status_of(err.value), err.value.param) == ("tool_result_awaited", 409,
                                                                    "messages[1]")
 
 
@@ -116,7 +117,7 @@ def test_several_calls_await_one_result_each_matched_by_id_or_in_order():
     for results in ([_result("c")], [_result("a"), _result("a")]):
         with pytest.raises(ConversationError) as err:
             check_order([user, two], results, 2)
-        assert (err.value.code, err.value.status) == ("unknown_tool_call_id", 400)
+        assert (err.value.code, status_of(err.value)) == ("unknown_tool_call_id", 400)
         assert "'a'" in str(err.value) or "'c'" in str(err.value)
         assert err.value.param.endswith(".tool_call_id")
     # a third result for two calls; a user message or an end while one still awaits
@@ -125,11 +126,11 @@ def test_several_calls_await_one_result_each_matched_by_id_or_in_order():
     assert (err.value.code, err.value.param) == ("no_tool_result_awaited", "messages[4]")
     with pytest.raises(ConversationError) as err:
         check_order([user, two], [_result("a"), user], 2)
-    assert (err.value.code, err.value.status) == ("tool_result_awaited", 409)
+    assert (err.value.code, status_of(err.value)) == ("tool_result_awaited", 409)
     assert "'b'" in str(err.value)
     with pytest.raises(ConversationError) as err:
         check_order([user, two], [_result("a")], 2)
-    assert (err.value.code, err.value.status) == ("tool_result_awaited", 409)
+    assert (err.value.code, status_of(err.value)) == ("tool_result_awaited", 409)
 
 
 def test_call_arguments_that_are_not_a_json_object_are_held_as_sent():

@@ -318,3 +318,32 @@ def test_every_family_the_server_exports_is_a_type_the_exposition_writes():
     m = Metrics("m")
     assert {f.type for f in m.registry.collect()} <= set(_TYPES)
     assert m.render().startswith(b"# HELP prepos:")
+
+
+def test_every_error_class_has_an_http_status_named_in_the_http_layer():
+    """The engine's, back ends' and store's errors carry no HTTP; each one's code is mapped
+    to a status in `server/http/errors.py`, so a new error class gets one deliberately."""
+    import importlib
+
+    from prepos.errors import PreposError
+    from prepos.server.http.errors import STATUS, as_api_error
+
+    for mod in ("prepos.chat.conversation", "prepos.backends.remote_protocol",
+                "prepos.backends.llama_cpp", "prepos.server.durable.idempotency",
+                "prepos.server.durable.store", "prepos.server.durable.lease"):
+        importlib.import_module(mod)
+    seen, todo = [], [PreposError]
+    while todo:
+        cls = todo.pop()
+        seen.append(cls)
+        todo.extend(cls.__subclasses__())
+    assert len(seen) > 20
+    for cls in seen:
+        assert not hasattr(cls, "status"), f"{cls.__name__} carries an HTTP status"
+        if cls.__name__ != "ConversationError":  # its code is given per refusal
+            assert cls.code in STATUS, f"{cls.__name__}'s code {cls.code!r} has no status"
+    from prepos.backends.remote_protocol import AnswerInterrupted
+    from prepos.errors import SessionNotFound, TooManySessions
+
+    assert [as_api_error(e()).status for e in (SessionNotFound, TooManySessions,
+                                               AnswerInterrupted)] == [404, 429, 503]

@@ -29,6 +29,7 @@ from prepos.engine import Engine
 from prepos.engine.session import TURN, query_key
 from prepos.errors import InvalidResponseFormat, InvalidSampling
 from prepos.response_format import canonical, schema_of
+from prepos.server.http.errors import status_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"
@@ -119,7 +120,7 @@ def test_formats_it_cannot_enforce_are_refused_naming_the_problem(spec, says):
     with pytest.raises(InvalidResponseFormat) as err:
         SamplingParams(response_format=spec)
     assert says in str(err.value) and err.value.param == "response_format"
-    assert isinstance(err.value, InvalidSampling) and err.value.status == 400
+    assert isinstance(err.value, InvalidSampling) and status_of(err.value) == 400
 
 
 # == the mask ==============================================================================

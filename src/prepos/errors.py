@@ -1,11 +1,12 @@
-"""Typed errors. Every one is raised before any state changes."""
+"""Typed errors. Every one is raised before any state changes. No HTTP here: each carries a
+stable machine-readable `code`, and the HTTP layer maps codes to statuses
+(`server/http/errors.py`)."""
 
 
 class PreposError(Exception):
-    """Base class; `code` is a stable machine-readable name, `status` the HTTP status."""
+    """Base class; `code` is a stable machine-readable name."""
 
     code = "prepos_error"
-    status = 400
 
 
 class InvalidInput(PreposError):
@@ -18,53 +19,44 @@ class InvalidSampling(PreposError):
 
 class SessionNotFound(PreposError):
     code = "session_not_found"
-    status = 404
 
 
 class WrongSessionKind(PreposError):
     code = "wrong_session_kind"
-    status = 409
 
 
 class VersionNotFound(PreposError):
     code = "version_not_found"
-    status = 404
 
 
 class NoToolResultAwaited(PreposError):
     code = "no_tool_result_awaited"
-    status = 409
 
 
 class ToolResultAwaited(PreposError):
     code = "tool_result_awaited"
-    status = 409
 
 
 class OverBudget(PreposError):
     """Input that does not fit the context window or the KV cell budget."""
 
     code = "over_budget"
-    status = 413
 
 
 class TooManySessions(PreposError):
     """The engine (or its back end's KV) holds as many sessions as it can; retry later."""
 
     code = "too_many_sessions"
-    status = 429
 
 
 class EngineClosed(PreposError):
     code = "engine_closed"
-    status = 503
 
 
 class Conflict(PreposError):
     """The session changed under a request that meant to commit to it."""
 
     code = "conflict"
-    status = 409
 
 
 class SessionBusy(Conflict):

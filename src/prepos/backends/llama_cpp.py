@@ -59,7 +59,6 @@ FILL_GAP = 4  # streams: gaps of up to this many sequence ids in a decode batch 
 
 
 class LlamaCppError(PreposError):
-    status = 500
     code = "backend_error"
 
 

@@ -22,14 +22,12 @@ class RemoteError(PreposError):
     """The engine refused a request (a 4xx: the request, not the replica, is at fault)."""
 
     code = "remote_error"
-    status = 502
 
 
 class BackendUnavailable(PreposError):
     """No replica could serve the request."""
 
     code = "backend_unavailable"
-    status = 503
 
 
 class AnswerInterrupted(BackendUnavailable):
@@ -45,7 +43,6 @@ class Abandoned(PreposError):
     """A background request was cancelled (its session moved on); its answer is discarded."""
 
     code = "abandoned"
-    status = 409
 
 
 class ReplicaFailure(Exception):

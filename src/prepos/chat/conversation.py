@@ -6,8 +6,8 @@ holds the committed one. This module puts the client's messages in the session's
 through the versions kept for rollback), and checks the order rules a session applies to
 each new message (`check_order`) before any is committed, so a refusal changes nothing.
 
-No HTTP here: a refusal is a `ConversationError` carrying the code, status and field
-(`param`) a server reports.
+No HTTP here: a refusal is a `ConversationError` carrying the code and field (`param`) a
+server reports.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ ROLES = ("system", "user", "assistant", "tool")
 class ConversationError(PreposError):
     """A conversation a session cannot take as sent."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request",
-                 status: int = 400):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
         super().__init__(message)
         self.code = code
-        self.status = status
         self.param = param
 
 
@@ -134,11 +132,10 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
         if m["role"] in ("assistant", "user") and pending:
             raise ConversationError(f"messages[{i}] is {'an' if m['role'] == 'assistant' else 'a'}"
                                     f" {m['role']} message, but {_awaited(pending)} first",
-                                    f"messages[{i}]", "tool_result_awaited", 409)
+                                    f"messages[{i}]", "tool_result_awaited")
         if m["role"] == "tool" and not pending:
             raise ConversationError(f"messages[{i}] is a tool result, but no tool call is "
-                                    "awaiting one", f"messages[{i}]", "no_tool_result_awaited",
-                                    409)
+                                    "awaiting one", f"messages[{i}]", "no_tool_result_awaited")
         cid = m.get("tool_call_id") if m["role"] == "tool" else None
         if cid is not None and cid not in pending and any(pending):
             raise ConversationError(f"messages[{i}] answers tool call {cid!r}, which is not "
@@ -154,7 +151,7 @@ def check_order(base: Sequence[dict], delta: Sequence[dict], offset: int,
     if last == "tool" and pending_calls(msgs):
         raise ConversationError(f"the conversation ends while {_awaited(pending_calls(msgs))}:"
                                 " send a tool message for each call", "messages",
-                                "tool_result_awaited", 409)
+                                "tool_result_awaited")
     if last in ("user", "tool"):
         return
     if last == "assistant" and continue_final and not trailing and \
@@ -226,7 +223,7 @@ class Resume:
 def resume(sid: str, version: int, held: Sequence[dict], msgs: list[dict],
            kept: Callable[[], Mapping[int, Sequence[dict]]] | None = None) -> Resume:
     """Match `msgs` against session `sid`, which holds `held` at `version`. A conversation
-    that does not extend it is refused (409 `conversation_diverged`) unless `kept` is given
+    that does not extend it is refused (`conversation_diverged`) unless `kept` is given
     (the versions kept for rollback, by version): then the newest one it extends is the
     rollback target."""
     held = list(held)
@@ -241,7 +238,7 @@ def resume(sid: str, version: int, held: Sequence[dict], msgs: list[dict],
                                 f"(the session holds {len(held)} messages at version "
                                 f"{version}); send the conversation as the session has it, or "
                                 "set on_divergence to 'rollback'", f"messages[{i}]",
-                                "conversation_diverged", 409)
+                                "conversation_diverged")
     versions = kept()
     for v in sorted(versions, reverse=True):
         old = list(versions[v])
@@ -249,4 +246,4 @@ def resume(sid: str, version: int, held: Sequence[dict], msgs: list[dict],
         if k >= 0:
             return Resume(v, old, msgs[k:], msgs[:k])
     raise ConversationError(f"the conversation extends none of the versions session {sid} "
-                            "keeps", "messages", "conversation_diverged", 409)
+                            "keeps", "messages", "conversation_diverged")

@@ -39,7 +39,7 @@ from prepos.server.durable.journal import Journal
 from prepos.server.durable.lease import Claim, LeaseConfig, Leases
 from prepos.server.durable.store import Database
 from prepos.server.http.auth import public, scoped
-from prepos.server.http.errors import ApiError
+from prepos.server.http.errors import ApiError, as_api_error
 
 log = logging.getLogger("prepos.server.cluster")
 HEADER = b"x-session-id"
@@ -116,9 +116,9 @@ class Front:
             if "prepos.body" in scope:  # read to verify it, or for a forward that found no one
                 receive = replaying(scope["prepos.body"], sent)
         except (ApiError, PreposError) as exc:  # before any byte of a response was sent
-            err = exc if isinstance(exc, ApiError) else ApiError(
-                exc.status, exc.code, str(exc),  # a lease lost or contended: retry shortly
-                headers={"Retry-After": "1"} if exc.status == 503 else None)
+            err = exc if isinstance(exc, ApiError) else as_api_error(exc)
+            if err.status == 503:  # a lease lost or contended: retry shortly
+                err.headers.setdefault("Retry-After", "1")
             return await self.respond(err)(scope, receive, send)
 
         async def tagged(message):

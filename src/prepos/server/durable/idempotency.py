@@ -69,7 +69,6 @@ class KeyClaimed(PreposError):
     """Another attempt with this key committed first: this one commits nothing."""
 
     code = "idempotency_key_claimed"
-    status = 409
 
 
 @dataclass(eq=False)

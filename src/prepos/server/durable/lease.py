@@ -43,7 +43,6 @@ class LeaseLost(PreposError):
     written; the request may be retried (the router reaches the owner)."""
 
     code = "lease_lost"
-    status = 503
 
 
 @dataclass(frozen=True)

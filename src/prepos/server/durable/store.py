@@ -112,7 +112,6 @@ class StoreUnavailable(PreposError):
     """The store did not take a write (locked, slow or unreachable): nothing was committed."""
 
     code = "store_unavailable"
-    status = 503
 
 
 class StoreHeld(RuntimeError):

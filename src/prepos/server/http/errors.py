@@ -35,6 +35,31 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          431: "invalid_request_error", 503: "service_unavailable"}
 
 
+# The HTTP status of each error the engine, its back ends and the store raise, by its code:
+# they carry no HTTP themselves. A code not named here is the client's mistake (400); a test
+# checks that every error class's code is named.
+STATUS = {
+    **dict.fromkeys(("invalid_input", "invalid_sampling", "invalid_response_format",
+                     "invalid_request", "context_length_exceeded", "unknown_tool_call_id",
+                     "prepos_error"), 400),
+    **dict.fromkeys(("session_not_found", "version_not_found"), 404),
+    **dict.fromkeys(("wrong_session_kind", "no_tool_result_awaited", "tool_result_awaited",
+                     "conflict", "session_busy", "conversation_diverged", "abandoned",
+                     "idempotency_key_claimed"), 409),
+    "over_budget": 413,
+    "too_many_sessions": 429,
+    "backend_error": 500,
+    "remote_error": 502,
+    **dict.fromkeys(("engine_closed", "backend_unavailable", "answer_interrupted",
+                     "store_unavailable", "lease_lost"), 503),
+}
+
+
+def status_of(exc: PreposError) -> int:
+    """The HTTP status of an engine, back-end or store error."""
+    return STATUS.get(exc.code, 400)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -81,7 +106,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, PreposError):
-        return ApiError(exc.status, exc.code, str(exc), getattr(exc, "param", None))
+        return ApiError(status_of(exc), exc.code, str(exc), getattr(exc, "param", None))
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     ref = uuid.uuid4().hex[:12]  # the log has the exception; the client, where to find it
