@@ -46,9 +46,11 @@ def default(action: argparse.Action, size) -> str:
         return "off"
     if value is None or value == "" or value == []:
         return ""
-    if isinstance(value, Path):
+    if isinstance(value, Path):  # the bundled model: a path in the checkout prepos runs from
+        from prepos.paths import ROOT as CHECKOUT
+
         try:
-            return value.resolve().relative_to(ROOT).as_posix()
+            return value.resolve().relative_to(CHECKOUT.resolve()).as_posix()
         except ValueError:
             return str(value)
     if action.type is size and isinstance(value, int):
