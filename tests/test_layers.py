@@ -191,3 +191,22 @@ def test_the_server_reads_the_engine_through_its_public_api_only():
     reads = engine_reads()
     assert "snapshot" in reads and "turn" in reads  # the scan sees what it looks for
     assert {n: at for n, at in reads.items() if n not in public | set(FIELDS)} == {}
+
+
+def test_the_server_imports_only_the_engines_public_names():
+    """server/ imports `prepos.engine` (its `__all__`), never a module beneath it."""
+    import prepos.engine
+
+    found = []
+    for f in sorted((SRC / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prepos.engine"):
+                if node.module != "prepos.engine":
+                    found.append(f"{f.relative_to(SRC)}:{node.lineno} {node.module}")
+                else:
+                    found += [f"{f.relative_to(SRC)}:{node.lineno} {a.name}" for a in node.names
+                              if a.name not in prepos.engine.__all__]
+            elif isinstance(node, ast.Import):
+                found += [f"{f.relative_to(SRC)}:{node.lineno} {a.name}" for a in node.names
+                          if a.name.startswith("prepos.engine.")]
+    assert found == []

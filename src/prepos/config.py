@@ -161,3 +161,7 @@ class EngineConfig:
     # count)
     implicit_memory: int = 1 << 30
     implicit_sessions: int | None = None
+    # Responses API chains (`previous_response_id`) kept as persistent sessions on a client's
+    # behalf: at most this many (None: no count; 0: none kept), their bookkeeping's bytes
+    # bounded as the kept conversations' are (`implicit_memory`)
+    response_sessions: int | None = None

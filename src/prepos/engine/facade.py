@@ -72,9 +72,12 @@ class Engine(Mutations, Requests, EngineView):
                                config.chunk_tokens, MAX_YIELDS, config.budget.session_cells,
                                lambda: self.prepositioner.in_flight,
                                lambda s, ev: self._emit("correction", s, ev))
-        # stock clients' conversations, kept as implicit sessions found by their hash
+        # kept on clients' behalf, each found by its conversation's hash: stock clients'
+        # conversations (ephemeral sessions) and Responses chains (persistent ones)
         self.conversations = ImplicitSessions(lambda: self, self._close_kept,
                                               config.implicit_memory, config.implicit_sessions)
+        self.chains = ImplicitSessions(lambda: self, self._close_kept, config.implicit_memory,
+                                       config.response_sessions)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:

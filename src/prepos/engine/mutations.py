@@ -57,6 +57,8 @@ class Mutations:
             s = self.sessions.remove(sid)
         s.invalidate()
         self.relaxed.gate.forget(s.id)
+        self.chains.forget(s.id)  # closed by its owner, or its answer failed
+        self.conversations.forget(s.id)
         self._emit("close", s, None)
 
         def drop():

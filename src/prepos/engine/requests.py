@@ -178,8 +178,31 @@ class Requests:
         stream.on_end(lambda: kept.release(sid))
         return stream
 
-    def evict_conversation(self) -> bool:  # the least recently used free one; False: none
-        return self.conversations.evict_one()
+    def evict_conversation(self) -> bool:
+        """Close a session kept on a client's behalf to make room: the least recently used
+        free kept conversation, else Responses chain; False if none is free."""
+        return self.conversations.evict_one() or self.chains.evict_one()
+
+    # == Responses chains: persistent sessions kept on a client's behalf ====================
+    def find_chain(self, owner: str | None, tools: Sequence[dict],
+                   messages: list[dict]) -> str | None:
+        """The kept chain session of this key and tools `messages` extends by the most,
+        leased to the caller until `release_chain`; None if none is free."""
+        return self.chains.find(self, owner, tools, messages)
+
+    def keep_chain(self, sid: str, owner: str | None) -> None:
+        """Keep a new chain session (leased to its maker until `release_chain`)."""
+        self.chains.keep(sid, owner)
+
+    def release_chain(self, sid: str) -> None:
+        """Its request is done: indexed under its conversation as committed now."""
+        self.chains.release(sid)
+
+    def evict_chain(self, owner: str | None | object = ...) -> bool:
+        """Close the least recently used free Responses chain (`owner`'s, where one is
+        given): they are persistent sessions, so they give way at a session limit; False if
+        none is free."""
+        return self.chains.evict_one(owner)
 
     def publish_conversations(self, publish: Callable[[str, bytes | None], None]) -> None:
         """`publish(sid, hash)` at every change of what a kept conversation is indexed under

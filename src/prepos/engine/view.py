@@ -55,6 +55,10 @@ class EngineView:
     def keeps_conversations(self) -> bool:  # stock clients' (`Engine.converse`)
         return self.conversations.keeps
 
+    @property
+    def keeps_chains(self) -> bool:  # Responses chains (`Engine.find_chain`)
+        return self.chains.keeps
+
     def holds_conversation(self, owner: str | None, tools, messages: list[dict]) -> bool:
         """Whether a kept conversation of this key and tools is extended by `messages`
         (leased or not)."""

@@ -16,7 +16,7 @@ import re
 
 from starlette.responses import Response
 
-from prepos.engine.implicit import EPHEMERAL
+from prepos.engine import EPHEMERAL
 from prepos.server.http.errors import ApiError
 from prepos.server.http.results import json_bytes
 

@@ -48,7 +48,7 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from prepos.chat.conversation import check_order, session_messages
-from prepos.engine.session_spec import STREAMING
+from prepos.engine import STREAMING
 from prepos.errors import InvalidInput
 from prepos.server.durable.cluster import AGENT_HEADERS, SESSION_ID
 from prepos.server.durable.directory import hop

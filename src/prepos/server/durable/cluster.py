@@ -32,7 +32,7 @@ import re
 import socket
 import time
 
-from prepos.engine.implicit import is_ephemeral
+from prepos.engine import is_ephemeral
 from prepos.errors import PreposError
 from prepos.server.durable.forwarding import Forwarder, replaying, shared_secret
 from prepos.server.durable.journal import Journal

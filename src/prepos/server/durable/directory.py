@@ -25,7 +25,7 @@ import threading
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from prepos.engine.implicit import conversation_keys
+from prepos.engine import conversation_keys
 from prepos.server.durable.forwarding import FORWARDED, HOP
 from prepos.server.durable.store import Database
 

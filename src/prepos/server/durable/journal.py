@@ -27,9 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from prepos.engine.implicit import is_ephemeral
-from prepos.engine.session import Session, Snapshot
-from prepos.engine.session_spec import SessionSpec
+from prepos.engine import Session, SessionSpec, Snapshot, is_ephemeral
 from prepos.errors import PreposError
 from prepos.server.durable.idempotency import KeyClaimed, riding
 from prepos.server.durable.store import TIMEOUT, Database

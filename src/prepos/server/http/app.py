@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None, around: Callable[[FastAPI], Any] | None 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                         "%(message)s")
-    from prepos.engine.loading import resolve_model
+    from prepos.engine import resolve_model
     from prepos.errors import InvalidInput
 
     try:

@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from prepos.engine.session_spec import STREAMING
+from prepos.engine import STREAMING
 from prepos.server.durable.cluster import HEADER, SESSION_ID, Front
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, as_api_error

@@ -23,7 +23,7 @@ from prepos.config import (
     TierConfig,
     default_threads,
 )
-from prepos.engine.remote import remote_config
+from prepos.engine import remote_config
 from prepos.paths import DEFAULT_MODEL
 from prepos.server.durable.lease import LeaseConfig
 from prepos.server.durable.store import is_url
@@ -223,7 +223,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--implicit-sessions", type=int, default=None,
                    help="at most this many implicit sessions too (default: no count, only "
                    "--implicit-memory; 0: none kept)")
-    p.add_argument("--response-sessions", type=int, default=ServerConfig.response_sessions,
+    p.add_argument("--response-sessions", type=int, default=EngineConfig.response_sessions,
                    help="at most this many stored Responses API chains kept as sessions too, "
                    "least recently used closed first (their responses stay stored; default: "
                    "no count, only --implicit-memory; 0: none kept)")
@@ -284,7 +284,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           relaxed=RelaxedConfig(r_max=args.relaxed_r_max,
                                                 start=args.relaxed_start),
                           implicit_memory=args.implicit_memory,
-                          implicit_sessions=args.implicit_sessions)
+                          implicit_sessions=args.implicit_sessions,
+                          response_sessions=args.response_sessions)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
                     max_sessions_per_key=args.max_sessions_per_key,
                     max_subscribers=args.max_subscribers,
@@ -318,7 +319,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",")
                                             if h.strip()),
                         request_timeout=args.request_timeout,
-                        response_sessions=args.response_sessions,
                         responses_bytes=args.responses_bytes, responses_ttl=args.responses_ttl,
                         idempotency_bytes=args.idempotency_bytes,
                         lease=LeaseConfig(args.node_id, args.lease_seconds, args.renew_seconds,

@@ -1,7 +1,7 @@
 """The server's session places: how many persistent sessions it admits (its own and each key's
-limit, 429 beyond), the places held for sessions being created, the ephemeral sessions of
-stateless requests, and the Responses chains kept on a client's behalf, which give way to any
-other session at a limit (as the engine's kept conversations do, `Engine.converse`)."""
+limit, 429 beyond), the places held for sessions being created and the ephemeral sessions of
+stateless requests. What the engine keeps on a client's behalf (conversations, Responses
+chains) gives way at a limit (`Engine.evict_conversation`, `Engine.evict_chain`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from contextlib import contextmanager, suppress
 from typing import TypeVar
 
 from prepos.decode.stream import Stream
-from prepos.engine import Engine
-from prepos.engine.implicit import EPHEMERAL, ImplicitSessions, is_ephemeral
-from prepos.engine.session_spec import SessionSpec
+from prepos.engine import EPHEMERAL, Engine, SessionSpec, is_ephemeral
 from prepos.errors import PreposError, TooManySessions
 from prepos.server.http.errors import ApiError
 from prepos.server.http.limits import Limits, share
@@ -24,22 +22,14 @@ T = TypeVar("T")
 
 
 class Places:
-    """The one owner of the counts and lists above. `loaded()`, the server's engine once
-    loaded (else None)."""
+    """The one owner of the counts and lists above."""
 
-    def __init__(self, limits: Limits, metrics: Metrics, loaded: Callable[[], Engine | None],
-                 chain_memory: int, response_sessions: int | None, keys: int = 0):
-        self.limits, self.metrics, self.loaded = limits, metrics, loaded
+    def __init__(self, limits: Limits, metrics: Metrics, keys: int = 0):
+        self.limits, self.metrics = limits, metrics
         self.keys = keys  # the server's API keys: each has its share of the sessions
         self.session_cap = limits.max_sessions  # persistent sessions, once loaded
         self.key_cap = share(self.session_cap, limits.max_sessions_per_key, keys)
         self.creating: dict[str, str | None] = {}  # ids of sessions being created: owner
-        # Responses chain sessions (`openai/responses.py`): persistent, but kept on a client's
-        # behalf, so they give way to any other session at a limit; kept by memory as the
-        # engine's implicit ones are (their own bytes, the same bound), a count only where
-        # one is given
-        self.chains = ImplicitSessions(loaded, self._close_chain, chain_memory,
-                                       response_sessions)
 
     def persistent_sessions(self, engine: Engine) -> int:
         return self._held(engine)
@@ -90,7 +80,7 @@ class Places:
         could give way (the least recently used free one: the key's own first, then, at the
         server's limit, any key's; its responses stay stored)."""
         while self._held(engine) >= self.session_cap:
-            if self.chains.evict_one(owner) or self.chains.evict_one():
+            if engine.evict_chain(owner) or engine.evict_chain():
                 continue
             self.metrics.rejected.labels("sessions").inc()
             raise ApiError(429, "too_many_sessions", f"this server holds its limit of "
@@ -98,18 +88,12 @@ class Places:
                            headers={"Retry-After": "60"})
         if self.key_cap is not None and owner is not None:
             while self._held(engine, owner, mine=True) >= self.key_cap:
-                if self.chains.evict_one(owner):
+                if engine.evict_chain(owner):
                     continue
                 self.metrics.rejected.labels("sessions_per_key").inc()
                 raise ApiError(429, "too_many_sessions", f"this key holds its share of "
                                f"{self.key_cap} sessions; close one first",
                                headers={"Retry-After": "60"})
-
-    def _close_chain(self, sid: str) -> None:
-        eng = self.loaded()
-        if eng is not None:
-            with suppress(PreposError):
-                eng.close_session(sid)
 
     def new_ephemeral(self, engine: Engine, spec: SessionSpec, history=()) -> str:
         """A session for one stateless request: never journalled, never listed."""
@@ -118,13 +102,13 @@ class Places:
         return sid
 
     def with_room(self, engine: Engine, create: Callable[[], T]) -> T:
-        """`create()` a session, closing kept conversations, then chain sessions, while the
-        engine is full."""
+        """`create()` a session, closing what the engine keeps on clients' behalf while it
+        is full."""
         while True:
             try:
                 return create()
             except TooManySessions:
-                if not (engine.evict_conversation() or self.chains.evict_one()):
+                if not engine.evict_conversation():
                     raise
 
     def start_ephemeral(self, engine: Engine, spec: SessionSpec,
@@ -134,17 +118,15 @@ class Places:
         try:
             return sid, start(sid)
         except BaseException:
-            self.close_ephemeral(sid)
+            self.close_ephemeral(engine, sid)
             raise
 
-    def close_after(self, stream: Stream, sid: str) -> None:
+    def close_after(self, engine: Engine, stream: Stream, sid: str) -> None:
         """Close an ephemeral session once its stream has ended (`Stream.on_end`: on the
         producer's thread, no thread held waiting for it)."""
-        stream.on_end(lambda: self.close_ephemeral(sid))
+        stream.on_end(lambda: self.close_ephemeral(engine, sid))
 
-    def close_ephemeral(self, sid: str) -> None:
-        eng = self.loaded()
-        if eng is None:
-            return
+    @staticmethod
+    def close_ephemeral(engine: Engine, sid: str) -> None:
         with suppress(PreposError):
-            eng.close_session(sid)
+            engine.close_session(sid)

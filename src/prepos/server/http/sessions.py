@@ -18,8 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.core import Request as EngineRequest
-from prepos.engine.session import TURN, query_key
-from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
+from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.server.durable.cluster import check_new_id
 from prepos.server.durable.idempotency import idempotent, interrupted
 from prepos.server.http import bodies as R

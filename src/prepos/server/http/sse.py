@@ -21,7 +21,7 @@ from starlette.responses import Response
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.decode.stream import Stream
-from prepos.engine.implicit import is_ephemeral
+from prepos.engine import is_ephemeral
 from prepos.errors import SessionNotFound
 from prepos.server.http.auth import public
 from prepos.server.http.direct import Stages, direct_body

@@ -23,9 +23,7 @@ from prepos.config import EngineConfig
 from prepos.core import Request as EngineRequest
 from prepos.core import Result
 from prepos.decode.stream import Stream
-from prepos.engine import Engine
-from prepos.engine.implicit import is_ephemeral
-from prepos.engine.session import Session
+from prepos.engine import Engine, Session, is_ephemeral
 from prepos.errors import PreposError, SessionNotFound
 from prepos.server.durable import idempotency, responses_store
 from prepos.server.durable.journal import Journal
@@ -77,10 +75,6 @@ class ServerConfig:
     host: str | None = "127.0.0.1"  # the address listened on (`cross_site.py` checks Host by it)
     allowed_hosts: tuple[str, ...] = ()  # Host names taken besides ("*": any)
     request_timeout: float = 30.0  # seconds a client may take to send one whole request
-    # Responses chains kept as sessions: at most this many (None: no count; 0: none kept),
-    # their bookkeeping's bytes bounded as the engine's kept conversations' are
-    # (`EngineConfig.implicit_memory`)
-    response_sessions: int | None = None
     responses_bytes: int = responses_store.MAX_BYTES  # stored responses' bytes per key
     responses_ttl: float = responses_store.TTL_S  # seconds a stored response is kept
     idempotency_ttl: float = idempotency.TTL_S  # seconds an Idempotency-Key's result is kept
@@ -129,10 +123,7 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.restored = 0
-        engine_config = config.engine  # chains bounded as the engine's kept conversations
-        self.places = Places(self.limits, self.metrics, lambda: self.loaded,
-                             engine_config.implicit_memory, config.response_sessions,
-                             len(config.api_keys))
+        self.places = Places(self.limits, self.metrics, len(config.api_keys))
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
@@ -402,7 +393,7 @@ class ServerState:
 
 
 def _load_engine(config: ServerConfig) -> Engine:
-    from prepos.engine.loading import resolve_model
+    from prepos.engine import resolve_model
     from prepos.errors import InvalidInput
 
     try:
@@ -410,7 +401,7 @@ def _load_engine(config: ServerConfig) -> Engine:
     except InvalidInput as exc:
         raise FileNotFoundError(str(exc)) from None
     if config.remote is not None:
-        from prepos.engine.remote import remote_engine
+        from prepos.engine import remote_engine
 
         r = config.remote
         return remote_engine(r.kind, r.urls, path, config.engine, model=r.model,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prepos.core import SamplingParams
-from prepos.engine.admission import valid_ids
+from prepos.engine import valid_ids
 from prepos.errors import InvalidInput, InvalidResponseFormat
 from prepos.response_format import canonical, schema_error
 from prepos.server.http.errors import ApiError

@@ -30,8 +30,7 @@ from starlette.responses import Response
 from prepos.chat.conversation import check_order
 from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
-from prepos.engine.session import TURN, query_key
-from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
+from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
@@ -139,10 +138,10 @@ class ChatCall:
         except BaseException:
             for stream in streams:
                 stream.cancel()
-            self._close_all(streams, sids)
+            self._close_all(eng, streams, sids)
             raise
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
-                                   cleanup=lambda: self._close_all(streams, sids))
+                                   cleanup=lambda: self._close_all(eng, streams, sids))
 
     async def implicit(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
         """A stateless conversation kept by the engine (`Engine.converse`): continued on the
@@ -156,9 +155,9 @@ class ChatCall:
         return await self._respond([stream], None, agentic=True,
                                    tools=bool(tools) and self.choice != "none")
 
-    def _close_all(self, streams, sids) -> None:
+    def _close_all(self, eng, streams, sids) -> None:
         for stream, sid in zip(streams, sids):
-            self.state.places.close_after(stream, sid)
+            self.state.places.close_after(eng, stream, sid)
 
     async def _continue(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
         """The continuation of the final assistant message, or a forced tool call (its
@@ -211,7 +210,8 @@ class ChatCall:
 
         sid, _ = await self.state.run(self.state.places.start_ephemeral, eng, spec, start)
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
-                                   cleanup=lambda: self.state.places.close_after(streams[-1], sid),
+                                   cleanup=lambda: self.state.places.close_after(eng, streams[-1],
+                                                                            sid),
                                    prefix=prefix, forced=forced)
 
     async def streaming(self, eng, s, msgs: list[dict]) -> Response:
@@ -369,7 +369,7 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
 
     def cleanup():
         for k, sid in enumerate(sids):
-            state.places.close_after(streams[(k + 1) * n - 1], sid)
+            state.places.close_after(eng, streams[(k + 1) * n - 1], sid)
 
     try:
         for prompt in prompts:

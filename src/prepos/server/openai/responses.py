@@ -40,8 +40,7 @@ import weakref
 from starlette.requests import Request
 
 from prepos.chat.conversation import check_order
-from prepos.engine import Engine
-from prepos.engine.session_spec import AGENTIC, SessionSpec
+from prepos.engine import AGENTIC, Engine, SessionSpec
 from prepos.errors import PreposError
 from prepos.server.durable import idempotency
 from prepos.server.durable.conversation_store import ConversationStore, size
@@ -85,12 +84,10 @@ class ResponsesApi:
         self.store = ResponseStore(target, max_bytes=config.responses_bytes,
                                    ttl=config.responses_ttl)
         self.conversations = ConversationStore(target, max_bytes=config.responses_bytes)
-        self.chains = state.places.chains
-        eng.subscribe(self._on_event)
         for sid, owner in self.store.sessions():  # restored from the journal
             if eng.has_session(sid) and eng.session(sid).spec.owner == owner:
-                self.chains.keep(sid, owner)
-                self.chains.release(sid)
+                eng.keep_chain(sid, owner)
+                eng.release_chain(sid)
 
     @classmethod
     def of(cls, state: ServerState, eng: Engine) -> ResponsesApi:
@@ -98,10 +95,6 @@ class ResponsesApi:
         if api is None:
             api = _APIS[state] = cls(state, eng)
         return api
-
-    def _on_event(self, event: str, s, payload) -> None:
-        if event == "close":  # closed by its owner through the session API, or by us
-            self.chains.forget(s.id)
 
     async def stored(self, owner, rid: str, param: str | None) -> Stored:
         row = await self.state.run(self.store.get, owner, rid)
@@ -112,14 +105,14 @@ class ResponsesApi:
     # -- chain sessions --------------------------------------------------------------------
     async def on_chain(self, call: ChatCall, eng, owner, system: str | None,
                        msgs: list[dict], tools: list[dict]):
-        sid = self.chains.find(eng, owner, tools, msgs)
+        sid = eng.find_chain(owner, tools, msgs)
         if sid is None:
             sid = await self._new_chain(eng, owner, system, msgs, tools)
         try:
             return await call.agentic(eng, eng.session(sid), msgs,
                                       cleanup=lambda stream: self._release_after(stream, sid))
         except BaseException:
-            self.chains.release(sid)
+            eng.release_chain(sid)
             raise
 
     async def _new_chain(self, eng, owner, system: str | None, msgs: list[dict],
@@ -136,11 +129,12 @@ class ResponsesApi:
         with state.places.new_session(eng, owner) as sid:
             await state.run(state.places.with_room, eng,
                             lambda: eng.restore_session(sid, spec, history))
-        self.chains.keep(sid, owner)
+        eng.keep_chain(sid, owner)
         return sid
 
     def _release_after(self, stream, sid: str) -> None:
-        stream.on_end(lambda: self.chains.release(sid))  # free for the next response at once
+        # free for the next response at once
+        stream.on_end(lambda: self.engine.release_chain(sid))
 
 
 @routes.add("POST", "/v1/responses", 7, summary="Create a response", body=CreateResponse,
@@ -243,7 +237,7 @@ async def _create(c, request: Request, rename: Renamer):
 
     reply.save = save
     on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
-    if not store or not on_session or not api.chains.keeps:
+    if not store or not on_session or not api.engine.keeps_chains:
         reply.kept = on_session and eng.keeps_conversations
         return await call.stateless(eng, owner, msgs, tools)
     return await api.on_chain(call, eng, owner, system, msgs, tools)

@@ -39,8 +39,7 @@ import re
 from starlette.requests import Request
 
 from prepos.chat.conversation import session_messages
-from prepos.engine.implicit import EPHEMERAL
-from prepos.engine.session_spec import STREAMING
+from prepos.engine import EPHEMERAL, STREAMING
 from prepos.errors import PreposError
 from prepos.server.durable.cluster import SESSION_ID
 from prepos.server.durable.directory import hop
