@@ -46,7 +46,7 @@ simulate: install
 bench: install
 	$(BIN)/prepos bench
 
-# docs/RESULTS.md from results/ (each section whose benchmark ran) and benchmarks/findings.md
+# docs/RESULTS.md from results/ (each section whose benchmark ran); its findings are hand-written
 results: install
 	$(BIN)/python benchmarks/report.py
 
