@@ -455,7 +455,7 @@ def test_every_route_that_writes_honours_the_key_or_refuses_it(server):
         return Response(status_code=200)
 
     app = Starlette(routes=own.ordered(), exception_handlers={
-        ApiError: lambda req, e: error_response(e.status, e.code, e.message, e.param)})
+        ApiError: lambda req, e: error_response(e)})
     with TestClient(app) as c:
         r = c.post("/unkeyed", json={}, headers=keyed("k"))
     assert r.status_code == 400 and r.json()["error"]["code"] == "idempotency_key_unsupported"

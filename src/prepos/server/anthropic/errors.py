@@ -17,7 +17,7 @@ import re
 from starlette.responses import Response
 
 from prepos.engine import EPHEMERAL
-from prepos.server.http.errors import ApiError
+from prepos.server.http.errors import SHAPES, ApiError, scrub
 from prepos.server.http.results import json_bytes
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -39,7 +39,7 @@ def error_body(err: ApiError) -> tuple[int, dict]:
     elif status >= 500:
         status = 500
     kind = TYPES.get(status, "invalid_request_error")
-    message = EPHEMERAL_ID.sub("the conversation", err.message)
+    message = scrub(EPHEMERAL_ID.sub("the conversation", err.message))
     if err.code in ("over_budget", "context_length_exceeded"):
         kind, status = "invalid_request_error", 400
         message = f"prompt is too long: {message}"  # Claude Code compacts on these words
@@ -52,6 +52,11 @@ def error_response(err: ApiError) -> Response:
     status, body = error_body(err)
     return Response(json_bytes(body), status, headers=dict(err.headers),
                     media_type="application/json")
+
+
+# the errors raised before a Messages route runs (a refused origin or key, a body too large)
+# are in this shape too
+SHAPES["/v1/messages"] = error_body
 
 
 class Renamer:

@@ -119,7 +119,7 @@ class Front:
             err = exc if isinstance(exc, ApiError) else as_api_error(exc)
             if err.status == 503:  # a lease lost or contended: retry shortly
                 err.headers.setdefault("Retry-After", "1")
-            return await self.respond(err)(scope, receive, send)
+            return await self.respond(err, scope["path"])(scope, receive, send)
 
         async def tagged(message):
             if message["type"] == "http.response.start":

@@ -95,10 +95,25 @@ def error_body(status: int, code: str, message: str, param: str | None = None) -
                       "code": code, "param": param}}
 
 
-def error_response(status: int, code: str, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(error_body(status, code, message, param)), status,
-                    headers=headers, media_type="application/json")
+# Error shapes other than OpenAI's, by the path prefix whose clients expect them: an API
+# whose clients parse their own shape registers it (`server/anthropic/errors.py`), so an
+# error raised before its route runs (a refused origin, a body too large, a bad key) is in
+# that shape too. A shape maps an error to its status and body.
+SHAPES: dict[str, Callable[[ApiError], tuple[int, dict]]] = {}
+
+
+def shaped(err: ApiError, path: str = "") -> tuple[int, dict]:
+    """The status and JSON body of `err` for a request to `path`."""
+    for prefix, shape in SHAPES.items():
+        if path.startswith(prefix):
+            return shape(err)
+    return err.status, error_body(err.status, err.code, err.message, err.param)
+
+
+def error_response(err: ApiError, path: str = "") -> Response:
+    status, body = shaped(err, path)
+    return Response(json.dumps(body), status, headers=err.headers or None,
+                    media_type="application/json")
 
 
 def as_api_error(exc: BaseException) -> ApiError:
@@ -130,32 +145,33 @@ def validation_error(exc: ValidationError) -> ApiError:
 
 
 def install(app: FastAPI, on_error=None) -> Callable[[ApiError], Response]:
-    """Exception handlers that turn every failure into the JSON error shape; returned, the
-    response they give an ApiError (counted by `on_error`)."""
+    """Exception handlers that turn every failure into the JSON error shape of the route's
+    API; returned, the response they give an ApiError for a path (counted by `on_error`)."""
 
-    def respond(err: ApiError) -> Response:
+    def respond(err: ApiError, path: str = "") -> Response:
         if on_error is not None:
             on_error(err)
-        return error_response(err.status, err.code, err.message, err.param, err.headers)
+        return error_response(err, path)
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        return respond(exc)
+        return respond(exc, request.url.path)
 
     @app.exception_handler(PreposError)
     async def _engine(request: Request, exc: PreposError):
-        return respond(as_api_error(exc))
+        return respond(as_api_error(exc), request.url.path)
 
     @app.exception_handler(ValidationError)
     async def _pydantic(request: Request, exc: ValidationError):
-        return respond(validation_error(exc))
+        return respond(validation_error(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _request(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         msg = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
                         for e in errs[:5])
-        return respond(ApiError(400, "invalid_request", msg or "invalid request"))
+        return respond(ApiError(400, "invalid_request", msg or "invalid request"),
+                       request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -164,10 +180,10 @@ def install(app: FastAPI, on_error=None) -> Callable[[ApiError], Response]:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return respond(ApiError(exc.status_code, code, message,
-                                headers=dict(exc.headers or {})))
+                                headers=dict(exc.headers or {})), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return respond(as_api_error(exc))
+        return respond(as_api_error(exc), request.url.path)
 
     return respond

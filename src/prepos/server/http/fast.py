@@ -130,7 +130,7 @@ class StraightLine:
                 c = await self.state.call(auth, read, sid, STREAMING)
                 response = await (ask(c, receive) if query else append_data(c))
         except Exception as exc:
-            response = self.respond(as_api_error(exc))
+            response = self.respond(as_api_error(exc), scope["path"])
         if tag and sid:
             response.raw_headers.append((HEADER, sid.encode()))
         await response(scope, receive, send)
@@ -160,7 +160,7 @@ class App(FastAPI):
         if scope["type"] != "http" or self.front is None:
             return await self._serve(scope, receive, send)
         if (refused := self.cross_site.check(scope)) is not None:
-            return await self.front.respond(refused)(scope, receive, send)
+            return await self.front.respond(refused, scope["path"])(scope, receive, send)
         line = self.straight
         if line is not None and self.front.cluster is None:
             taken = line.take(scope)

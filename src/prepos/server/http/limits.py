@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from prepos.core import SamplingParams
 from prepos.errors import InvalidSampling
-from prepos.server.http.errors import ApiError, error_body
+from prepos.server.http.errors import ApiError, shaped
 
 KNOWN_SAMPLINGS = 256
 
@@ -149,7 +149,7 @@ class BodyLimit:
         head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + \
             sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
         if head > self.max_header_bytes:
-            return await _refuse(send, 431, "headers_too_large",
+            return await _refuse(scope, send, 431, "headers_too_large",
                                  f"the request line and headers are {head} bytes, over this "
                                  f"server's limit of {self.max_header_bytes} bytes")
         limit = self.max_bytes
@@ -158,10 +158,10 @@ class BodyLimit:
                 try:
                     declared = int(value)
                 except ValueError:
-                    return await _refuse(send, 400, "invalid_request",
+                    return await _refuse(scope, send, 400, "invalid_request",
                                          "Content-Length is not a number")
                 if declared > limit:
-                    return await _refuse(send, 413, "body_too_large",
+                    return await _refuse(scope, send, 413, "body_too_large",
                                          f"the body is {declared} bytes, over this server's "
                                          f"limit of {limit} bytes")
                 return await self.app(scope, receive, send)
@@ -188,11 +188,12 @@ class BodyLimit:
         except ApiError as exc:
             if started:
                 raise
-            await _refuse(send, exc.status, exc.code, exc.message)
+            await _refuse(scope, send, exc.status, exc.code, exc.message)
 
 
-async def _refuse(send, status: int, code: str, message: str) -> None:
-    body = json.dumps(error_body(status, code, message)).encode()
+async def _refuse(scope, send, status: int, code: str, message: str) -> None:
+    status, shape = shaped(ApiError(status, code, message), scope.get("path", ""))
+    body = json.dumps(shape).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()),
