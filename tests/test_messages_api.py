@@ -161,6 +161,11 @@ def check_order(events: list[tuple[str, dict]]) -> None:
     assert open_ is None
     delta = events[-2][1]
     assert set(delta["usage"]) >= {"input_tokens", "output_tokens", "cache_read_input_tokens"}
+    # message_start carries the prompt's usage, as placed: the same as message_delta's
+    prompt = ("input_tokens", "cache_read_input_tokens")
+    assert start["usage"]["output_tokens"] == 0 and start["usage"]["input_tokens"] + \
+        start["usage"]["cache_read_input_tokens"] > 0, start["usage"]
+    assert [start["usage"][k] for k in prompt] == [delta["usage"][k] for k in prompt]
 
 
 def test_stream_events_in_order_and_the_sdk_rebuilds_the_created_message(c, http, model):
@@ -487,7 +492,7 @@ def test_an_error_after_the_stream_begins_is_an_error_event():
         raise RuntimeError("the model failed")
 
     async def read():
-        running = SimpleNamespace(done=False)  # a stream still being answered
+        running = SimpleNamespace(done=False, placed=(7, 0))  # a stream still being answered
         return [c async for c in reply._guarded(running, lambda: cleaned.append(1))(source())]
 
     events = sse_events(b"".join(asyncio.run(read())).decode())

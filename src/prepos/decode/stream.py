@@ -53,6 +53,9 @@ class Stream:
         # a raw completion's prompt logprobs (`Result.prompt_logprobs`), set before the first
         # event when asked for
         self.prompt_logprobs: list | None = None
+        # the prompt's tokens and those of them found in the KV cache, set before the first
+        # event once the prompt is placed (`Result.prompt_tokens`, `.cached_prompt_tokens`)
+        self.placed: tuple[int, int] | None = None
         # a reader that takes the events on the producer's thread (`hand_to`), and the lock
         # that hands the queued ones over in order
         self._sink: Callable[[TokenEvent | None], None] | None = None

@@ -183,6 +183,7 @@ class Answers:
             since = 0 if s.spec.implicit else base_len
             tm.cached_tokens = max(0, kept - since)
             res.cached_prompt_tokens = min(kept, len(seq))
+            stream.placed = (len(seq), res.cached_prompt_tokens)
             if kept > base_len:  # the pre-paid entry was used
                 self.prepositioner.consume(ready)
             elif settle_dropped:

@@ -11,10 +11,9 @@ Streamed text that may be a tool call's markup is withheld until it is known not
 the chat route's chunks are); the calls are sent whole at the end, each as one block, its
 input as one `input_json_delta` (a call cut by max_tokens: its input as far as it was
 read, so the SDK's accumulator rebuilds the input a create returns).
-`message_start` goes out before the prompt is placed, so its usage counts nothing yet (but
-for an answer served at once from a prepared entry, whose prompt is known); `message_delta`
-carries the whole usage (input, cache read and output tokens), as Anthropic's does, and the
-SDK's accumulator takes it from there.
+`message_start` goes out with the first token, once the prompt is placed, its usage the
+prompt's (input and cache read tokens); `message_delta` carries the whole usage (input,
+cache read and output tokens), and the SDK's accumulator takes it from there.
 """
 
 from __future__ import annotations
@@ -106,16 +105,19 @@ class MessageReply:
         return run
 
     def _events(self, stream: Stream) -> streaming.Chunks:
+        def start() -> bytes:
+            msg = self.body([], None, None, None)
+            msg["usage"] = T.placed_usage(stream)
+            return emit("message_start", message=msg) + emit("ping")
+
         async def run(source):
-            start = self.body([], None, None, None)
-            if stream.done:  # answered at once (a prepared entry): its prompt is known
-                start["usage"] = {**T.usage(stream.result()), "output_tokens": 0}
-            yield emit("message_start", message=start)
-            yield emit("ping")
             out = tool_formats.Withheld(self.state.engine.fmt.tool_format, self.tools,
                                         self.prefix)
-            opened = False
+            started = opened = False
             async for token in source:
+                if not started:  # the prompt is placed by the first token
+                    started = True
+                    yield start()
                 text = out.feed(token.text)
                 if not text:
                     continue
@@ -123,6 +125,8 @@ class MessageReply:
                     opened = True
                     yield _text_start(0)
                 yield _text_delta(0, text)
+            if not started:
+                yield start()
             sent = out.sent
             res = stream.result()
             text, uses, reason, stopped = self.parts(res)

@@ -26,6 +26,7 @@ from typing import Any
 
 from prepos.chat import cut_calls
 from prepos.core import Result
+from prepos.decode.stream import Stream
 from prepos.server.http import results
 from prepos.server.http.errors import ApiError
 
@@ -264,9 +265,22 @@ def stop_reason(finish: str, uses: list[dict], stopped: str | None) -> str:
 def usage(res: Result | None) -> dict:
     """The prompt split as Anthropic's usage splits it: its tokens found in kept KV (the
     chat flow's cached tokens) are `cache_read_input_tokens`, the rest `input_tokens`."""
-    if res is None:  # message_start: before the prompt is placed
-        return {"input_tokens": 0, "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0, "output_tokens": 0}
-    cached = results.cached_prompt_tokens(res)
-    return {"input_tokens": res.prompt_tokens - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": len(res.tokens)}
+    if res is None:  # before the prompt is placed
+        return _usage(0, 0, 0)
+    return _usage(res.prompt_tokens, results.cached_prompt_tokens(res), len(res.tokens))
+
+
+def placed_usage(stream: Stream) -> dict:
+    """`message_start`'s usage: the prompt's as placed (no output yet)."""
+    if stream.done:  # answered whole already (a prepared entry, a failure)
+        try:
+            return {**usage(stream.result()), "output_tokens": 0}
+        except Exception:  # the failure is the stream's error event
+            return usage(None)
+    prompt, cached = stream.placed or (0, 0)
+    return _usage(prompt, cached, 0)
+
+
+def _usage(prompt: int, cached: int, output: int) -> dict:
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output}
