@@ -279,7 +279,7 @@ def test_a_conversation_is_found_by_its_hash_not_by_a_scan(make_engine, monkeypa
     assert kept.find(eng, "a", [{"type": "function", "function": {"name": "f"}}], ask) is None
     assert checked == []
     assert kept.find(eng, "a", [], ask) == "imp-7" and checked == ["imp-7"]
-    assert kept.find(eng, "a", [], ask) is None  # leased to the first request
+    assert kept.find(eng, "a", [], ask) is None  # held by the first request
     kept.release("imp-7")
     edited = [*convs[7][:2], {"role": "assistant", "content": "Something else."},
               {"role": "user", "content": "More?"}]

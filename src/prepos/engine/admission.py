@@ -158,18 +158,18 @@ class Room:
 
 def one_turn(turn: Callable[..., Stream]) -> Callable[..., Stream]:
     """An engine's `turn(engine, session, ...)`, called as `(engine, sid, ...)`: admitted
-    under the session's lease (SessionBusy while another turn is in flight), held until the
+    under the session's turn claim (SessionBusy while another turn is in flight), held until the
     stream it returns has ended; any other mutation meanwhile is refused too, before it
     changes anything (`Session._admit`)."""
-    def leased(engine, sid: str, *args) -> Stream:
+    def claimed(engine, sid: str, *args) -> Stream:
         s = engine.session(sid)
         with s.lock:
             s._admit()
             s._turn = True
-        stream = None  # where the turn does not start, the lease is free again
+        stream = None  # where the turn does not start, the claim is free again
         try:
             stream = turn(engine, s, *args)
             return stream
         finally:
             s._turn = stream
-    return leased
+    return claimed

@@ -23,7 +23,7 @@ of their bookkeeping (tokens, rendered text, messages: `footprint`, an estimate)
 
 The sessions are ephemeral (never journalled, listed or reachable by id) and implicit to the
 engine (`SessionSpec.implicit`: their KV counts for no budget and a foreground request may
-move it down or reclaim it). A kept session serves one request at a time (a lease); a
+move it down or reclaim it). A kept session serves one request at a time (held by it); a
 request that finds its match busy starts a new one. Never across API keys: the key seeds the
 hash, so a conversation is found only for the key that made it and no key's answer time
 depends on another key's text.
@@ -93,7 +93,7 @@ class ImplicitSessions:
         self.counts: Counter[str] = Counter()  # "continued", "started", "evicted"
         self._kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
         self._index: dict[bytes, dict[str, None]] = {}  # conversation hash -> sids
-        self._leased: set[str] = set()
+        self._in_use: set[str] = set()
         self.used = 0  # bytes of the kept sessions' bookkeeping
         # told of every change of what a kept session is indexed under (sid, its hash, None
         # once it is gone): the cluster's directory (`server/durable/directory.py`)
@@ -109,24 +109,24 @@ class ImplicitSessions:
         return len(self._kept)
 
     def holds(self, owner: str | None, tools: Sequence[dict], msgs: list[dict]) -> bool:
-        """Whether a kept session, leased or not, holds a conversation `msgs` extends."""
+        """Whether a kept session, in use or not, holds a conversation `msgs` extends."""
         with self._lock:
             return any(k in self._index for k in conversation_keys(owner, tools, msgs))
 
     def find(self, eng: Engine, owner: str | None, tools: Sequence[dict],
              msgs: list[dict]) -> str | None:
         """The kept session of this key and tools whose conversation `msgs` extends by the
-        most messages, leased to the caller (release it when its answer is done); None if
+        most messages, held by the caller (release it when its answer is done); None if
         there is none free."""
         keys = conversation_keys(owner, tools, msgs)
         for n in range(len(keys), 0, -1):
             with self._lock:
                 sids = [s for s in reversed(self._index.get(keys[n - 1], {}))
-                        if s not in self._leased]
+                        if s not in self._in_use]
                 if not sids:
                     continue
                 sid = sids[0]
-                self._leased.add(sid)
+                self._in_use.add(sid)
                 self._kept.move_to_end(sid)
             if self._extends(eng, sid, msgs):
                 self._count("continued")
@@ -144,7 +144,7 @@ class ImplicitSessions:
         return True
 
     def start(self, spec: SessionSpec) -> str:
-        """A new kept session for a conversation (`spec`, implicit), leased to the request
+        """A new kept session for a conversation (`spec`, implicit), held by the request
         that makes it; the least recently used free ones closed while the engine holds no
         more sessions."""
         eng = self._loaded()
@@ -160,10 +160,10 @@ class ImplicitSessions:
         return sid
 
     def keep(self, sid: str, owner: str | None) -> None:
-        """Keep a new session, leased to the request that made it (indexed once released)."""
+        """Keep a new session, held by the request that made it (indexed once released)."""
         with self._lock:
             self._kept[sid] = Kept(owner)
-            self._leased.add(sid)
+            self._in_use.add(sid)
         self._count("started")
         self._trim()
 
@@ -177,7 +177,7 @@ class ImplicitSessions:
         except PreposError:  # closed meanwhile
             snap = spec = None
         with self._lock:
-            self._leased.discard(sid)
+            self._in_use.discard(sid)
             kept = self._kept.get(sid)
             if kept is None:
                 return
@@ -197,7 +197,7 @@ class ImplicitSessions:
         is given; False if none is."""
         with self._lock:
             sid = next((s for s, k in self._kept.items()
-                        if s not in self._leased and (owner is ... or k.owner == owner)), None)
+                        if s not in self._in_use and (owner is ... or k.owner == owner)), None)
             if sid is not None:
                 self._drop(sid)
         if sid is None:
@@ -211,7 +211,7 @@ class ImplicitSessions:
         eng = self._loaded()
         gone: list[str] = []
         with self._lock:
-            while (sid := next((s for s in self._kept if s not in self._leased), None)) and (
+            while (sid := next((s for s in self._kept if s not in self._in_use), None)) and (
                     self._over() or (eng is not None and not eng.kv_kept(sid))):
                 self._drop(sid)
                 gone.append(sid)
@@ -235,7 +235,7 @@ class ImplicitSessions:
     def _drop(self, sid: str) -> None:  # under the lock
         kept = self._kept.pop(sid)
         self._unindex(sid, kept)
-        self._leased.discard(sid)
+        self._in_use.discard(sid)
 
     def _unindex(self, sid: str, kept: Kept) -> None:  # under the lock
         if kept.key is not None:

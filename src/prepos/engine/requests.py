@@ -162,7 +162,7 @@ class Requests:
     def converse(self, owner: str | None, messages: list[dict], tools: Sequence[dict] = (),
                  req: Request = DEFAULT) -> Stream:
         """A stock client's conversation, sent whole with no session named: continued on the
-        kept session of this key and tools it extends (leased to it until its answer ends,
+        kept session of this key and tools it extends (held by it until its answer ends,
         then indexed under what it committed), or on a new one kept for its next turn."""
         kept = self.conversations
         sid = kept.find(self, owner, tools, messages)
@@ -187,11 +187,11 @@ class Requests:
     def find_chain(self, owner: str | None, tools: Sequence[dict],
                    messages: list[dict]) -> str | None:
         """The kept chain session of this key and tools `messages` extends by the most,
-        leased to the caller until `release_chain`; None if none is free."""
+        held by the caller until `release_chain`; None if none is free."""
         return self.chains.find(self, owner, tools, messages)
 
     def keep_chain(self, sid: str, owner: str | None) -> None:
-        """Keep a new chain session (leased to its maker until `release_chain`)."""
+        """Keep a new chain session (held by its maker until `release_chain`)."""
         self.chains.keep(sid, owner)
 
     def release_chain(self, sid: str) -> None:

@@ -82,7 +82,7 @@ class Session:
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
         self.mutex = threading.RLock()  # serializes mutations (held while rendering)
         self.closed = False
-        self._turn: object = None  # the lease: True once claimed, then its turn's stream
+        self._turn: object = None  # the turn's claim: True once claimed, then its turn's stream
         # committed versions for rollback, as messages (rendered when rolled back to or read)
         self.history = History(max_versions)
         self._entries: tuple[int, Entries] | None = None
@@ -197,7 +197,7 @@ class Session:
         return self.spec.budget_cells or engine_default
 
     def _admit(self, turn: bool = False) -> None:
-        held = self._turn  # `turn`: a commit of the turn in flight (it holds the lease)
+        held = self._turn  # `turn`: a commit of the turn in flight (it holds the claim)
         if not turn and (held is True or held is not None and not held.done):
             raise SessionBusy(f"session {self.id} has a turn in flight; retry after its answer")
 

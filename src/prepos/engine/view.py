@@ -61,7 +61,7 @@ class EngineView:
 
     def holds_conversation(self, owner: str | None, tools, messages: list[dict]) -> bool:
         """Whether a kept conversation of this key and tools is extended by `messages`
-        (leased or not)."""
+        (in use or not)."""
         return self.conversations.holds(owner, tools, messages)
 
     # == what is prepared ==================================================================

@@ -118,7 +118,7 @@ class ResponsesApi:
     async def _new_chain(self, eng, owner, system: str | None, msgs: list[dict],
                          tools: list[dict]) -> str:
         """A persistent session holding the conversation up to its last message (the
-        answer's turn commits that one), leased to the caller. At a session limit the least
+        answer's turn commits that one), held by the caller. At a session limit the least
         recently used chain session gives way (`Places.check_new_session`). Its KV is a
         cache (`SessionSpec.implicit`: no budget, reclaimable whole), rebuilt from the
         committed conversation when needed, so no chain makes another request fail."""
