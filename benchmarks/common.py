@@ -1,11 +1,16 @@
-"""Shared benchmark helpers: percentiles, the timing model, JSON output."""
+"""Shared benchmark helpers: percentiles, the timing model, JSON output, where the
+machine's CPU went (`CpuShare`), bootstrap intervals of gap ratios. Run as
+`python benchmarks/x.py`, a benchmark imports this as `common`; the tests import it
+as `benchmarks.common`."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -109,3 +114,92 @@ def metric_samples(text: str, keep: tuple[str, ...] = ()) -> dict[str, float]:
             out[f"{name}{{{labels}}}" if labels else name] = float(sample.value)
     return out
 
+
+def percentile(ordered: list[float], p: float) -> float:
+    """The nearest-rank percentile of sorted values (nan for none)."""
+    n = len(ordered)
+    return ordered[min(n - 1, round(p / 100 * (n - 1)))] if n else float("nan")
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu() -> tuple[float, float]:
+    """The machine's CPU seconds so far, all CPUs: busy (user, nice, system, irq, softirq)
+    and stolen (the hypervisor ran something else on a virtual CPU), from /proc/stat."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / TICK, v[7] / TICK
+
+
+def process_cpu(pid: int) -> float:
+    """A process's CPU seconds so far, all its threads (/proc/<pid>/stat utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class CpuShare:
+    """Where the machine's CPU went while a case ran, summed over its windows: the server
+    under test, this benchmark (its clients and load), everything else (`outside`: other
+    processes, the kernel's threads) and the hypervisor's steal. Both servers compute on
+    every core, so CPU taken outside stretches their steps: a run a neighbour disturbed
+    shows it here, arm by arm."""
+
+    def __init__(self) -> None:
+        self.wall = self.server = self.outside = self.steal = 0.0
+
+    @contextlib.contextmanager
+    def window(self, *pids: int):
+        """Count the time inside; `pids`: the servers' processes."""
+        def servers() -> float:
+            return sum(process_cpu(p) for p in pids)
+        t0, (busy0, steal0), srv0 = time.perf_counter(), machine_cpu(), servers()
+        own0 = sum(os.times()[:2])
+        try:
+            yield
+        finally:
+            busy1, steal1 = machine_cpu()
+            server, own = servers() - srv0, sum(os.times()[:2]) - own0
+            self.wall += time.perf_counter() - t0
+            self.server += server
+            self.outside += max(0.0, busy1 - busy0 - server - own)
+            self.steal += steal1 - steal0
+
+    def summary(self) -> dict:
+        def pct(s: float) -> float:
+            return round(100 * s / self.wall, 2)
+        return {"server_cpu_pct": pct(self.server), "outside_cpu_pct": pct(self.outside),
+                "steal_pct": pct(self.steal)}
+
+
+def turn_gaps(streams: list[dict], per: int) -> list[list[float]]:
+    """An arm's gaps by turn (`per` streams a turn, in the order they ran)."""
+    return [[g for s in streams[i:i + per] for g in s["gaps"]]
+            for i in range(0, len(streams), per)]
+
+
+def intervals(ours: list[dict], theirs: list[dict], per: int, draws: int = 1000) -> dict:
+    """95% bootstrap intervals of the pooled gap ratios: the run's turns drawn again with
+    replacement (a turn's streams on both arms kept together, as they ran side by side in
+    time), the ratios computed on each draw as on the run, their 2.5th and 97.5th
+    percentiles. How far the run's figures could have moved with its turns alone: a bound
+    inside a figure's interval is one this run cannot tell it meets. Seeded: the same
+    streams give the same intervals."""
+    a, b = turn_gaps(ours, per), turn_gaps(theirs, per)
+    n = min(len(a), len(b))
+    if n < 2:
+        return {}
+    rng = random.Random(0)
+    drawn: dict[str, list[float]] = {"gap_p50_ratio": [], "gap_p99_ratio": [],
+                                     "mean_gap_ratio": []}
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        x = sorted(g for i in pick for g in a[i])
+        y = sorted(g for i in pick for g in b[i])
+        drawn["gap_p50_ratio"].append(percentile(x, 50) / percentile(y, 50))
+        drawn["gap_p99_ratio"].append(percentile(x, 99) / percentile(y, 99))
+        drawn["mean_gap_ratio"].append(statistics.fmean(x) / statistics.fmean(y))
+    out = {}
+    for k, v in drawn.items():
+        v.sort()
+        out[k] = [round(percentile(v, 2.5), 3), round(percentile(v, 97.5), 3)]
+    return {"ratio_ci95": out}

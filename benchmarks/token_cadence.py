@@ -61,7 +61,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import signal
 import socket
 import statistics
@@ -77,7 +76,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stock_clients import KEYS, resolve, start_prepos, stop  # noqa: E402
 
-from common import RESULTS, machine, write  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    CpuShare,
+    intervals,
+    machine,
+    percentile,
+    turn_gaps,
+    write,
+)
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 
 KEY = KEYS["prepos"]
@@ -127,12 +134,6 @@ def _read(r: httpx.Response, url: str, times: list[float]) -> None:
         chunk = json.loads(line[6:])
         if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
             times.append(time.perf_counter())
-
-
-def percentile(ordered: list[float], p: float) -> float:
-    """The nearest-rank percentile of sorted values (nan for none)."""
-    n = len(ordered)
-    return ordered[min(n - 1, round(p / 100 * (n - 1)))] if n else float("nan")
 
 
 def summary(streams: list[dict], wall_s: float | None = None) -> dict:
@@ -364,56 +365,6 @@ def stage_times(counts: dict) -> dict:
     return out
 
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def machine_cpu() -> tuple[float, float]:
-    """The machine's CPU seconds so far, all CPUs: busy (user, nice, system, irq, softirq)
-    and stolen (the hypervisor ran something else on a virtual CPU), from /proc/stat."""
-    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / TICK, v[7] / TICK
-
-
-def process_cpu(pid: int) -> float:
-    """A process's CPU seconds so far, all its threads (/proc/<pid>/stat utime + stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-class CpuShare:
-    """Where the machine's CPU went while a case ran, summed over its windows: the server
-    under test, this benchmark (its clients and load), everything else (`outside`: other
-    processes, the kernel's threads) and the hypervisor's steal. Both servers compute on
-    every core, so CPU taken outside stretches their steps: a run a neighbour disturbed
-    shows it here, arm by arm."""
-
-    def __init__(self) -> None:
-        self.wall = self.server = self.outside = self.steal = 0.0
-
-    @contextlib.contextmanager
-    def window(self, *pids: int):
-        """Count the time inside; `pids`: the servers' processes."""
-        def servers() -> float:
-            return sum(process_cpu(p) for p in pids)
-        t0, (busy0, steal0), srv0 = time.perf_counter(), machine_cpu(), servers()
-        own0 = sum(os.times()[:2])
-        try:
-            yield
-        finally:
-            busy1, steal1 = machine_cpu()
-            server, own = servers() - srv0, sum(os.times()[:2]) - own0
-            self.wall += time.perf_counter() - t0
-            self.server += server
-            self.outside += max(0.0, busy1 - busy0 - server - own)
-            self.steal += steal1 - steal0
-
-    def summary(self) -> dict:
-        def pct(s: float) -> float:
-            return round(100 * s / self.wall, 2)
-        return {"server_cpu_pct": pct(self.server), "outside_cpu_pct": pct(self.outside),
-                "steal_pct": pct(self.steal)}
-
-
 class Arm:
     """One server of a round (`serve`), and its streams pooled over the rounds, per case.
     It runs only inside `running`: paused otherwise (SIGSTOP), so that while the other arm
@@ -555,12 +506,6 @@ def remote_case(binary: Path, gguf: Path, served: str, args, log: Path) -> dict:
         llama.stop()
 
 
-def turn_gaps(streams: list[dict], per: int) -> list[list[float]]:
-    """An arm's gaps by turn (`per` streams a turn, in the order they ran)."""
-    return [[g for s in streams[i:i + per] for g in s["gaps"]]
-            for i in range(0, len(streams), per)]
-
-
 def turn_ratios(ours: list[dict], theirs: list[dict], per: int) -> dict:
     """Turn by turn (`per` streams a turn, the two arms' turns side by side in time): prepos's
     mean gap over llama-server's in the same turn; their median and quartiles. The pooled
@@ -571,34 +516,6 @@ def turn_ratios(ours: list[dict], theirs: list[dict], per: int) -> dict:
     q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else r * 3
     return {"turn_mean_gap_ratio": {"p25": round(q[0], 3), "p50": round(statistics.median(r), 3),
                                     "p75": round(q[2], 3), "turns": len(r)}}
-
-
-def intervals(ours: list[dict], theirs: list[dict], per: int, draws: int = 1000) -> dict:
-    """95% bootstrap intervals of the pooled gap ratios: the run's turns drawn again with
-    replacement (a turn's streams on both arms kept together, as they ran side by side in
-    time), the ratios computed on each draw as on the run, their 2.5th and 97.5th
-    percentiles. How far the run's figures could have moved with its turns alone: a bound
-    inside a figure's interval is one this run cannot tell it meets. Seeded: the same
-    streams give the same intervals."""
-    a, b = turn_gaps(ours, per), turn_gaps(theirs, per)
-    n = min(len(a), len(b))
-    if n < 2:
-        return {}
-    rng = random.Random(0)
-    drawn: dict[str, list[float]] = {"gap_p50_ratio": [], "gap_p99_ratio": [],
-                                     "mean_gap_ratio": []}
-    for _ in range(draws):
-        pick = [rng.randrange(n) for _ in range(n)]
-        x = sorted(g for i in pick for g in a[i])
-        y = sorted(g for i in pick for g in b[i])
-        drawn["gap_p50_ratio"].append(percentile(x, 50) / percentile(y, 50))
-        drawn["gap_p99_ratio"].append(percentile(x, 99) / percentile(y, 99))
-        drawn["mean_gap_ratio"].append(statistics.fmean(x) / statistics.fmean(y))
-    out = {}
-    for k, v in drawn.items():
-        v.sort()
-        out[k] = [round(percentile(v, 2.5), 3), round(percentile(v, 97.5), 3)]
-    return {"ratio_ci95": out}
 
 
 def ratios(p: dict, ls: dict) -> dict:
