@@ -1,0 +1,1 @@
+"""prepos's tests, in folders by layer; tests/support holds what they share."""

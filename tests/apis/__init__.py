@@ -1,0 +1,2 @@
+"""The client-facing APIs end to end: OpenAI chat and completions, Responses, Conversations,
+Anthropic's Messages."""

@@ -1,0 +1,1 @@
+"""The benchmarks' helpers and scripts, without timing."""

@@ -1,0 +1,1 @@
+"""Several nodes on one PostgreSQL store behind a router."""

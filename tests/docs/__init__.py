@@ -1,0 +1,1 @@
+"""The docs and the repository's shape: README, the docs site, RESULTS, the layers."""

@@ -1,0 +1,1 @@
+"""The lab's tools: the simulator, calibration, the market task."""

@@ -1,0 +1,1 @@
+"""Property tests: invariants under random interleavings and random schemas."""

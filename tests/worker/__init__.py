@@ -1,0 +1,1 @@
+"""The model worker: its scheduler, the KV tiers, the prefix index."""
