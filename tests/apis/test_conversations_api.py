@@ -14,11 +14,11 @@ import json
 import httpx
 import openai
 import pytest
-from openai_helpers import ext, held, openai_client
-from server_harness import ServerProc, sse_events
 
 from prepos.server.durable.conversation_store import ConversationStore
 from prepos.server.http.errors import ApiError
+from tests.support.openai_helpers import ext, held, openai_client
+from tests.support.server_harness import ServerProc, sse_events
 
 INSTR = "You are a market analyst. Answer in one word."
 KEYS = ("key-a", "key-b")
@@ -364,7 +364,7 @@ def target(request):
     if request.param == "sqlite":
         yield None
         return
-    from cluster_harness import Postgres, missing_postgres
+    from tests.support.cluster_harness import Postgres, missing_postgres
 
     if reason := missing_postgres():
         pytest.skip(reason)

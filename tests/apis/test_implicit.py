@@ -10,7 +10,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 SYSTEM = "You are a terse market assistant. " * 4
 KEYS = ("key-a", "key-b")

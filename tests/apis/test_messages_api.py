@@ -19,11 +19,11 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
-from server_harness import ServerProc, sse_events
 
 from prepos.server.anthropic import translate as T
 from prepos.server.anthropic.errors import error_body
 from prepos.server.http.errors import ApiError
+from tests.support.server_harness import ServerProc, sse_events
 
 KEY = "msg-key"
 SYSTEM = "You are a terse market assistant. Answer briefly. " * 4

@@ -11,7 +11,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 SYSTEM = "You are a terse market assistant. Answer in one word. " * 3
 KEYS = ("key-a", "key-b")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc
 
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
+from tests.support.server_harness import ServerProc
 
 SYSTEM = "Live price feed. Answer in one word."
 Q = "Which way is ACME moving?"

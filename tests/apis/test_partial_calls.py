@@ -16,7 +16,8 @@ import anthropic
 import openai
 import pytest
 from jiter import from_json
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 PRICE = {"type": "function", "function": {
     "name": "get_price", "description": "a ticker's last price",

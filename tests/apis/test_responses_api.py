@@ -15,8 +15,9 @@ import sqlite3
 import httpx
 import openai
 import pytest
-from openai_helpers import ext, held, openai_client
-from server_harness import ServerProc
+
+from tests.support.openai_helpers import ext, held, openai_client
+from tests.support.server_harness import ServerProc
 
 INSTR = "You are a market analyst. Answer in one word."
 KEYS = ("key-a", "key-b")
@@ -386,11 +387,10 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     `response.failed`, and the reply's cleanup runs (no server: the reply alone)."""
     from types import SimpleNamespace
 
-    from server_harness import sse_events
-
     from prepos.chat.tool_formats import PREPOS
     from prepos.errors import PreposError
     from prepos.server.openai.responses_format import Reply
+    from tests.support.server_harness import sse_events
 
     class Failing:
         done = False

@@ -10,7 +10,8 @@ import math
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc, state_of
+
+from tests.support.server_harness import ServerProc, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

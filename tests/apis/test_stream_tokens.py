@@ -8,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 MESSAGES = [{"role": "system", "content": "You are a market analyst."},
             {"role": "user", "content": "AAPL 101.2 101.5 101.9 102.4. What is the trend?"}]

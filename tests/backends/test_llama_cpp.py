@@ -6,9 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import NO_LLAMA_CPP
 
-from helpers import greedy_agrees, query_entry
 from prepos.backends import llama_cpp
 from prepos.backends.base import Preempted, idle_work
 from prepos.config import EngineConfig, GateConfig
@@ -16,6 +14,8 @@ from prepos.core import Request, SamplingParams
 from prepos.engine import Engine
 from prepos.engine.loading import exported_gguf
 from prepos.errors import OverBudget, TooManySessions
+from tests.support.helpers import greedy_agrees, query_entry
+from tests.support.models import NO_LLAMA_CPP
 
 pytestmark = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
 

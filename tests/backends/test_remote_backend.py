@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-from remote_fakes import FakeCluster, hash_logits, torch_logits
 
 from prepos.backends.base import idle_work as background_work
 from prepos.backends.remote import (
@@ -22,6 +21,7 @@ from prepos.config import EngineConfig, GateConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.worker.sequence import KVSequence
+from tests.support.remote_fakes import FakeCluster, hash_logits, torch_logits
 
 KINDS = ["llama.cpp", "vllm", "sglang"]
 

@@ -11,13 +11,13 @@ import threading
 import pytest
 import torch
 
-from helpers import race_appends_with_queries
 from prepos.backends.llama_server import LlamaServer, find_binary
 from prepos.backends.remote import RemoteBackend
 from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
+from tests.support.helpers import race_appends_with_queries
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from remote_fakes import FakeCluster, hash_logits
 
 from prepos.backends.base import idle_work
 from prepos.backends.remote import (
@@ -21,6 +20,7 @@ from prepos.backends.remote import (
 from prepos.backends.remote_adapters import LlamaCppAdapter
 from prepos.core import SamplingParams
 from prepos.worker.sequence import KVSequence
+from tests.support.remote_fakes import FakeCluster, hash_logits
 
 KINDS = ["llama.cpp", "vllm", "sglang"]
 PROMPT = [1, 2, 3, 4, 5]

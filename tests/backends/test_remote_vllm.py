@@ -16,7 +16,6 @@ import httpx
 import pytest
 import torch
 
-from helpers import race_appends_with_queries
 from prepos.backends.base import idle_work
 from prepos.backends.remote import AnswerInterrupted, RemoteBackend
 from prepos.backends.vllm_server import VLLMServer, find_python
@@ -24,6 +23,7 @@ from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
+from tests.support.helpers import race_appends_with_queries
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import sys
 
 import httpx
 import pytest
-from server_harness import SRC, ServerProc
 
 from prepos.backends.llama_server import LlamaServer, find_binary
+from tests.support.server_harness import SRC, ServerProc
 
 pytestmark = pytest.mark.slow
 

@@ -5,22 +5,14 @@ tool waits whose next entry was pre-positioned before the result arrived."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import hold_worker
+# under a name of its own: `agents` is the OpenAI Agents SDK's package
+from benchmarks import agent_jobs as agents
 from prepos.core import Request, SamplingParams
-
-# loaded by its path, under its own name: `agents` is the OpenAI Agents SDK's package
-_spec = importlib.util.spec_from_file_location(
-    "agent_jobs", Path(__file__).resolve().parents[1] / "benchmarks" / "agent_jobs.py")
-agents = importlib.util.module_from_spec(_spec)
-sys.modules["agent_jobs"] = agents
-_spec.loader.exec_module(agents)
+from tests.support.helpers import hold_worker
 
 
 def first_jobs(scale: float = 1.0, seed: int = 0, agent: int = 0) -> dict:

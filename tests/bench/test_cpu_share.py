@@ -1,4 +1,4 @@
-"""benchmarks/token_cadence.py's `CpuShare`: where the machine's CPU went while a case ran.
+"""`CpuShare` (benchmarks/common.py): where the machine's CPU went while a case ran.
 A child that burns a known amount of CPU inside the window is counted as the server's, and
 the CPU the benchmark's own process burns meanwhile is not (no timing: CPU seconds the
 processes report themselves)."""
@@ -6,11 +6,8 @@ processes report themselves)."""
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from token_cadence import CpuShare  # noqa: E402
+from benchmarks.common import CpuShare
 
 BURN = """
 import sys, time

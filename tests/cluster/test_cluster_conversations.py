@@ -14,10 +14,10 @@ import time
 import httpx
 import openai
 import pytest
-from cluster_harness import Postgres, Router, missing_postgres, missing_router
-from server_harness import ServerProc
 
 from prepos.paths import DEFAULT_MODEL
+from tests.support.cluster_harness import Postgres, Router, missing_postgres, missing_router
+from tests.support.server_harness import ServerProc
 
 pytestmark = pytest.mark.slow
 KEYS = ("key-a", "key-b")
@@ -27,7 +27,7 @@ KEYS = ("key-a", "key-b")
 def nodes(tmp_path_factory):
     reason = missing_postgres()
     if reason:
-        print(f"\nSKIPPING tests/test_cluster_conversations.py: {reason}", file=sys.stderr)
+        print(f"\nSKIPPING tests/cluster/test_cluster_conversations.py: {reason}", file=sys.stderr)
         pytest.skip(reason)
     work = tmp_path_factory.mktemp("conversations")
     pg = Postgres().start()

@@ -20,12 +20,12 @@ import time
 
 import httpx
 import pytest
-from cluster_harness import Postgres, missing_postgres
-from server_harness import ServerProc
 
 from prepos.server.durable.lease import LeaseConfig, Leases
 from prepos.server.durable.store import Database
 from prepos.server.http.auth import owner_id, scoped
+from tests.support.cluster_harness import Postgres, missing_postgres
+from tests.support.server_harness import ServerProc
 
 K1, K2 = "key-one", "key-two"
 SID = "edge-0"

@@ -22,13 +22,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_harness import Postgres, Router, free_port, missing_postgres, missing_router
-from server_harness import ServerProc
 
 from prepos.lab.demo_client import DemoError, Http
 from prepos.paths import DEFAULT_MODEL
 from prepos.server.durable.journal import Journal
 from prepos.server.durable.store import Database
+from tests.support.cluster_harness import (
+    Postgres,
+    Router,
+    free_port,
+    missing_postgres,
+    missing_router,
+)
+from tests.support.server_harness import ServerProc
 
 LEASE, RENEW = 4.0, 1.0
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "prepos"
+SRC = Path(__file__).resolve().parents[2] / "src" / "prepos"
 
 # top to bottom: a folder may import its own modules and those of the folders below it
 LAYERS = (

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PYTHON_PAGE = ROOT / "docs" / "python.md"
 OPTIONS_PAGE = ROOT / "docs" / "options.md"

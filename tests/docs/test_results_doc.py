@@ -5,19 +5,17 @@ rebuilds its own section and nothing else."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def report(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from benchmarks import report as mod
+
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")  # no benchmark has run here
     return mod
 

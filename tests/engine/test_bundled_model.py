@@ -11,7 +11,7 @@ from prepos.config import EngineConfig, GateConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.lab.task.market import ANSWERS, SYSTEM_PROMPT, format_data
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "models" / "trend-reader"
 WEAK = ROOT / "models" / "trend-reader-weak"
 MODELS = [DEFAULT, WEAK]

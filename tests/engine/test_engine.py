@@ -2,16 +2,6 @@
 
 import pytest
 
-import helpers
-from helpers import (
-    cold_logits,
-    during_idle_forwards,
-    greedy_agrees,
-    hold_worker,
-    query_entry,
-    state,
-    tolerance,
-)
 from prepos.config import BudgetConfig, GateConfig
 from prepos.core import AnswerPath, Match, Request, SamplingParams
 from prepos.engine.session import TURN, query_key
@@ -24,6 +14,16 @@ from prepos.errors import (
     ToolResultAwaited,
     VersionNotFound,
     WrongSessionKind,
+)
+from tests.support import helpers
+from tests.support.helpers import (
+    cold_logits,
+    during_idle_forwards,
+    greedy_agrees,
+    hold_worker,
+    query_entry,
+    state,
+    tolerance,
 )
 
 SYSTEM = "You are a market analyst. Answer with one word."

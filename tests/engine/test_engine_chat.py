@@ -4,9 +4,9 @@ rolled back when asked."""
 
 import pytest
 
-from helpers import state
 from prepos.chat.conversation import ConversationError
 from prepos.core import Request, SamplingParams
+from tests.support.helpers import state
 
 SYSTEM = "You are a market analyst. Answer with one word."
 ONE = Request(SamplingParams(max_tokens=1))

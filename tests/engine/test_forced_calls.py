@@ -24,7 +24,7 @@ from prepos.decode.structured import Grammars
 from prepos.server.openai.checks import forced_call
 from prepos.server.openai.format import message
 
-BUNDLED = Path(__file__).resolve().parents[1] / "models" / "trend-reader"
+BUNDLED = Path(__file__).resolve().parents[2] / "models" / "trend-reader"
 PRICE = {"type": "function", "function": {"name": "get_price", "parameters": {
     "type": "object", "properties": {"ticker": {"type": "string", "enum": ["ACME", "MSFT"]}},
     "required": ["ticker"], "additionalProperties": False}}}

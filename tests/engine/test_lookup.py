@@ -5,12 +5,12 @@ answers without them (on llama.cpp, within its logit tolerance wherever they dif
 import pytest
 import torch
 
-from helpers import cold_logits, greedy_agrees, tolerance
 from prepos.config import EngineConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.decode.lookup import Lookup, NgramIndex, accepted
 from prepos.server.http.metrics import Metrics
 from prepos.worker.sequence import Forward, KVSequence, run_forwards
+from tests.support.helpers import cold_logits, greedy_agrees, tolerance
 
 REPEAT = "the cat sat on the mat " * 3  # a context the tiny models continue by repeating
 TOOLS = [{"type": "function", "function": {"name": "get_price", "parameters": {}}}]

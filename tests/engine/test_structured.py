@@ -15,11 +15,8 @@ import openai
 import pytest
 import torch
 from pydantic import BaseModel, Field
-from remote_fakes import FakeCluster, hash_logits
-from server_harness import ServerProc
 from transformers import AutoTokenizer
 
-from helpers import promote
 from prepos.backends.remote import RemoteBackend, make_adapter
 from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
@@ -30,6 +27,9 @@ from prepos.engine.session import TURN, query_key
 from prepos.errors import InvalidResponseFormat, InvalidSampling
 from prepos.response_format import canonical, schema_of
 from prepos.server.http.errors import status_of
+from tests.support.helpers import promote
+from tests.support.remote_fakes import FakeCluster, hash_logits
+from tests.support.server_harness import ServerProc
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

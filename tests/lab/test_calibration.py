@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from conftest import NO_LLAMA_CPP
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from prepos.core import AnswerPath, Match, ReadyRecord, Result
 from prepos.decode.stream import Stream
 from prepos.lab import calibration as cal
 from prepos.lab.task.market import decision_points
+from tests.support.models import NO_LLAMA_CPP
 
 NEEDS_LLAMA_CPP = pytest.mark.skipif(not llama_cpp.available(), reason=NO_LLAMA_CPP)
 
@@ -225,7 +225,7 @@ def test_calibrate_cli_on_the_bundled_models(tmp_path):
     import json
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "models"
+    root = Path(__file__).resolve().parents[2] / "models"
     before = (root / "trend-reader" / "gate.json").read_text()
     rc = cal.main(["--models", str(root / "trend-reader"), str(root / "trend-reader-weak"),
                    "--n", "12", "--out", str(tmp_path), "--no-write-gate", "--no-figures"])
@@ -248,7 +248,7 @@ def _packaged_gguf(tmp_path, monkeypatch):
 
     from prepos.engine import loading
 
-    root = Path(__file__).resolve().parents[1] / "models"
+    root = Path(__file__).resolve().parents[2] / "models"
     pkg = tmp_path / "site" / "prepos_test_gguf_pkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")

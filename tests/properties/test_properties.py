@@ -17,15 +17,15 @@ prefix another session holds, resident or in the RAM tier.
 """
 
 import pytest
-from conftest import BACKENDS, backend_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import cold_logits, greedy_agrees, promote, tolerance
 from prepos.config import BudgetConfig, EngineConfig, GateConfig
 from prepos.core import AnswerPath, Match, Request, SamplingParams
 from prepos.engine import Engine
+from tests.support.helpers import cold_logits, greedy_agrees, promote, tolerance
+from tests.support.models import BACKENDS, backend_config
 
 Q = "What is the trend?"
 WORDS = st.sampled_from(["AAPL 101.5", "MSFT 99", "up 3", "down 1.25", "flat", "NVDA 7 8 9"])

@@ -16,12 +16,12 @@ from collections import Counter
 
 import jsonschema
 import pytest
-from conftest import BACKENDS, backend_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepos.config import EngineConfig
 from prepos.lab.tiny import build_model
+from tests.support.models import BACKENDS, backend_config
 
 EXAMPLES = int(os.environ.get("PREPOS_STRUCTURED_EXAMPLES", "40"))
 MARKUP = ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>", "\U000F0000"]

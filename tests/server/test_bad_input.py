@@ -15,9 +15,9 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProc, sse_events, state_of
 
-from helpers import fill_ids
+from tests.support.helpers import fill_ids
+from tests.support.server_harness import ServerProc, sse_events, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
-from cluster_harness import Postgres, missing_postgres
-from server_harness import ServerProc, sse_events
 
-from helpers import hold_worker
 from prepos.server.durable.idempotency import Attempt, Records
 from prepos.server.durable.store import Database
+from tests.support.cluster_harness import Postgres, missing_postgres
+from tests.support.helpers import hold_worker
+from tests.support.server_harness import ServerProc, sse_events
 
 KEY_A, KEY_B = "key-a", "key-b"
 KEYS = ["--api-key", KEY_A, "--api-key", KEY_B]

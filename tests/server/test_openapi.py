@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
-from server_harness import ServerProc, sse_events
 
 from prepos.server.http.app import create_app
 from prepos.server.http.state import ServerConfig
+from tests.support.server_harness import ServerProc, sse_events
 
 SYSTEM = "Live price feed. Answer in one word."
 Q = "Which way is ACME moving?"

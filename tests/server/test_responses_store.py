@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from cluster_harness import Postgres, missing_postgres
 
 from prepos.server.durable.responses_store import ResponseStore, Stored
 from prepos.server.durable.store import Database
+from tests.support.cluster_harness import Postgres, missing_postgres
 
 NO_PG = missing_postgres()
 

@@ -13,11 +13,11 @@ import threading
 
 import httpx
 import pytest
-from server_harness import ServerProc
 
 from prepos.server.durable.forwarding import FORWARDED, Forwarder
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, scrub
+from tests.support.server_harness import ServerProc
 
 KEY_A, KEY_B = "key-a", "key-b"
 JSON = {"content-type": "application/json"}

@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProc, listen_events, sse_events, state_of
+
+from tests.support.server_harness import ServerProc, listen_events, sse_events, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

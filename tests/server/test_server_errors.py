@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_harness import ServerProc, state_of
 from transformers import AutoTokenizer
 
-from helpers import fill_ids
+from tests.support.helpers import fill_ids
+from tests.support.server_harness import ServerProc, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_harness import ServerProc, state_of
+
+from tests.support.server_harness import ServerProc, state_of
 
 Q = "What is the trend?"
 A, B = "key-a", "key-b"

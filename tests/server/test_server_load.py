@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_harness import ServerProc
 
 from prepos.lab.loadgen import load_run
+from tests.support.server_harness import ServerProc
 
 
 @pytest.mark.slow

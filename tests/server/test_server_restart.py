@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from server_harness import SRC, ServerProc, state_of
+
+from tests.support.server_harness import SRC, ServerProc, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 Q = "What is the trend?"

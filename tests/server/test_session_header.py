@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProc
+
+from tests.support.server_harness import ServerProc
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ import threading
 import time
 
 import pytest
-from cluster_harness import Postgres, missing_postgres
 
 from prepos.engine.session_spec import SessionSpec
 from prepos.server.durable.journal import Journal
 from prepos.server.durable.lease import LeaseConfig, LeaseLost, Leases
 from prepos.server.durable.responses_store import ResponseStore, Stored
 from prepos.server.durable.store import MIGRATIONS, Database, StoreUnavailable, redacted
+from tests.support.cluster_harness import Postgres, missing_postgres
 
 NO_PG = missing_postgres()
 

@@ -21,14 +21,14 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_harness import ServerProc, state_of
 
-from helpers import hold_worker
 from prepos.core import Request, SamplingParams
 from prepos.engine.session import TURN
 from prepos.errors import SessionBusy
 from prepos.server.durable.journal import Journal
 from prepos.server.durable.store import StoreUnavailable
+from tests.support.helpers import hold_worker
+from tests.support.server_harness import ServerProc, state_of
 
 SYSTEM = "You are a market analyst. Answer with one word."
 TWO = SamplingParams(max_tokens=2)

@@ -9,13 +9,13 @@ import os
 
 import httpx
 import pytest
-from server_harness import ServerProc
 
 from prepos.config import EngineConfig, GateConfig, RelaxedConfig
 from prepos.core import Match, Request, SamplingParams
 from prepos.engine import Engine
 from prepos.gate.question_class import classify
 from prepos.gate.relaxed import PROBATION, PROMOTED, ClassGate
+from tests.support.server_harness import ServerProc
 
 ONE = Request(SamplingParams(max_tokens=1))
 UP = 11  # a token id, as far as a ClassGate is concerned

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from server_harness import sse_events
+
+from tests.support.server_harness import sse_events
 
 AGENTS = Path(os.environ.get("AGENTS_CACHE", Path.home() / ".cache" / "prepos-agents"))
 HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length"}

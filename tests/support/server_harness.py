@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 class ServerProc:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import greedy_agrees
 from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.worker.prefix import BLOCK, PrefixIndex, chain
+from tests.support.helpers import greedy_agrees
 
 GREEDY = Request(SamplingParams(max_tokens=5))
 

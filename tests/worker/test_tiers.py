@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from helpers import greedy_agrees, hold_worker
 from prepos.config import BudgetConfig, TierConfig
 from prepos.core import Request, SamplingParams
 from prepos.errors import OverBudget
 from prepos.worker.sequence import Forward
+from tests.support.helpers import greedy_agrees, hold_worker
 
 GREEDY = Request(SamplingParams(max_tokens=4), fast_path="off")
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
@@ -392,7 +392,8 @@ def test_over_http_a_lost_disk_state_answers_and_the_session_goes_on(model_dirs,
     """Through the server: a session whose disk-tier file was deleted is answered (200, the
     answer the same session gave before it moved down) and takes appends."""
     import httpx
-    from server_harness import ServerProc
+
+    from tests.support.server_harness import ServerProc
 
     kv_dir = tmp_path / "kv"
     with ServerProc(model_dirs["chatml"], tmp_path / "srv", "--backend", "torch",

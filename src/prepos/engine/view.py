@@ -1,6 +1,6 @@
 """What a caller may read of an engine, as methods: its sessions, what is prepared in them,
 its back end's abilities and its load. The server reads an engine through these and the
-fields in `FIELDS` only (`tests/test_layers.py` checks it), never the scheduler, the KV pool
+fields in `FIELDS` only (`tests/docs/test_layers.py` checks it), never the scheduler, the KV pool
 or the pre-positioner behind them; every change goes through `Engine`'s own methods."""
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def parser() -> argparse.ArgumentParser:
-    """`prepos serve`'s options (docs/options.md is made from them: tests/test_readme.py checks)."""
+    """`prepos serve`'s options (docs/options.md is made from them: tests/docs/test_readme.py
+    checks)."""
     p = argparse.ArgumentParser(prog="prepos serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
