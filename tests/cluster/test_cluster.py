@@ -203,7 +203,7 @@ def test_sessions_move_when_their_owner_is_killed(cluster):
     for sid, ops in load.ops.items():
         acks = [op for op in ops if op["ok"]]
         # every acknowledged commit is in the store
-        kept = dict(journal.load_one(sid)[3])  # version: its messages
+        kept = dict(journal.load_one(sid)[2])  # version: its messages
         if sid in AGENTIC:
             assert [(m["role"], m["content"]) for m in kept[max(kept)]] == \
                 [(m["role"], m["content"]) for m in load.history[sid]], sid
@@ -255,7 +255,7 @@ def test_a_copy_warmed_for_a_session_another_node_took_is_dropped(cluster):
         r = httpx.post(f"{owner.url}/sessions/{sid}/append", json={"data": f"tick {i}"},
                        timeout=60)
         assert r.status_code == 200, r.text
-    stored = Journal(Database(pg.url, migrate=False)).load_one(sid)[3]
+    stored = Journal(Database(pg.url, migrate=False)).load_one(sid)[2]
     owner.proc.send_signal(signal.SIGKILL)
     owner.proc.wait()
     answers: dict[int, httpx.Response] = {}
@@ -276,6 +276,6 @@ def test_a_copy_warmed_for_a_session_another_node_took_is_dropped(cluster):
     for n in others:  # the claimed copy is there; the other node's warmed copy is gone
         listed = {s["id"] for s in httpx.get(n.url + "/sessions", timeout=10).json()["data"]}
         assert (sid in listed) == (f"n{nodes.index(n)}" in winner), (n.url, listed)
-    assert Journal(Database(pg.url, migrate=False)).load_one(sid)[3] == stored
+    assert Journal(Database(pg.url, migrate=False)).load_one(sid)[2] == stored
     for k in range(2):
         assert answers[k].json()["version"] == stored[-1][0]

@@ -62,7 +62,7 @@ def test_journal_restores_every_kept_version(make_engine, tmp_path):
     eng.wait_idle()
     journal.close()
 
-    loaded = {sid: (spec, history) for sid, spec, _, history in Journal(path, 8, 4).load()}
+    loaded = {sid: (spec, history) for sid, spec, history in Journal(path, 8, 4).load()}
     assert set(loaded) == {s, a}
     for sid in (s, a):
         spec, history = loaded[sid]

@@ -83,12 +83,30 @@ def test_the_journal_round_trips_on_both_stores(target):
         j.committed(s, Snap(v, msgs))
     j.close()
     j2 = Journal(target, max_versions=8, checkpoint_every=3)
-    (sid, spec, _, history), = j2.load()
+    (sid, spec, history), = j2.load()
     assert sid == "s-1" and spec.system == "be brief"
     assert history[-1] == (7, msgs) and [v for v, _ in history] == list(range(8))
-    assert j2.load_one("s-1")[3] == history and j2.load_one("nope") is None
+    assert j2.load_one("s-1")[2] == history and j2.load_one("nope") is None
     j2.closing(s)
     assert j2.load() == [] and not j2.exists("s-1")
+
+
+def test_a_sessions_push_tokens_ride_its_spec_and_older_journals_are_read(target):
+    """A standing query's pushed-answer length is the spec's (`push_tokens`), journalled
+    with it; a journal written when the server kept it beside the spec (`extras`) gives it
+    back the same."""
+    j = Journal(target)
+    s = FakeSession("s-push")
+    s.spec.push_tokens = 5
+    j.created(s, Snap(0, []))
+    j.close()
+    j = Journal(target)
+    assert j.load_one("s-push")[1].push_tokens == 5
+    with j.db.tx():  # as an older server wrote it
+        j.db.q("UPDATE sessions SET spec=?, extras=? WHERE id=?",
+               ('{"kind": "streaming"}', '{"push_max_tokens": 7}', "s-push"))
+    assert j.load_one("s-push")[1].push_tokens == 7
+    j.close()
 
 
 def test_a_write_the_store_cannot_take_in_time_fails_and_leaves_nothing(target):
@@ -113,7 +131,7 @@ def test_a_write_the_store_cannot_take_in_time_fails_and_leaves_nothing(target):
         other.close()
     j.committed(s, Snap(1, [{"role": "user", "content": "written"}]))  # the store is back
     j.close()
-    (_, _, _, history), = Journal(target).load()
+    (_, _, history), = Journal(target).load()
     assert history == [(0, []), (1, [{"role": "user", "content": "written"}])]
 
 
@@ -190,16 +208,16 @@ def test_a_lapsed_owner_stops_serving_before_it_is_taken_over_and_cannot_write(p
     while not (claim := b.claim("s-move")).ours:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert claim.fresh and jb.load_one("s-move")[3][-1][1] == [
+    assert claim.fresh and jb.load_one("s-move")[2][-1][1] == [
         {"role": "user", "content": "acked"}]
     with pytest.raises(LeaseLost):  # the old owner's late write is refused ...
         ja.committed(s, Snap(2, [{"role": "user", "content": "late"}]))
-    assert jb.load_one("s-move")[3][-1][0] == 1  # ... and left nothing
+    assert jb.load_one("s-move")[2][-1][0] == 1  # ... and left nothing
     assert not a.renew() and lapsed == ["s-two"]  # it learns what it lost (the session
     assert not a.owned  # refused a write was dropped then) and registers again: epoch 1 its
     assert a.epoch == 3  # first, 2 fenced by the new owner's takeover
     assert not a.claim("s-move").ours  # and the session stays with the new owner
     jb.committed(s, Snap(2, [{"role": "user", "content": "acked"},
                                    {"role": "assistant", "content": "new owner"}]))
-    assert jb.load_one("s-move")[3][-1][0] == 2
+    assert jb.load_one("s-move")[2][-1][0] == 2
     b.stop()

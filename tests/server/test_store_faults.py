@@ -100,7 +100,7 @@ def test_a_write_the_store_refuses_changes_nothing(make_engine, tmp_path):
         con.close()
     res = eng.turn(sid, None, Request(TWO)).result(timeout=60)  # the store is back
     journal.close()
-    (_, _, _, history), = Journal(path).load()
+    (_, _, history), = Journal(path).load()
     assert history[-1][1] == list(eng.session(sid).snap.messages)
     assert history[-1][1][-1] == {"role": "assistant", "content": res.text}
     assert len(history[-1][1]) == len(before.messages) + 1

@@ -36,6 +36,8 @@ class SessionSpec:
     # (`prepos.engine.predecode`): at most this many tokens (None: the engine's), up to stop
     answer_tokens: int | None = None
     answer_stop: tuple[str, ...] = ()
+    # tokens of a standing query's answer pushed to its subscribers (the server's SSE)
+    push_tokens: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.answer_stop, list):  # as a journal reads it back
@@ -58,5 +60,7 @@ class SessionSpec:
         n = self.answer_tokens
         if n is not None and (not isinstance(n, int) or n < 0):
             raise InvalidInput(f"answer_tokens must be an integer >= 0, got {n!r}")
+        if not isinstance(self.push_tokens, int) or self.push_tokens < 1:
+            raise InvalidInput(f"push_tokens must be an integer >= 1, got {self.push_tokens!r}")
         if any(not isinstance(x, str) or not x for x in self.answer_stop):
             raise InvalidInput("answer_stop must be non-empty strings")

@@ -293,8 +293,7 @@ class Cluster:
         found = self.journal.load_one(sid)
         if found is None:
             return
-        _, spec, extras, history = found
-        self.state.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
+        _, spec, history = found
         mark(sid, "warming")
         self.engine.restore_session(sid, spec, history, warm=True)
         mark(sid, "warm")
@@ -315,7 +314,7 @@ class Cluster:
             self.leases.release(sid)
             self._drop(sid)
             return
-        _, spec, extras, history = found
+        _, spec, history = found
         if eng.has_session(sid):
             try:
                 snap = eng.snapshot(sid)
@@ -330,8 +329,7 @@ class Cluster:
             if found is None:
                 self.leases.release(sid)
                 return
-            _, spec, extras, history = found
-        self.state.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
+            _, spec, history = found
         eng.restore_session(sid, spec, history)
         self.takeovers += 1
         mark(sid, "restored")

@@ -34,7 +34,7 @@ from prepos.server.durable.store import TIMEOUT, Database
 from prepos.server.http.auth import public
 
 log = logging.getLogger("prepos.server.journal")
-Restored = tuple[str, SessionSpec, dict, list[tuple[int, list[dict]]]]
+Restored = tuple[str, SessionSpec, list[tuple[int, list[dict]]]]
 
 UPSERT_VERSION = ('INSERT INTO versions VALUES (?, ?, ?, ?) ON CONFLICT (sid, version) DO '
                   'UPDATE SET "full"=excluded."full", ops=excluded.ops')
@@ -92,7 +92,6 @@ class Journal:
         self.max_versions = max_versions
         self.checkpoint_every = checkpoint_every
         self.metrics = metrics
-        self.extras: dict[str, dict] = {}  # server-side per-session settings, set on create
         # shared store: fence(db, sid) raises unless this node owns sid (inside the write's
         # transaction); a session closed here because it moved is left in the store
         self.fence: Callable[[Database, str], None] | None = None
@@ -119,7 +118,7 @@ class Journal:
 
     # -- restore ---------------------------------------------------------------------------
     def load(self) -> list[Restored]:
-        """Every journalled session: id, spec, server extras, and the history the engine
+        """Every journalled session: id, spec and the history the engine
         keeps ((version, messages), oldest first, the last current)."""
         with self._lock:
             rows = self._db.q("SELECT id, spec, extras FROM sessions ORDER BY created")
@@ -146,11 +145,12 @@ class Journal:
             return None
         if not history:
             return None
-        extras = json.loads(extras_raw)
+        legacy = json.loads(extras_raw or "{}")  # older journals kept it beside the spec
+        if "push_max_tokens" in legacy and '"push_tokens"' not in spec_raw:
+            spec.push_tokens = int(legacy["push_max_tokens"])
         self._last[sid] = (history[-1][0], tuple(history[-1][1]))
         self._since_full[sid] = 0
-        self.extras[sid] = extras
-        return sid, spec, extras, history
+        return sid, spec, history
 
     def _replay(self, sid: str) -> list[tuple[int, list[dict]]]:
         rows = self._db.q('SELECT version, "full", ops FROM versions WHERE sid=? '
@@ -224,7 +224,7 @@ class Journal:
         """On the writer thread (the only one that changes the rows and this journal's view
         of them): the fence, then `write()`, then `key`'s claim, one transaction; the view as
         before where the transaction failed."""
-        before = self._last.get(sid), self._since_full.get(sid), self.extras.get(sid)
+        before = self._last.get(sid), self._since_full.get(sid)
         try:
             with self._db.tx():
                 if self.fence is not None:
@@ -237,7 +237,7 @@ class Journal:
                 key.claimed = True
         except BaseException as exc:
             log.error("journal: %s of session %s not written: %s", event, sid, exc)
-            for table, value in zip((self._last, self._since_full, self.extras), before):
+            for table, value in zip((self._last, self._since_full), before):
                 if value is None:
                     table.pop(sid, None)
                 else:
@@ -245,10 +245,9 @@ class Journal:
             raise
 
     def _create(self, s: Session, snap: Snapshot) -> None:
-        extras = self.extras.get(s.id, {})
         self._db.q("INSERT INTO sessions VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                    "spec=excluded.spec, extras=excluded.extras, created=excluded.created",
-                   (s.id, spec_to_json(s.spec), json.dumps(extras), time.time()))
+                   (s.id, spec_to_json(s.spec), "{}", time.time()))  # extras: the spec's now
         self._db.q("DELETE FROM versions WHERE sid=?", (s.id,))
         self._full(s.id, snap.version, snap.messages)
 
@@ -288,7 +287,6 @@ class Journal:
     def _forget(self, sid: str) -> None:
         self._last.pop(sid, None)
         self._since_full.pop(sid, None)
-        self.extras.pop(sid, None)
 
     def _count(self) -> None:
         if self.metrics is not None:

@@ -104,7 +104,8 @@ async def create_session(request: Request):
                        tuple(body.standing_queries), body.fast_path, body.preposition,
                        body.budget_cells, owner=owner,
                        relaxed_queries=tuple(body.relaxed_queries), r_max=body.r_max,
-                       answer_tokens=answer_tokens, answer_stop=answer_stop)
+                       answer_tokens=answer_tokens, answer_stop=answer_stop,
+                       push_tokens=body.push_max_tokens)
     spec.validate()
     requested = request.headers.get("x-session-id") or body.session_id  # the client's id
     if body.session_id is not None and body.session_id != requested:
@@ -113,16 +114,7 @@ async def create_session(request: Request):
     if requested is not None:  # in the caller's namespace: no other key's session is seen
         requested = check_new_id(state, eng, requested, owner)
     with state.places.new_session(eng, owner, requested) as sid:
-        state.hub.push_tokens[sid] = body.push_max_tokens
-        if state.journal is not None:
-            state.journal.extras[sid] = {"push_max_tokens": body.push_max_tokens}
-        try:
-            await state.run(state.places.with_room, eng, lambda: eng.restore_session(sid, spec))
-        except BaseException:
-            state.hub.push_tokens.pop(sid, None)
-            if state.journal is not None:
-                state.journal.extras.pop(sid, None)
-            raise
+        await state.run(state.places.with_room, eng, lambda: eng.restore_session(sid, spec))
     return JSONBody(_info(state, eng, sid), 201, {"Location": f"/sessions/{public(sid)}"})
 
 
@@ -150,7 +142,7 @@ def _info(state: ServerState, eng, sid: str) -> dict:
     s = eng.session(sid)
     kept = list(eng.versions(sid))
     info["versions_kept"] = [kept[0], kept[-1]] if kept else []
-    info["push_max_tokens"] = state.hub.push_tokens.get(sid, 1)
+    info["push_max_tokens"] = s.spec.push_tokens
     budget = eng.predecoding(sid, TURN)[0]
     info["answer_max_tokens"] = budget.max_tokens if budget is not None else 0
     info["answer_stop"] = list(s.spec.answer_stop)

@@ -162,7 +162,6 @@ class Hub:
         self.max_subs, self.per_key = max_subs, per_key
         self._count = 0
         self._by_key: dict[str | None, int] = {}  # open subscriptions by their key's owner id
-        self.push_tokens: dict[str, int] = {}  # sid -> max_tokens of a pushed answer
         self._subs: dict[str, set[Subscriber]] = {}
         self._latest: dict[str, dict[str, dict]] = {}  # sid -> query -> last answer event
 
@@ -202,11 +201,10 @@ class Hub:
             for sub in self._subs.pop(s.id, set()):
                 sub.put(None)
             self._latest.pop(s.id, None)
-            self.push_tokens.pop(s.id, None)
 
     def _awaits_predecode(self, s, key: tuple) -> bool:
         """Whether the pushed answer at `key` waits for its pre-decode to end."""
-        if self.push_tokens.get(s.id, 1) <= 1:
+        if s.spec.push_tokens <= 1:
             return False
         try:
             budget, answer = self.engine.predecoding(s.id, key)
@@ -229,7 +227,7 @@ class Hub:
             return
         try:
             stream = self.engine.query(s.id, question, EngineRequest(
-                SamplingParams(max_tokens=self.push_tokens.get(s.id, 1)), fast_path="exact"))
+                SamplingParams(max_tokens=s.spec.push_tokens), fast_path="exact"))
         except Exception as exc:  # closed meanwhile, or over budget: nothing to push
             log.debug("standing query of %s not answered: %s", s.id, exc)
             return

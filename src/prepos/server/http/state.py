@@ -193,8 +193,7 @@ class ServerState:
                 self.on_failure()
 
     def _restore(self, engine: Engine, journal: Journal) -> None:
-        for sid, spec, extras, history in journal.load():
-            self.hub.push_tokens[sid] = int(extras.get("push_max_tokens", 1))
+        for sid, spec, history in journal.load():
             try:
                 engine.restore_session(sid, spec, history)
                 self.restored += 1
