@@ -10,9 +10,9 @@ from prepos.engine.facade import Engine, load_engine
 from prepos.engine.implicit import EPHEMERAL, conversation_keys, is_ephemeral
 from prepos.engine.loading import resolve_model
 from prepos.engine.remote import remote_config, remote_engine
-from prepos.engine.session import TURN, Session, Snapshot, query_key
+from prepos.engine.session import TURN, Session, Snapshot, check_context, query_key
 from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
 
 __all__ = ["AGENTIC", "EPHEMERAL", "STREAMING", "TURN", "Engine", "Session", "SessionSpec",
-           "Snapshot", "conversation_keys", "is_ephemeral", "load_engine", "query_key",
-           "remote_config", "remote_engine", "resolve_model", "valid_ids"]
+           "Snapshot", "check_context", "conversation_keys", "is_ephemeral", "load_engine",
+           "query_key", "remote_config", "remote_engine", "resolve_model", "valid_ids"]

@@ -14,7 +14,7 @@ from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat
 from prepos.core import Request, SamplingParams
 from prepos.decode.stream import Stream
-from prepos.engine.session import Session, SessionStore
+from prepos.engine.session import Session, SessionStore, check_context
 from prepos.engine.session_spec import AGENTIC, SessionSpec
 from prepos.errors import InvalidInput, InvalidSampling, OverBudget
 from prepos.worker.kv import KVPool
@@ -58,18 +58,6 @@ def check_session(spec: SessionSpec, history: Sequence[tuple[int, Sequence[dict]
     for _, messages in history:
         for i, m in enumerate(messages):
             fmt.check_text(json.dumps(m), f"messages[{i}]")
-
-
-def check_room(prompt_len: int, sampling: SamplingParams, max_context: int,
-               budget: int) -> None:
-    """The prompt and its answer fit the context and the session's cell budget."""
-    need = prompt_len + sampling.max_tokens
-    if need > max_context:
-        raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens {sampling.max_tokens} "
-                         f"exceeds the context of {max_context}")
-    if need > budget:
-        raise OverBudget(f"prompt of {prompt_len} tokens plus max_tokens {sampling.max_tokens} "
-                         f"exceeds the session budget of {budget} cells")
 
 
 def prompt_ids(prompt: str | Sequence[int], fmt: ChatFormat, vocab: int) -> tuple[int, ...]:
@@ -123,7 +111,7 @@ class Room:
                              f"{budget} cells)")
         if sampling.fit_context and room < sampling.max_tokens:
             sampling = replace(sampling, max_tokens=room)
-        check_room(prompt_len, sampling, self.max_context, budget)
+        check_context(prompt_len, sampling.max_tokens, self.max_context, budget)
         return sampling
 
     def check_commit(self, s: Session, n: int) -> None:

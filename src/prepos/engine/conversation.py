@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from prepos.chat.conversation import ConversationError, check_order, resume
 from prepos.core import Request, SamplingParams
 from prepos.decode.stream import Stream
-from prepos.errors import InvalidInput
+from prepos.engine.session import check_context
+from prepos.errors import InvalidInput, OverBudget
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,10 @@ def check_fits(engine, s, messages: list[dict],
     except InvalidInput as exc:
         raise ConversationError(str(exc), "messages", "invalid_input") from None
     n = len(engine.fmt.encode(text))
-    room = min(engine.max_context, s.budget(engine.config.budget.session_cells))
     answer = 1 if sampling.fit_context else sampling.max_tokens
-    need = n + max(answer, engine.config.reserve_tokens)
-    if need > room:
-        raise ConversationError(f"the conversation is {n} tokens; with max_tokens "
-                                f"{sampling.max_tokens} it needs {need} of the {room} this "
-                                "session can hold", "messages", "context_length_exceeded")
+    try:
+        check_context(n, max(answer, engine.config.reserve_tokens), engine.max_context,
+                      s.budget(engine.config.budget.session_cells), "the conversation",
+                      "its answer (or the reserve)")
+    except OverBudget as exc:
+        raise ConversationError(str(exc), "messages", "context_length_exceeded") from None

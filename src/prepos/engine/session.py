@@ -65,6 +65,22 @@ class Entries:
     tool: Split | None  # the tool-result envelope, when a tool result is awaited
 
 
+def check_context(n: int, more: int, max_context: int, budget: int | None = None,
+                  what: str = "the prompt", more_is: str = "max_tokens") -> None:
+    """The context-length check, the one every path makes (a prompt before its answer, a
+    session before a commit, a conversation before its delta is committed, a text before
+    it is tokenized further): `what`, `n` tokens, and `more` after it (`more_is`: an answer's
+    max_tokens, the reserve a session keeps for a request) fit the model's context and, where
+    one is given, a session's KV budget; OverBudget naming both numbers otherwise."""
+    need = n + more
+    plus = f"; with {more_is} {more} it needs {need}" if more else ""
+    if need > max_context:
+        raise OverBudget(f"{what} is {n} tokens{plus}, over the context of {max_context}")
+    if budget is not None and need > budget:
+        raise OverBudget(f"{what} is {n} tokens{plus}, over the session's budget of {budget} "
+                         "KV cells")
+
+
 class Session:
     def __init__(self, sid: str, spec: SessionSpec, fmt: ChatFormat, max_context: int,
                  max_versions: int, shift_keep: float, reserve: int,
@@ -337,13 +353,10 @@ class Session:
         return text, tokens
 
     def _check_fits(self, n: int) -> None:
-        if n + self.reserve > self.max_context:
-            raise OverBudget(f"session {self.id} would hold {n} tokens; the context is "
-                             f"{self.max_context} with {self.reserve} reserved for a request")
-        limit = self.spec.budget_cells
-        if limit is not None and n > limit:
-            raise OverBudget(f"session {self.id} would hold {n} tokens, over its budget of "
-                             f"{limit} KV cells")
+        what = f"session {self.id} with this commit"
+        check_context(n, self.reserve, self.max_context, what=what,
+                      more_is="the tokens reserved for a request")
+        check_context(n, 0, self.max_context, self.spec.budget_cells, what)
         if self.check_commit is not None:
             self.check_commit(self, n)
 

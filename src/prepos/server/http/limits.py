@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 from prepos.core import SamplingParams
-from prepos.errors import InvalidSampling
+from prepos.engine import check_context
+from prepos.errors import InvalidSampling, OverBudget
 from prepos.server.http.errors import ApiError, shaped
 
 KNOWN_SAMPLINGS = 256
@@ -103,9 +104,11 @@ class Limits:
         if len(text) <= limit and len(text.encode()) <= limit:
             return
         n = len(engine.fmt.encode(text))
-        if context and n > engine.max_context:
-            raise ApiError(413, "over_budget", f"{what} is {n} tokens, over the model's "
-                           f"context of {engine.max_context}", what)
+        if context:
+            try:
+                check_context(n, 0, engine.max_context, what=what)
+            except OverBudget as exc:
+                raise ApiError(413, "over_budget", str(exc), what) from None
         if n > limit:
             raise ApiError(413, "input_too_large",
                            f"{what} is {n} tokens, over this server's limit of "
