@@ -148,7 +148,8 @@ class EngineConfig:
     # sessions of 170 tokens cost a SmolLM2 step 8% on two cores)
     kv_idle_cells: int | None = 0
     tiers: TierConfig = field(default_factory=TierConfig)
-    # sessions at most, on back ends whose KV moves down tiers (others: what they hold)
+    # sessions at most (on back ends whose KV does not move down tiers, at most what they
+    # hold); a server sets it to its --max-sessions and a queue's stateless ones
     max_sessions: int = 1_000_000
     workers: int = 1  # model-worker threads: 1 in process; more for remote back ends
     idle_workers: int | None = None  # at most this many idle steps at once (default: workers)

@@ -42,8 +42,8 @@ class Engine(Mutations, Requests, EngineView):
                                                     session_cells=self.max_context))
         self.config = config
         self.gate = Gate(config.gate, fmt)
-        self.sessions = SessionStore(config.max_sessions if backend.holds_tiers
-                                     else backend.max_sessions or SessionStore.DEFAULT_MAX)
+        self.sessions = SessionStore(config.max_sessions if backend.holds_tiers else min(
+            config.max_sessions, backend.max_sessions or SessionStore.DEFAULT_MAX))
         self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,
                                    backend.max_batch_tokens)
         t = config.tiers
@@ -121,9 +121,6 @@ class Engine(Mutations, Requests, EngineView):
 
     def new_session_id(self) -> str:
         return self.sessions.new_id()
-
-    def limit_sessions(self, n: int) -> None:  # at most the back end's bound
-        self.sessions.max_sessions = min(n, self.sessions.max_sessions)
 
     def settle(self, sid: str, timeout: float = 30.0) -> None:
         """Wait until the work queued for `sid` so far (its KV's drop, after a close) is done."""

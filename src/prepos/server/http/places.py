@@ -64,8 +64,7 @@ class Places:
         where the back end holds fewer sessions' KV, an eighth of those kept for stateless
         requests."""
         lim = self.limits
-        held = engine.session_limit  # the back end's bound, where it has one
-        engine.limit_sessions(lim.max_sessions + lim.max_queue)
+        held = engine.session_limit  # set when it was made (`ServerState`), or the back end's
         if held >= lim.max_sessions + lim.max_queue:
             self.session_cap = lim.max_sessions
             self.key_cap = share(self.session_cap, lim.max_sessions_per_key, self.keys)

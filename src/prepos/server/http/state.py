@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,6 +106,9 @@ class Call:
 class ServerState:
     def __init__(self, config: ServerConfig,
                  engine_factory: Callable[[ServerConfig], Engine] | None = None):
+        lim = config.limits  # the engine holds the persistent sessions and a queue's ephemeral
+        config = replace(config, engine=replace(config.engine, max_sessions=min(
+            config.engine.max_sessions, lim.max_sessions + lim.max_queue)))
         self.config = config
         self.limits = config.limits
         self.keys = Keys(config.api_keys)
