@@ -115,6 +115,7 @@ from stock_clients import resolve, serve_prepos, stop  # noqa: E402
 
 from common import RESULTS, machine, metric_samples, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
+from prepos.chat.tool_formats import render_prepos_tools  # noqa: E402
 
 CLIENTS = ("claude_code", "codex", "opencode")
 TRAINED_CONTEXT = 8192  # SmolLM2's: YaRN past it
@@ -308,13 +309,30 @@ class Statics:
                                    "snake")
 
 
+SEP = "\n\n"  # prepos's join of text blocks (and of its tools block to the system text)
+
+
+def tools_block(functions: list[dict]) -> str:
+    """Function tools ({name, description, parameters}) as the text prepos writes into the
+    system message for a template that renders no tools."""
+    return render_prepos_tools([{"type": "function", "function": f} for f in functions])
+
+
 class Job:
     """One agent's conversation in its client's own request shape: `request()` is the next
     turn's (path, headers, body); `absorb(answer, outputs)` appends the model's answer and
-    the tool's results as the client would."""
+    the tool's results as the client would.
 
-    def __init__(self, st: Statics, seed: int, agent: int, job: int, scale: float):
-        self.st, self.client = st, st.client
+    `same_prompt`: the request written so that both servers render the same text (see
+    `same_prompt_text`): the tools, as prepos's block (`render_prepos_tools`, what prepos
+    writes itself for a template that renders none), at the end of the system text (Claude
+    Code's, OpenCode's) or of the first developer message (Codex's), no `tools` field; and
+    Claude Code's three system blocks sent as one string, joined by a blank line (prepos
+    joins blocks with one, llama-server with nothing)."""
+
+    def __init__(self, st: Statics, seed: int, agent: int, job: int, scale: float,
+                 same_prompt: bool = False):
+        self.st, self.client, self.same_prompt = st, st.client, same_prompt
         rng = random.Random(f"{seed}:{st.client}:{agent}:{job}")
         self.session = str(uuid.UUID(int=rng.getrandbits(128), version=4))
         prof = PROFILES[self.client]
@@ -355,7 +373,28 @@ class Job:
                                  rng, round(prof["system_env"] * scale))},
                              {"role": "user", "content": task}]
 
+        if same_prompt:
+            self._same_prompt()
+
+    def _same_prompt(self) -> None:
+        """The tools written into the text, no `tools` field (see the class)."""
+        if self.client == "claude_code":
+            block = tools_block([{"name": t["name"], "description": t["description"],
+                                  "parameters": t["input_schema"]} for t in self.tools])
+            self.system = SEP.join([*(b["text"] for b in self.system), block])
+        elif self.client == "codex":
+            block = tools_block([{"name": t["name"], "description": t["description"],
+                                  "parameters": t["parameters"]}
+                                 for t in self.tools if t["type"] == "function"])
+            first = self.input[0]["content"][0]
+            first["text"] = first["text"] + SEP + block
+        else:
+            block = tools_block([t["function"] for t in self.tools])
+            self.messages[0]["content"] = self.messages[0]["content"] + SEP + block
+        self.tools = []
+
     def request(self, model: str) -> tuple[str, dict, dict]:
+        tools = {"tools": self.tools} if self.tools else {}
         if self.client == "claude_code":
             return "/v1/messages?beta=true", {
                 "anthropic-version": "2023-06-01", "x-api-key": "unused",
@@ -363,18 +402,18 @@ class Job:
                 "x-app": "cli", "X-Claude-Code-Session-Id": self.session}, {
                 "model": "claude-sonnet-4-5", "max_tokens": PROFILES[self.client]["max_tokens"],
                 "stream": True, "system": self.system, "messages": self.messages,
-                "tools": self.tools, "metadata": {"user_id": f"user_{self.session}"}}
+                **tools, "metadata": {"user_id": f"user_{self.session}"}}
         if self.client == "codex":
             return "/v1/responses", {
                 "Authorization": "Bearer unused", "session-id": self.session,
                 "thread-id": self.session, "originator": "codex_exec"}, {
-                "model": model, "input": self.input, "tools": self.tools,
-                "tool_choice": "auto", "parallel_tool_calls": False,
+                "model": model, "input": self.input, **tools,
+                **({"tool_choice": "auto"} if tools else {}), "parallel_tool_calls": False,
                 "reasoning": {"summary": "auto"}, "store": False, "stream": True,
                 "include": ["reasoning.encrypted_content"], "prompt_cache_key": self.session}
         return "/v1/chat/completions", {
             "Authorization": "Bearer unused", "x-session-id": self.session}, {
-            "model": model, "messages": self.messages, "tools": self.tools,
+            "model": model, "messages": self.messages, **tools,
             "max_tokens": PROFILES[self.client]["max_tokens"], "stream": True,
             "stream_options": {"include_usage": True}}
 
@@ -426,10 +465,11 @@ def shapes(job: Job, model: str) -> dict:
     """Characters per part of a job's first request (what the synthetic text amounts to)."""
     path, _, body = job.request(model)
     n = lambda x: len(json.dumps(x))  # noqa: E731
-    out = {"path": path, "request_chars": n(body), "tools": len(body["tools"]),
-           "tools_chars": n(body["tools"])}
+    out = {"path": path, "request_chars": n(body), "tools": len(body.get("tools", ())),
+           "tools_chars": n(body.get("tools", []))}
     if job.client == "claude_code":
-        out["system_blocks_chars"] = [len(b["text"]) for b in body["system"]]
+        out["system_blocks_chars"] = [len(body["system"])] if isinstance(body["system"], str) \
+            else [len(b["text"]) for b in body["system"]]
         out["messages_chars"] = [len(json.dumps(m["content"])) for m in body["messages"]]
     elif job.client == "codex":
         out["input_chars"] = [len(i["content"][0]["text"]) for i in body["input"]]
@@ -464,8 +504,9 @@ def responses_as_chat(body: dict, max_tokens: int) -> dict:
                          "content": item["output"]})
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description",
                                                                    "parameters")}}
-             for t in body["tools"] if t.get("type") == "function"]
-    return {"model": body["model"], "messages": msgs, "tools": tools, "max_tokens": max_tokens,
+             for t in body.get("tools", ()) if t.get("type") == "function"]
+    return {"model": body["model"], "messages": msgs, **({"tools": tools} if tools else {}),
+            "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -600,8 +641,9 @@ def read_stream(r: httpx.Response, path: str, t0: float) -> Answer:
 
 
 # -- servers ------------------------------------------------------------------------------
-def start_prepos(model: str, log: Path, args) -> tuple[subprocess.Popen, str]:
-    return serve_prepos(model, log, [
+def start_prepos(model: str, log: Path, args, port: int | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    return serve_prepos(model, log, [*(["--port", str(port)] if port else []),
         "--threads", str(args.threads), "--context-length", str(args.context),
         "--kv-ram", f"{args.ram_mib}M", "--max-tokens", str(args.answer_tokens),
         *args.server_arg])
@@ -611,8 +653,8 @@ class Llama(LlamaServer):
     """llama-server with the whole context for the pool (-c, not per slot), YaRN past the
     trained context, unified KV, the RAM prompt cache."""
 
-    def __init__(self, binary, gguf, agents: int, args, log: Path):
-        super().__init__(binary, gguf, slots=agents, threads=args.threads, log=log)
+    def __init__(self, binary, gguf, agents: int, args, log: Path, port: int | None = None):
+        super().__init__(binary, gguf, port=port, slots=agents, threads=args.threads, log=log)
         self.context, self.ram_mib = args.context, args.ram_mib
 
     def args(self) -> list[str]:
@@ -714,7 +756,8 @@ def run_agent(url: str, model: str, agent: int, jobs: list[int], args, statics: 
         start.wait()
         for j in jobs:
             client = CLIENTS[(agent + j) % len(CLIENTS)]
-            job = Job(statics[client], args.seed, agent, j, args.scale)
+            job = Job(statics[client], args.seed, agent, j, args.scale,
+                      same_prompt=args.prompts == "same")
             t_job, ok, prev = time.perf_counter(), True, None
             for t in range(args.turns):
                 rng = random.Random(f"{args.seed}:{agent}:{j}:{t}")
@@ -893,6 +936,16 @@ def main(argv: list[str] | None = None) -> int:
                          "it takes the Codex request, else chat)")
     ap.add_argument("--request-timeout", type=float, default=3600)
     ap.add_argument("--server-arg", action="append", default=[], help="one more for prepos")
+    ap.add_argument("--prompts", choices=["same", "captured"], default="same",
+                    help="same (default): both servers are sent the same text, the tools "
+                         "written into the system text (or Codex's first developer message) "
+                         "as prepos writes them, no `tools` field; captured: the requests as "
+                         "the clients send them (SmolLM2's template renders no tools: prepos "
+                         "writes them into the prompt, llama-server leaves them out, so the "
+                         "two prefill different prompts)")
+    ap.add_argument("--port-base", type=int, default=0,
+                    help="the servers' ports: prepos base+2k, llama-server base+2k+1 at the "
+                         "k-th N (default 0: free ports)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     q = args.quick
@@ -903,7 +956,8 @@ def main(argv: list[str] | None = None) -> int:
     args.tool_seconds = tuple(float(x) for x in (args.tool_seconds or "0.2,5").split(","))
     args.result_chars = tuple(float(x) for x in args.result_chars.split(","))
     arms = [a for a in args.arms.split(",") if a]
-    name = "agent_jobs-quick" if q else "agent_jobs"
+    name = ("agent_jobs-quick" if q else "agent_jobs") + \
+        ("-captured" if args.prompts == "captured" else "")
     out_path = args.out or RESULTS / f"{name}.json"
 
     binary = find_binary()
@@ -920,14 +974,23 @@ def main(argv: list[str] | None = None) -> int:
         "answer_tokens": args.answer_tokens, "ram_mib": args.ram_mib, "threads": args.threads,
         "scale": args.scale, "tool_seconds": list(args.tool_seconds),
         "result_chars": list(args.result_chars),
-        "shapes": {c: shapes(Job(statics[c], args.seed, 0, 0, args.scale), "model")
+        "prompts": args.prompts,
+        "shapes": {c: shapes(Job(statics[c], args.seed, 0, 0, args.scale,
+                                 same_prompt=args.prompts == "same"), "model")
                    for c in CLIENTS},
         "tool_calls_mode": "replayed: the model's answer appended as it came, then the tool's "
                            "result (as a user message where the model made no call)",
         "notes": [
-            "the prompts differ in tokens: SmolLM2's chat template renders no tools; prepos "
-            "writes them into the system message, llama-server (--jinja) leaves them out "
-            "(prompt_tokens_first_turn_p50 of each arm)",
+            "prompts=same: both servers are sent the same text (the tools as prepos's block "
+            "in the system text or Codex's first developer message, no `tools` field; Claude "
+            "Code's system blocks as one string joined by a blank line), so both prefill the "
+            "same tokens (`prompt_tokens_agreement`); the model cannot make structured tool "
+            "calls (no `tools`), so every tool result goes back as a user message"
+            if args.prompts == "same" else
+            "prompts=captured: the prompts differ in tokens: SmolLM2's chat template renders "
+            "no tools; prepos writes them into the system message, llama-server (--jinja) "
+            "leaves them out (prompt_tokens_first_turn_p50 of each arm, "
+            "`prompt_tokens_agreement`): the ratios measure that as well as serving",
             "llama-server's bodies: max_tokens (max_output_tokens) set to answer_tokens and "
             "temperature 0, so it decodes the greedy budget prepos's --max-tokens gives the "
             "clients' own values"],
@@ -935,6 +998,8 @@ def main(argv: list[str] | None = None) -> int:
     if "llama_server" not in arms:
         out["note"] = "prepos's arm alone (--arms prepos): no ratios"
     log = Path(tempfile.mkdtemp(prefix="agents-"))
+    out["server_logs"] = str(log)
+    print(f"server logs: {log}", file=sys.stderr, flush=True)
     all_turns: list = []
     for k, n in enumerate(args.agents):
         row: dict = {}
@@ -944,13 +1009,15 @@ def main(argv: list[str] | None = None) -> int:
             proc = llama = None
             try:
                 if arm == "prepos":
-                    proc, url = start_prepos(served, log / f"prepos-{n}.log", args)
+                    proc, url = start_prepos(served, log / f"prepos-{n}.log", args,
+                                             args.port_base and args.port_base + 2 * k)
                     model = served_model(url)
                     warm_up(url, model, llama=False)
                     route = None
                     before = scrape(url)
                 else:
-                    llama = Llama(binary, gguf, n, args, log / f"llama-{n}.log").start(
+                    llama = Llama(binary, gguf, n, args, log / f"llama-{n}.log",
+                                  args.port_base and args.port_base + 2 * k + 1).start(
                         wait=600)
                     url = llama.url
                     model = served_model(url)
@@ -979,6 +1046,9 @@ def main(argv: list[str] | None = None) -> int:
                     s["codex_route"] = "/v1/responses" if route == "responses" else \
                         "/v1/chat/completions (the equivalent chat request)"
                 row[arm] = s
+                print(f"{n} agents, {arm}: wall {s['wall_s']} s, turns {s['turns']}, errors "
+                      f"{s['errors']}, TTFT P50 {s['turn_ttft']['p50_ms']} ms, job P50 "
+                      f"{s['job_time']['p50_s']} s", file=sys.stderr, flush=True)
                 all_turns.extend({"agents": n, "arm": arm, **t} for t in turns)
             finally:
                 for p in (proc, llama and llama.proc):
@@ -990,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
                     llama.stop()
         p, ls = row.get("prepos"), row.get("llama_server")
         if p and ls:
+            row["prompt_tokens_agreement"] = agreement(
+                [t for t in all_turns if t["agents"] == n])
             row["turn_ttft_ratio_vs_llama_server"] = ratio(p["turn_ttft"]["p50_ms"],
                                                            ls["turn_ttft"]["p50_ms"])
             row["turn_ttft_p99_ratio_vs_llama_server"] = ratio(p["turn_ttft"]["p99_ms"],
@@ -1021,6 +1093,28 @@ def main(argv: list[str] | None = None) -> int:
         out["figure"] = str(fig)
     print(json.dumps(out))
     return 0
+
+
+def agreement(turns: list) -> dict:
+    """Per turn (agent, job, turn) both arms answered: prepos's prompt tokens minus
+    llama-server's. First turns are the same text on both under prompts=same; later turns
+    hold each server's own earlier answers (greedy on both, but not always the same text)."""
+    by: dict = {}
+    for t in turns:
+        if t["error"] is None and t["prompt"] is not None:
+            by.setdefault((t["agent"], t["job"], t["turn"]), {})[t["arm"]] = t["prompt"]
+    diffs = {k: v["prepos"] - v["llama_server"] for k, v in by.items()
+             if "prepos" in v and "llama_server" in v}
+
+    def d(keys) -> dict:
+        xs = [diffs[k] for k in keys]
+        return {"n": len(xs), "max_abs": max((abs(x) for x in xs), default=None),
+                "mean": round(statistics.fmean(xs), 2) if xs else None}
+
+    first = [k for k in diffs if k[2] == 1]
+    return {"first_turns": d(first), "all_turns": d(list(diffs)),
+            "by_turn": {str(k[0]) + "." + str(k[1]) + "." + str(k[2]): diffs[k]
+                        for k in sorted(diffs)}}
 
 
 def _met(value, test) -> bool | None:
