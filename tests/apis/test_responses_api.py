@@ -389,7 +389,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
 
     from prepos.chat.tool_formats import PREPOS
     from prepos.errors import PreposError
-    from prepos.server.openai.responses_format import Reply
+    from prepos.server.openai.response_objects import Reply
     from tests.support.server_harness import sse_events
 
     class Failing:

@@ -17,7 +17,7 @@ from prepos.chat.conversation import (
 )
 from prepos.chat.format import normalize_tool_call, without_ids
 from prepos.server.http.errors import status_of
-from prepos.server.http.schemas import ChatMessage
+from prepos.server.http.request_bodies import ChatMessage
 
 
 def test_conversation_matching():

@@ -21,8 +21,8 @@ import pytest
 from prepos.chat.format import ChatFormat
 from prepos.core import Result, SamplingParams
 from prepos.decode.structured import Grammars
+from prepos.server.openai.chat_reply import message
 from prepos.server.openai.checks import forced_call
-from prepos.server.openai.format import message
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "trend-reader"
 PRICE = {"type": "function", "function": {"name": "get_price", "parameters": {

@@ -10,9 +10,9 @@ import types
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prepos.server.http.request_bodies import ChatCompletion
 from prepos.server.http.results import json_bytes
-from prepos.server.http.schemas import ChatCompletion
-from prepos.server.openai.format import ChatReply
+from prepos.server.openai.chat_reply import ChatReply
 
 
 def reply(model: str, index: int) -> ChatReply:

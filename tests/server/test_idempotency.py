@@ -432,11 +432,11 @@ def test_every_route_that_writes_honours_the_key_or_refuses_it(server):
     from prepos.server.http import app as server_app
     from prepos.server.http.errors import ApiError, error_response
     from prepos.server.http.routing import Routes
-    from prepos.server.openai import conversations, responses
+    from prepos.server.openai import conversations_api, responses
     from prepos.server.openai import routes as openai_routes
 
     every = [*server_app.sessions_routes.routes, *openai_routes.routes.routes,
-             *responses.routes.routes, *conversations.routes.routes]
+             *responses.routes.routes, *conversations_api.routes.routes]
     writes = [r for r in every if r.method not in ("GET", "HEAD", "OPTIONS")]
     assert len(writes) >= 15
     assert all(getattr(r.fn, "idempotent", False) for r in writes), \

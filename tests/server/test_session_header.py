@@ -130,7 +130,7 @@ def test_a_scrape_answers_the_same_on_the_straight_line_and_through_the_stack(mo
         app = create_app(ServerConfig(model=model_dirs["chatml"], api_keys=("key",),
                                       metrics_keys=("scrape",), allowed_origins=origins,
                                       engine=EngineConfig(backend="torch", threads=2)))
-        assert (app.straight is None) == bool(origins)
+        assert (app.fast_route is None) == bool(origins)
         with TestClient(app, base_url="http://localhost") as c:
             deadline = time.monotonic() + 120
             while c.get("/health").status_code != 200:

@@ -77,7 +77,7 @@ def footprint(snap: Snapshot) -> int:
 
 
 @dataclass
-class Kept:
+class KeptConversation:
     owner: str | None
     key: bytes | None = None  # the hash its conversation is indexed under (None: not yet)
     bytes: int = 0
@@ -91,7 +91,8 @@ class ImplicitSessions:
         self._loaded = loaded
         self._close = close  # closes a kept session
         self.counts: Counter[str] = Counter()  # "continued", "started", "evicted"
-        self._kept: OrderedDict[str, Kept] = OrderedDict()  # least recently used first
+        # least recently used first
+        self._kept: OrderedDict[str, KeptConversation] = OrderedDict()
         self._index: dict[bytes, dict[str, None]] = {}  # conversation hash -> sids
         self._in_use: set[str] = set()
         self.used = 0  # bytes of the kept sessions' bookkeeping
@@ -162,7 +163,7 @@ class ImplicitSessions:
     def keep(self, sid: str, owner: str | None) -> None:
         """Keep a new session, held by the request that made it (indexed once released)."""
         with self._lock:
-            self._kept[sid] = Kept(owner)
+            self._kept[sid] = KeptConversation(owner)
             self._in_use.add(sid)
         self._count("started")
         self._trim()
@@ -237,7 +238,7 @@ class ImplicitSessions:
         self._unindex(sid, kept)
         self._in_use.discard(sid)
 
-    def _unindex(self, sid: str, kept: Kept) -> None:  # under the lock
+    def _unindex(self, sid: str, kept: KeptConversation) -> None:  # under the lock
         if kept.key is not None:
             sids = self._index.get(kept.key, {})
             sids.pop(sid, None)

@@ -13,9 +13,9 @@ from typing import Callable, Sequence
 
 from prepos.core import Request, Result, SamplingParams
 from prepos.decode.stream import Stream
-from prepos.engine import conversation
+from prepos.engine import chat_plan
 from prepos.engine.admission import check_request, one_turn, prompt_ids
-from prepos.engine.conversation import ChatPlan
+from prepos.engine.chat_plan import ChatPlan
 from prepos.engine.logits import answers_from, keeps_top
 from prepos.engine.session import HEADER, TURN, Session, query_key
 from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
@@ -149,15 +149,15 @@ class Requests:
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
                                     req.logprobs, t0, prompt_logprobs=req.prompt_logprobs)
 
-    # == a conversation sent whole (engine/conversation.py) ================================
+    # == a conversation sent whole (engine/chat_plan.py) ================================
     def plan_chat(self, sid: str, messages: list[dict], rollback: bool = False) -> ChatPlan:
         """Where a whole conversation meets agentic session `sid`, before anything changes:
         ConversationError where it diverges (unless `rollback`) or is out of order."""
-        return conversation.plan(self, sid, messages, rollback)
+        return chat_plan.plan(self, sid, messages, rollback)
 
     def chat(self, plan: ChatPlan, req: Request = DEFAULT) -> Stream:
         """Commit what `plan` says the session lacks, then answer (a turn or a tool result)."""
-        return conversation.carry_out(self, plan, req)
+        return chat_plan.carry_out(self, plan, req)
 
     def converse(self, owner: str | None, messages: list[dict], tools: Sequence[dict] = (),
                  req: Request = DEFAULT) -> Stream:

@@ -29,7 +29,7 @@ from prepos.decode.stream import Stream
 from prepos.server.http import results, streaming
 from prepos.server.http.errors import as_api_error
 from prepos.server.http.sse import event
-from prepos.server.openai.format import message
+from prepos.server.openai.chat_reply import message
 
 from . import translate as T
 from .errors import error_body

@@ -29,7 +29,7 @@ and Anthropic's SDK work against prepos unchanged.
   out before rendering, so consecutive requests share their prompt's prefix and the kept KV
   is found.
 - A session named by `x-session-id`, or where none is sent by Claude Code's
-  `X-Claude-Code-Session-Id` (`Front` reads them the same way): as the chat route's
+  `X-Claude-Code-Session-Id` (`ClusterFront` reads them the same way): as the chat route's
   `session_id`, a session of the key's is answered on (an agentic one commits only
   the conversation's delta); any other name is the client's own, and the request is answered
   statelessly, its conversation found by its content.
@@ -55,9 +55,9 @@ from prepos.server.durable.directory import hop
 from prepos.server.durable.idempotency import KeyClaimed, idempotent, kept
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.request_bodies import ChatCompletion, ChatMessage
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
-from prepos.server.http.schemas import ChatCompletion, ChatMessage
 from prepos.server.http.state import ServerState
 from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
 from prepos.server.openai.flow import RepliedCall, _continuation_prompt
@@ -207,7 +207,7 @@ class _Named:
 def session_name(request: Request) -> str | None:
     """The session a request names in its headers: `x-session-id`, else the first valid name
     of the headers coding agents name their conversation in (Claude Code's
-    `x-claude-code-session-id`), as `Front` reads them (`durable/cluster.py`)."""
+    `x-claude-code-session-id`), as `ClusterFront` reads them (`durable/cluster.py`)."""
     value = (request.headers.get("x-session-id") or "").strip()
     if value:
         return value

@@ -1,6 +1,6 @@
 """The Messages API's bodies as pydantic models: the requests the routes parse, and the
 message, token count, events and errors they answer, for `/openapi.json` and the tests that
-validate real responses against it (as `server/http/bodies.py` documents the other routes).
+validate real responses against it (as `server/http/response_bodies.py` documents the other routes).
 
 Requests admit fields they do not name (a client's newer options are accepted and
 ignored, `routes.py`); the fields these clients are known to send are named, typed `Any`
@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from prepos.server.http.bodies import Body
-from prepos.server.http.schemas import Open
+from prepos.server.http.request_bodies import Open
+from prepos.server.http.response_bodies import Body
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 ErrorType = Literal["invalid_request_error", "authentication_error", "permission_error",

@@ -1,6 +1,6 @@
 """Several nodes behind a router: the session a request names, and who serves it.
 
-`Front` sits in front of the whole app (the straight line included). It finds the session a
+`ClusterFront` sits in front of the whole app (the straight line included). It finds the session a
 request names (the `x-session-id` header, the `/sessions/{id}` path, or an OpenAI body's
 `session_id`; the header alone names it for the OpenAI routes too, and there the headers
 coding agents name their conversation in stand for it where `x-session-id` is not sent:
@@ -80,7 +80,7 @@ def named_session(scope) -> tuple[str | None, bool]:
     return in_path or header, header is not None
 
 
-class Front:
+class ClusterFront:
     """The ASGI layer in front of the app: the session's id both ways, and ownership where
     the store is shared (`cluster`, set once the node has joined)."""
 
@@ -286,7 +286,7 @@ class Cluster:
     def warm(self, sid: str) -> None:
         """Load `sid` from the store and rebuild its KV (foreground: a request waits for it),
         then pre-position it, before this node owns it. Nothing is written and nothing is
-        served from it until the claim (`Front` serves only owned sessions), and `take_over`
+        served from it until the claim (`ClusterFront` serves only owned sessions), and `take_over`
         keeps it only if it is still the store's latest."""
         if self.engine.has_session(sid):
             return
@@ -385,7 +385,7 @@ def check_new_id(state, engine, name: str, owner: str | None) -> str:
         raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, digits "
                        f"and ._:- (starting with a letter or digit), got {name[:140]!r}")
     sid = scoped(owner, name)
-    taken = engine.has_session(sid) or sid in state.places.creating or (
+    taken = engine.has_session(sid) or sid in state.admission.creating or (
         state.session_named(engine, name, owner) is not None)
     if not taken and state.cluster is not None:
         taken = not state.cluster.leases.claim(sid).ours or state.journal.exists(sid)

@@ -1,4 +1,4 @@
-"""Conversations of OpenAI's Conversations API (`server/openai/conversations.py`): a
+"""Conversations of OpenAI's Conversations API (`server/openai/conversations_api.py`): a
 conversation and its items, in the session store beside the journal's and the stored
 responses' (`server/durable/store.py`: its SQLite file or PostgreSQL database; SQLite in memory when
 the server has no journal), so they survive a restart as the sessions do.

@@ -18,14 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from prepos.server.anthropic.routes import routes as messages_routes
-from prepos.server.durable.cluster import Front, default_url
+from prepos.server.durable.cluster import ClusterFront, default_url
 from prepos.server.durable.store import StoreHeld, hold, is_url, redacted
-from prepos.server.http import bodies as R
 from prepos.server.http import errors, openapi, results
+from prepos.server.http import response_bodies as R
 from prepos.server.http.auth import open_warning
 from prepos.server.http.console import routes as console_routes
 from prepos.server.http.cross_site import CrossSite
-from prepos.server.http.fast import App, StraightLine
+from prepos.server.http.fast import App, FastRoute
 from prepos.server.http.guard import guarded_protocol
 from prepos.server.http.limits import BodyLimit
 from prepos.server.http.metrics import CONTENT_TYPE
@@ -34,7 +34,7 @@ from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.sessions import routes as sessions_routes
 from prepos.server.http.state import ServerConfig, ServerState
-from prepos.server.openai.conversations import routes as conversations_routes
+from prepos.server.openai.conversations_api import routes as conversations_routes
 from prepos.server.openai.responses import routes as responses_routes
 from prepos.server.openai.routes import routes as openai_routes
 
@@ -56,9 +56,9 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
     respond = errors.install(app, on_error=lambda err: state.metrics.errors.labels(
         str(err.status), err.code).inc())
     if not config.allowed_origins:  # CORS adds its headers to every response
-        app.straight = StraightLine(state, respond)
+        app.fast_route = FastRoute(state, respond)
     # x-session-id both ways; with a shared store, who serves the session
-    app.front = state.front = Front(respond, config.limits.max_body_bytes)
+    app.front = state.front = ClusterFront(respond, config.limits.max_body_bytes)
     app.cross_site = CrossSite(config.host, config.allowed_hosts, config.allowed_origins)
 
     own = Routes()
@@ -77,9 +77,10 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
         if cluster is not None and not cluster["serving"]:  # its lease lapsed: route away
             return JSONBody({"status": "lapsed", "model": state.model_name,
                                   "cluster": cluster}, 503, {"Retry-After": "1"})
-        tiers, places = eng.metrics()["kv_tiers"], state.places
+        tiers, admission = eng.metrics()["kv_tiers"], state.admission
         body = {"status": "ok", "model": state.model_name,
-                "sessions": places.persistent_sessions(eng), "max_sessions": places.session_cap,
+                "sessions": admission.persistent_sessions(eng),
+                "max_sessions": admission.session_cap,
                 "restored": state.restored, "journal": config.journal is not None,
                 "kv": {t: tiers[t] for t in ("resident", "ram", "disk") if t in tiers}}
         if cluster is not None:
@@ -188,7 +189,7 @@ class _Server:
                 # again afterwards: a clean shutdown exits 0
                 loop = state.loop
                 if loop is not None and not loop.is_closed():
-                    loop.call_soon_threadsafe(state.hub.shutdown)
+                    loop.call_soon_threadsafe(state.subscriptions.shutdown)
                 if self.should_exit and sig == signal.SIGINT:
                     self.force_exit = True
                 else:

@@ -16,10 +16,10 @@ request goes through the whole stack as before, and so does one of these whose h
 the limit, whose body has no Content-Length or is over the limit (a scrape: that has a
 body), that names a session in an `x-session-id` header, or that carries an `Idempotency-Key`
 (the route's wrapper keeps its answer); so does every request of a server with CORS on (its
-middleware adds headers to every response, `Vary: Origin` at least). On a single node the line also
-stands in front of the cluster's `Front`: the path names the session, and the line names it
-back in `x-session-id` as `Front` would; in a cluster it runs behind `Front`, after the
-session's owner is settled."""
+middleware adds headers to every response, `Vary: Origin` at least). On a single node the line
+also stands in front of `ClusterFront`: the path names the session, and the line names it back
+in `x-session-id` as `ClusterFront` would; in a cluster it runs behind `ClusterFront`, after
+the session's owner is settled."""
 
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from prepos.engine import STREAMING
-from prepos.server.durable.cluster import HEADER, SESSION_ID, Front
+from prepos.server.durable.cluster import HEADER, SESSION_ID, ClusterFront
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.metrics import CONTENT_TYPE
-from prepos.server.http.schemas import Append, Query
+from prepos.server.http.request_bodies import Append, Query
 from prepos.server.http.sessions import append_data, ask
 from prepos.server.http.state import ServerState
 
@@ -47,7 +47,7 @@ KNOWN_BYTES = 1024  # query bodies up to this size are remembered parsed,
 KNOWN_BODIES = 256  # this many at most
 
 
-class StraightLine:
+class FastRoute:
     def __init__(self, state: ServerState, respond: Callable[[ApiError], Response]):
         self.state = state
         self.respond = respond  # the error response the app's exception handlers give
@@ -86,7 +86,7 @@ class StraightLine:
                 length = value if length is None else length
             elif name == b"authorization":
                 auth = value if auth is None else auth
-            elif name == HEADER:  # Front checks it against the path's
+            elif name == HEADER:  # ClusterFront checks it against the path's
                 return None
             elif name == IDEMPOTENCY:  # the route's wrapper keeps its answer
                 return None
@@ -152,8 +152,8 @@ class App(FastAPI):
     """prepos's FastAPI app: what a web page may send checked first (`cross_site`), then
     the straight line (`straight`, once set) in front."""
 
-    straight: StraightLine | None = None
-    front: Front | None = None
+    fast_route: FastRoute | None = None
+    front: ClusterFront | None = None
     cross_site: CrossSite | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -161,7 +161,7 @@ class App(FastAPI):
             return await self._serve(scope, receive, send)
         if (refused := self.cross_site.check(scope)) is not None:
             return await self.front.respond(refused, scope["path"])(scope, receive, send)
-        line = self.straight
+        line = self.fast_route
         if line is not None and self.front.cluster is None:
             taken = line.take(scope)
             if taken is not None:
@@ -169,7 +169,7 @@ class App(FastAPI):
         await self.front(scope, receive, send, self._serve)
 
     async def _serve(self, scope, receive, send) -> None:
-        line = self.straight
+        line = self.fast_route
         if line is not None and scope["type"] == "http":
             taken = line.take(scope)
             if taken is not None:

@@ -2,8 +2,8 @@
 (`server/http/routing.py`): each operation's path and query parameters, request body, success
 body (JSON, or server-sent events described event by event), and the error responses, all
 of the one error shape of `server/http/errors.py` (the Messages API's in Anthropic's,
-`Doc.error_body`). Schemas come from the pydantic models of `server/http/schemas.py`
-(requests) and `server/http/bodies.py` (responses), as `components/schemas` referenced by
+`Doc.error_body`). Schemas come from the pydantic models of `server/http/request_bodies.py`
+(requests) and `server/http/response_bodies.py` (responses), as `components/schemas` referenced by
 `$ref`.
 
 A server-sent event stream is described the way OpenAPI 3.2 reads a `text/event-stream`
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from prepos.server.durable import idempotency
-from prepos.server.http import bodies as responses
+from prepos.server.http import response_bodies as responses
 from prepos.server.http.routing import Doc, Registered
 
 REF = "#/components/schemas/{model}"

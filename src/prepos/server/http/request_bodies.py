@@ -184,7 +184,8 @@ class CreateResponse(Open):
 
 
 class CreateConversation(Open):
-    """POST /v1/conversations (`server/openai/conversations.py`): initial items, as `input`'s."""
+    """POST /v1/conversations (`server/openai/conversations_api.py`): initial items, as
+    `input`'s."""
 
     items: list[dict[str, Any]] | None = None
     metadata: dict[str, StrictStr] | None = None

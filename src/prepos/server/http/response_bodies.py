@@ -1,5 +1,5 @@
 """Response bodies as pydantic models, for `/openapi.json`: what each route returns, field
-for field (`server/http/results.py`, `server/openai/format.py`, `server/http/sessions.py`
+for field (`server/http/results.py`, `server/openai/chat_reply.py`, `server/http/sessions.py`
 write them).
 The routes build their JSON directly (the fast path serializes no model); these models
 document it, and the tests validate real responses against their schemas.

@@ -21,7 +21,7 @@ log = logging.getLogger("prepos.server")
 T = TypeVar("T")
 
 
-class Places:
+class SessionAdmission:
     """The one owner of the counts and lists above."""
 
     def __init__(self, limits: Limits, metrics: Metrics, keys: int = 0):

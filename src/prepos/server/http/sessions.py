@@ -21,13 +21,11 @@ from prepos.core import Request as EngineRequest
 from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.server.durable.cluster import check_new_id
 from prepos.server.durable.idempotency import idempotent, interrupted
-from prepos.server.http import bodies as R
+from prepos.server.http import response_bodies as R
 from prepos.server.http import results, streaming
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
-from prepos.server.http.results import JSONBody
-from prepos.server.http.routing import QueryParam, Routes
-from prepos.server.http.schemas import (
+from prepos.server.http.request_bodies import (
     AddMessage,
     Append,
     CreateSession,
@@ -37,15 +35,17 @@ from prepos.server.http.schemas import (
     ToolResult,
     Turn,
 )
+from prepos.server.http.results import JSONBody
+from prepos.server.http.routing import QueryParam, Routes
 from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import event
-from prepos.server.http.state import Call, ServerState
+from prepos.server.http.state import RequestContext, ServerState
 from prepos.server.openai.checks import logit_bias
 
 routes = Routes()
 
 
-def _request(c: Call, expected_version: int | None = None) -> EngineRequest:
+def _request(c: RequestContext, expected_version: int | None = None) -> EngineRequest:
     """The engine request of a /query, /turn or /tool_result body (the last two name their
     `expected_version`; a query's body has none, and asking pydantic for a field it lacks
     costs microseconds on the fast path)."""
@@ -61,7 +61,7 @@ def _request(c: Call, expected_version: int | None = None) -> EngineRequest:
                          expected_version=expected_version)
 
 
-async def _commit(c: Call, fn, *args, quick: bool = False) -> Response:
+async def _commit(c: RequestContext, fn, *args, quick: bool = False) -> Response:
     """A mutation: backpressure if it waits for the KV, then the engine call, off the loop
     unless it is `quick` (it renders little and waits for nothing; `ServerState.committing`);
     the committed version."""
@@ -113,8 +113,8 @@ async def create_session(request: Request):
                        "session_id")
     if requested is not None:  # in the caller's namespace: no other key's session is seen
         requested = check_new_id(state, eng, requested, owner)
-    with state.places.new_session(eng, owner, requested) as sid:
-        await state.run(state.places.with_room, eng, lambda: eng.restore_session(sid, spec))
+    with state.admission.new_session(eng, owner, requested) as sid:
+        await state.run(state.admission.with_room, eng, lambda: eng.restore_session(sid, spec))
     return JSONBody(_info(state, eng, sid), 201, {"Location": f"/sessions/{public(sid)}"})
 
 
@@ -250,7 +250,7 @@ async def append(sid: str, request: Request):
     return await append_data(await ServerState.open(request, Append, sid, STREAMING))
 
 
-async def append_data(c: Call) -> Response:
+async def append_data(c: RequestContext) -> Response:
     """An append, its context open (by the route, or by server/http/fast.py's straight
     line)."""
     b = c.body
@@ -303,7 +303,7 @@ async def query(sid: str, request: Request):
     return await ask(c, request.receive)
 
 
-async def ask(c: Call, receive) -> Response:
+async def ask(c: RequestContext, receive) -> Response:
     """A query's answer, its context open (by the route, or by server/http/fast.py's straight
     line); `receive`, the request's ASGI receive."""
     eng, b, sid = c.engine, c.body, c.sid
@@ -340,7 +340,7 @@ async def tool_result(sid: str, request: Request):
     return await respond(c, request.receive, stream, agentic=True)
 
 
-async def _committing(c: Call, start, text: str, what: str, req: EngineRequest):
+async def _committing(c: RequestContext, start, text: str, what: str, req: EngineRequest):
     """An agentic request that commits `text` first: behind backpressure, off the loop."""
     await c.check_input(text, what)
     c.state.backpressure(c.engine)
@@ -354,7 +354,7 @@ def _token(ev) -> dict:
     return out
 
 
-async def respond(c: Call, receive, stream, agentic: bool) -> Response:
+async def respond(c: RequestContext, receive, stream, agentic: bool) -> Response:
     """The answer as JSON or SSE; a client that leaves before the end cancels the stream."""
     state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
 
@@ -389,13 +389,13 @@ async def events(sid: str, request: Request):
     answer id, served and full-path tokens) and `close`."""
     c = await ServerState.open(request, sid=sid)
     state = c.state
-    sub = state.hub.subscribe(c.session)
+    sub = state.subscriptions.subscribe(c.session)
 
     async def stream():
         try:
             async for item in sub.items():
                 yield item
         finally:
-            state.hub.unsubscribe(sub)
+            state.subscriptions.unsubscribe(sub)
 
     return StreamingResponse(stream(), headers=SSE_HEADERS, media_type="text/event-stream")

@@ -151,7 +151,7 @@ def _closed_queue() -> asyncio.Queue:
     return q
 
 
-class Hub:
+class Subscriptions:
     """The subscriptions: at most `max_subs` open at once, `per_key` of them a key's (None:
     no keys); a subscription past either is 429."""
 

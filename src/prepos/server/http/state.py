@@ -1,6 +1,6 @@
 """The server's state: its configuration, the engine once loaded, the journal, the SSE hub,
-metrics, keys and limits, and the helpers every route uses: a request's context (`Call`),
-session lookup, backpressure; its session places (`places.py`)."""
+metrics, keys and limits, and the helpers every route uses: a request's context (`RequestContext`),
+session lookup, backpressure; its session admission (`session_admission.py`)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from prepos.server.http.auth import SCOPE, Keys, scoped
 from prepos.server.http.errors import ApiError, validation_error
 from prepos.server.http.limits import Limits, share
 from prepos.server.http.metrics import Metrics
-from prepos.server.http.places import Places
-from prepos.server.http.sse import Hub, disconnected
+from prepos.server.http.session_admission import SessionAdmission
+from prepos.server.http.sse import Subscriptions, disconnected
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
@@ -85,7 +85,7 @@ class ServerConfig:
 
 
 @dataclass
-class Call:
+class RequestContext:
     """One request's context: the server state, the engine, the caller's owner id, the
     validated body, and the session of routes that name one."""
 
@@ -106,9 +106,10 @@ class Call:
 class ServerState:
     def __init__(self, config: ServerConfig,
                  engine_factory: Callable[[ServerConfig], Engine] | None = None):
-        lim = config.limits  # the engine holds the persistent sessions and a queue's ephemeral
-        config = replace(config, engine=replace(config.engine, max_sessions=min(
-            config.engine.max_sessions, lim.max_sessions + lim.max_queue)))
+        lim, made = config.limits, config.engine  # the engine config (not an engine)
+        # the engine holds the persistent sessions and a queue's stateless ones
+        config = replace(config, engine=replace(made, max_sessions=min(
+            made.max_sessions, lim.max_sessions + lim.max_queue)))
         self.config = config
         self.limits = config.limits
         self.keys = Keys(config.api_keys)
@@ -117,7 +118,7 @@ class ServerState:
         self.model_name = config.served_model_name or (
             model.stem if model.suffix == ".gguf" else model.name)
         self.metrics = Metrics(self.model_name)
-        self.hub = Hub(self.metrics, self.limits.max_subscribers,
+        self.subscriptions = Subscriptions(self.metrics, self.limits.max_subscribers,
                        share(self.limits.max_subscribers, self.limits.max_subscribers_per_key,
                              len(config.api_keys)))
         self.journal: Journal | None = None
@@ -126,7 +127,7 @@ class ServerState:
         self.status = "loading"
         self.error: str | None = None
         self.restored = 0
-        self.places = Places(self.limits, self.metrics, len(config.api_keys))
+        self.admission = SessionAdmission(self.limits, self.metrics, len(config.api_keys))
         self.created = int(time.time())  # the model's "created" time in /v1/models
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.threads,
@@ -139,7 +140,7 @@ class ServerState:
         self._loader: threading.Thread | None = None
         self.on_failure: Callable[[], None] | None = None
         self.cluster = None  # server/durable/cluster.py's Cluster, with a shared store
-        self.front = None  # the app's cluster.Front, which serves its requests once joined
+        self.front = None  # the app's cluster.ClusterFront, which serves its requests once joined
         self.bound = threading.Event()  # set once listening, `url` the address bound
         self.url = ""
 
@@ -156,7 +157,7 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             engine = self._factory(self.config)
-            self.places.cap(engine)
+            self.admission.cap(engine)
             engine.observe(self.metrics.observe)
             if self.config.journal is not None:
                 self.journal = Journal(self.config.journal, engine.config.max_versions,
@@ -178,7 +179,7 @@ class ServerState:
                 self.journal.db if self.journal is not None else Database(None),
                 self.config.idempotency_ttl, self.config.idempotency_keys,
                 self.config.idempotency_bytes)
-            self.hub.attach(engine, self.loop)
+            self.subscriptions.attach(engine, self.loop)
             self.metrics.engine = engine
             if self.journal is not None and self.cluster is None:
                 self._restore(engine, self.journal)
@@ -206,7 +207,7 @@ class ServerState:
 
     def stop(self) -> None:
         self.status = "stopping"
-        self.hub.shutdown()
+        self.subscriptions.shutdown()
         if self._loader is not None:
             self._loader.join(timeout=60)
         if self.cluster is not None:
@@ -229,7 +230,7 @@ class ServerState:
 
     @classmethod
     async def open(cls, request: Request, model: type[BaseModel] | None = None,
-                   sid: str | None = None, kind: str | None = None) -> Call:
+                   sid: str | None = None, kind: str | None = None) -> RequestContext:
         """A Starlette request's context (`call`), its body parsed as `model`."""
         state = cls.of(request)
 
@@ -240,7 +241,7 @@ class ServerState:
                                 body if model is not None else None, sid, kind)
 
     async def call(self, authorization: str | None, body: Callable[[], Awaitable[Any]] | None,
-                   sid: str | None = None, kind: str | None = None) -> Call:
+                   sid: str | None = None, kind: str | None = None) -> RequestContext:
         """A request's context, refused in this order: 503 while loading, 401 for a bad key
         (`authorization`, the request's header), 404 for no session `sid` (of this key), 400
         for a bad body (`body()`, the request's, read and parsed), 409 for a session of
@@ -251,7 +252,7 @@ class ServerState:
         parsed = await body() if body is not None else None
         if kind is not None:
             s.require(kind)
-        return Call(self, eng, owner, parsed, s)
+        return RequestContext(self, eng, owner, parsed, s)
 
     @property
     def engine(self) -> Engine:

@@ -18,8 +18,8 @@ from prepos.chat.tool_formats import PREPOS, ToolFormat
 from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.server.http import results, streaming
+from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.results import json_bytes
-from prepos.server.http.schemas import ChatCompletion, Completion
 from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import EventStream, event
 

@@ -12,7 +12,7 @@ from prepos.engine import valid_ids
 from prepos.errors import InvalidInput, InvalidResponseFormat
 from prepos.response_format import canonical, schema_error
 from prepos.server.http.errors import ApiError
-from prepos.server.http.schemas import ChatCompletion, Completion, OpenAISampling
+from prepos.server.http.request_bodies import ChatCompletion, Completion, OpenAISampling
 
 MAX_N = 16  # choices (or prompts times choices) per request
 

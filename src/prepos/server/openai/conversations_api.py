@@ -19,13 +19,13 @@ import re
 from starlette.requests import Request
 
 from prepos.server.durable.idempotency import current, idempotent
+from prepos.server.http.request_bodies import AddItems, CreateConversation, UpdateConversation
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import QueryParam, Routes
-from prepos.server.http.schemas import AddItems, CreateConversation, UpdateConversation
 from prepos.server.http.state import ServerState
 from prepos.server.openai import responses_schema as RS
+from prepos.server.openai.response_objects import new_id
 from prepos.server.openai.responses import ResponsesApi
-from prepos.server.openai.responses_format import new_id
 from prepos.server.openai.responses_input import (
     INCLUDABLE,
     bad,

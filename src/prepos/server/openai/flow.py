@@ -34,10 +34,10 @@ from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
-from prepos.server.http.schemas import ChatCompletion, Completion
+from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.state import ServerState
+from prepos.server.openai.chat_reply import ChatReply, CompletionReply, respond
 from prepos.server.openai.checks import forced_call, tool_choice
-from prepos.server.openai.format import ChatReply, CompletionReply, respond
 
 
 def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -130,7 +130,7 @@ class ChatCall:
             for i in range(self.n):
                 sampling = choice_sampling(self.sampling, i)
                 sid, stream = await self.state.run(
-                    self.state.places.start_ephemeral, eng, spec,
+                    self.state.admission.start_ephemeral, eng, spec,
                     lambda sid, sp=sampling: eng.turn(sid, None, self._req(sp, "off")),
                     [(0, msgs)])
                 sids.append(sid)
@@ -150,14 +150,14 @@ class ChatCall:
         self.sampling = self._session_sampling(eng, None, tools, msgs)
         req = self._req(self.sampling, self.body.fast_path)
         self.state.backpressure(eng)
-        stream = await self.state.run(self.state.places.with_room, eng,
+        stream = await self.state.run(self.state.admission.with_room, eng,
                                       lambda: eng.converse(owner, msgs, tools, req))
         return await self._respond([stream], None, agentic=True,
                                    tools=bool(tools) and self.choice != "none")
 
     def _close_all(self, eng, streams, sids) -> None:
         for stream, sid in zip(streams, sids):
-            self.state.places.close_after(eng, stream, sid)
+            self.state.admission.close_after(eng, stream, sid)
 
     async def _continue(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
         """The continuation of the final assistant message, or a forced tool call (its
@@ -208,10 +208,10 @@ class ChatCall:
                                             self._req(choice_sampling(self.sampling, i))))
             return streams[-1]
 
-        sid, _ = await self.state.run(self.state.places.start_ephemeral, eng, spec, start)
+        sid, _ = await self.state.run(self.state.admission.start_ephemeral, eng, spec, start)
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
-                                   cleanup=lambda: self.state.places.close_after(eng, streams[-1],
-                                                                            sid),
+                                   cleanup=lambda: self.state.admission.close_after(
+                                       eng, streams[-1], sid),
                                    prefix=prefix, forced=forced)
 
     async def streaming(self, eng, s, msgs: list[dict]) -> Response:
@@ -369,11 +369,11 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
 
     def cleanup():
         for k, sid in enumerate(sids):
-            state.places.close_after(eng, streams[(k + 1) * n - 1], sid)
+            state.admission.close_after(eng, streams[(k + 1) * n - 1], sid)
 
     try:
         for prompt in prompts:
-            sid, _ = await state.run(state.places.start_ephemeral, eng, spec, start_all(prompt))
+            sid, _ = await state.run(state.admission.start_ephemeral, eng, spec, start_all(prompt))
             sids.append(sid)
     except BaseException:
         for s in streams:

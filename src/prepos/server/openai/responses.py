@@ -7,7 +7,7 @@ stored conversation of `previous_response_id` (`responses_store.py`) or the item
 documents). A response on a conversation adds its input and output items to it once it is
 done (not if it failed or was cancelled, nor if the conversation changed meanwhile: a 409).
 It is answered by the chat route's flow (`openai_flow.ChatCall`), whose reply this module
-replaces (`responses_format.py`):
+replaces (`response_objects.py`):
 
 - `store: true` (the default): on a *chain session*, a persistent
   agentic session of the key (journalled, listed by the session API), the one of this key,
@@ -47,14 +47,14 @@ from prepos.server.durable.conversation_store import ConversationStore, size
 from prepos.server.durable.idempotency import idempotent
 from prepos.server.durable.responses_store import ResponseStore, Stored
 from prepos.server.http.errors import ApiError
+from prepos.server.http.request_bodies import ChatCompletion, CreateResponse
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import QueryParam, Routes
-from prepos.server.http.schemas import ChatCompletion, CreateResponse
 from prepos.server.http.state import ServerState
 from prepos.server.openai import responses_schema as RS
 from prepos.server.openai.checks import chat_sampling
 from prepos.server.openai.flow import ChatCall, RepliedCall
-from prepos.server.openai.responses_format import Reply
+from prepos.server.openai.response_objects import Reply
 from prepos.server.openai.responses_input import (
     Renamer,
     conversation_items,
@@ -119,15 +119,15 @@ class ResponsesApi:
                          tools: list[dict]) -> str:
         """A persistent session holding the conversation up to its last message (the
         answer's turn commits that one), held by the caller. At a session limit the least
-        recently used chain session gives way (`Places.check_new_session`). Its KV is a
+        recently used chain session gives way (`SessionAdmission.check_new_session`). Its KV is a
         cache (`SessionSpec.implicit`: no budget, reclaimable whole), rebuilt from the
         committed conversation when needed, so no chain makes another request fail."""
         state = self.state
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True, None, owner=owner,
                            implicit=True)
         history = [(0, msgs[:-1])]
-        with state.places.new_session(eng, owner) as sid:
-            await state.run(state.places.with_room, eng,
+        with state.admission.new_session(eng, owner) as sid:
+            await state.run(state.admission.with_room, eng,
                             lambda: eng.restore_session(sid, spec, history))
         eng.keep_chain(sid, owner)
         return sid

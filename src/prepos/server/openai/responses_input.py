@@ -24,8 +24,8 @@ from prepos.chat import tool_formats
 from prepos.chat.format import normalize_tool_call
 from prepos.errors import InvalidInput
 from prepos.server.http.errors import ApiError, as_api_error
-from prepos.server.http.schemas import CreateResponse
-from prepos.server.openai.responses_format import new_id
+from prepos.server.http.request_bodies import CreateResponse
+from prepos.server.openai.response_objects import new_id
 
 INCLUDABLE = {"reasoning.encrypted_content"}  # there is no reasoning: nothing to add
 TEXT_PARTS = ("input_text", "output_text", "text")

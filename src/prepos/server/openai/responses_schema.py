@@ -1,6 +1,7 @@
 """The Responses API's response bodies and stream events, and the Conversations API's
-objects, as models for `/openapi.json` (`server/openai/responses_format.py` and
-`server/openai/conversations.py` write them; `server/http/bodies.py` holds the other routes')."""
+objects, as models for `/openapi.json` (`server/openai/response_objects.py` and
+`server/openai/conversations_api.py` write them; `server/http/response_bodies.py` holds the
+other routes')."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from prepos.server.http.bodies import Body, Extension
+from prepos.server.http.response_bodies import Body, Extension
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 

@@ -44,12 +44,12 @@ from prepos.errors import PreposError
 from prepos.server.durable.cluster import SESSION_ID
 from prepos.server.durable.directory import hop
 from prepos.server.durable.idempotency import idempotent, named_session
-from prepos.server.http import bodies as R
+from prepos.server.http import response_bodies as R
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
+from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
-from prepos.server.http.schemas import ChatCompletion, Completion
 from prepos.server.http.state import ServerState
 from prepos.server.openai.checks import chat_sampling, completion_input, tool_specs
 from prepos.server.openai.flow import ChatCall, complete, prompt_text
