@@ -56,9 +56,9 @@ from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
 from prepos.engine.session_spec import SessionSpec  # noqa: E402
 from prepos.lab.retrying import new_key, retrying  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
-from prepos.server.durable.journal import Journal  # noqa: E402
-from prepos.server.durable.lease import LeaseConfig, Leases  # noqa: E402
-from prepos.server.durable.store import Database  # noqa: E402
+from prepos.server.store.database import Database  # noqa: E402
+from prepos.server.store.journal import Journal  # noqa: E402
+from prepos.server.store.lease import LeaseConfig, Leases  # noqa: E402
 from tests.support.cluster_harness import (  # noqa: E402
     ROUTER_HEALTH,
     Postgres,

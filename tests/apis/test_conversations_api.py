@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from prepos.server.durable.conversation_store import ConversationStore
 from prepos.server.http.errors import ApiError
+from prepos.server.store.conversations import ConversationStore
 from tests.support.openai_helpers import ext, held, openai_client
 from tests.support.server_harness import ServerProc, sse_events
 

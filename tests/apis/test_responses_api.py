@@ -562,7 +562,7 @@ def test_stored_responses_are_bounded_in_bytes_and_a_chain_keeps_its_history(mod
     stay within the bound, and a chain whose first response went still continues from its
     whole conversation: the evicted one's messages are kept once, by reference, never
     copied into the responses that continue it."""
-    from prepos.server.durable.responses_store import ResponseStore
+    from prepos.server.store.responses import ResponseStore
 
     journal = tmp_path / "journal.sqlite3"
     bound = 40_000

@@ -26,8 +26,8 @@ import openai
 import pytest
 
 from prepos.paths import DEFAULT_MODEL
-from prepos.server.durable.journal import Journal
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
+from prepos.server.store.journal import Journal
 from tests.support.cluster_harness import (
     Postgres,
     Router,

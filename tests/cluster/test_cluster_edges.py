@@ -21,9 +21,9 @@ import time
 import httpx
 import pytest
 
-from prepos.server.durable.lease import LeaseConfig, Leases
-from prepos.server.durable.store import Database
 from prepos.server.http.auth import owner_id, scoped
+from prepos.server.store.database import Database
+from prepos.server.store.lease import LeaseConfig, Leases
 from tests.support.cluster_harness import Postgres, missing_postgres
 from tests.support.server_harness import ServerProc
 

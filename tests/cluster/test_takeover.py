@@ -25,8 +25,8 @@ import pytest
 
 from prepos.lab.demo_client import DemoError, Http
 from prepos.paths import DEFAULT_MODEL
-from prepos.server.durable.journal import Journal
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
+from prepos.server.store.journal import Journal
 from tests.support.cluster_harness import (
     Postgres,
     Router,

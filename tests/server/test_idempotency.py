@@ -21,8 +21,8 @@ import httpx
 import pytest
 import uvicorn
 
-from prepos.server.durable.idempotency import Attempt, Records
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
+from prepos.server.store.idempotency import Attempt, Records
 from tests.support.cluster_harness import Postgres, missing_postgres
 from tests.support.helpers import hold_worker
 from tests.support.server_harness import ServerProc, sse_events

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from prepos.server.durable.responses_store import ResponseStore, Stored
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
+from prepos.server.store.responses import ResponseStore, Stored
 from tests.support.cluster_harness import Postgres, missing_postgres
 
 NO_PG = missing_postgres()

@@ -14,9 +14,9 @@ import threading
 import httpx
 import pytest
 
-from prepos.server.durable.forwarding import FORWARDED, Forwarder
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, scrub
+from prepos.server.http.forwarding import FORWARDED, Forwarder
 from tests.support.server_harness import ServerProc
 
 KEY_A, KEY_B = "key-a", "key-b"

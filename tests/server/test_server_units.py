@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepos.chat.tool_formats import safe_prefix
-from prepos.server.durable.journal import Journal, apply, diff
 from prepos.server.http.errors import ApiError
 from prepos.server.http.limits import Limits
 from prepos.server.http.metrics import TOKEN_STAGES
+from prepos.server.store.journal import Journal, apply, diff
 
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
                                            "content": st.sampled_from(list("abcde"))}),
@@ -329,8 +329,8 @@ def test_every_error_class_has_an_http_status_named_in_the_http_layer():
     from prepos.server.http.errors import STATUS, as_api_error
 
     for mod in ("prepos.chat.conversation", "prepos.backends.remote_protocol",
-                "prepos.backends.llama_cpp", "prepos.server.durable.idempotency",
-                "prepos.server.durable.store", "prepos.server.durable.lease"):
+                "prepos.backends.llama_cpp", "prepos.server.store.idempotency",
+                "prepos.server.store.database", "prepos.server.store.lease"):
         importlib.import_module(mod)
     seen, todo = [], [PreposError]
     while todo:

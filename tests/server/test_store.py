@@ -13,10 +13,10 @@ import time
 import pytest
 
 from prepos.engine.session_spec import SessionSpec
-from prepos.server.durable.journal import Journal
-from prepos.server.durable.lease import LeaseConfig, LeaseLost, Leases
-from prepos.server.durable.responses_store import ResponseStore, Stored
-from prepos.server.durable.store import MIGRATIONS, Database, StoreUnavailable, redacted
+from prepos.server.store.database import MIGRATIONS, Database, StoreUnavailable, redacted
+from prepos.server.store.journal import Journal
+from prepos.server.store.lease import LeaseConfig, LeaseLost, Leases
+from prepos.server.store.responses import ResponseStore, Stored
 from tests.support.cluster_harness import Postgres, missing_postgres
 
 NO_PG = missing_postgres()

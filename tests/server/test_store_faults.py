@@ -25,8 +25,8 @@ import pytest
 from prepos.core import Request, SamplingParams
 from prepos.engine.session import TURN
 from prepos.errors import SessionBusy
-from prepos.server.durable.journal import Journal
-from prepos.server.durable.store import StoreUnavailable
+from prepos.server.store.database import StoreUnavailable
+from prepos.server.store.journal import Journal
 from tests.support.helpers import hold_worker
 from tests.support.server_harness import ServerProc, state_of
 

@@ -97,7 +97,7 @@ class ImplicitSessions:
         self._in_use: set[str] = set()
         self.used = 0  # bytes of the kept sessions' bookkeeping
         # told of every change of what a kept session is indexed under (sid, its hash, None
-        # once it is gone): the cluster's directory (`server/durable/directory.py`)
+        # once it is gone): the cluster's directory (`server/store/directory.py`)
         self.publish: Callable[[str, bytes | None], None] | None = None
         self._lock = threading.Lock()
 

@@ -50,11 +50,11 @@ from starlette.requests import Request
 from prepos.chat.conversation import check_order, session_messages
 from prepos.engine import STREAMING
 from prepos.errors import InvalidInput
-from prepos.server.durable.cluster import AGENT_HEADERS, SESSION_ID
-from prepos.server.durable.directory import hop
-from prepos.server.durable.idempotency import KeyClaimed, idempotent, kept
 from prepos.server.http.auth import public
+from prepos.server.http.cluster_front import AGENT_HEADERS, SESSION_ID
 from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.forwarding import hop
+from prepos.server.http.idempotency import idempotent, kept
 from prepos.server.http.request_bodies import ChatCompletion, ChatMessage
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
@@ -62,6 +62,7 @@ from prepos.server.http.state import ServerState
 from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
 from prepos.server.openai.flow import RepliedCall, _continuation_prompt
 from prepos.server.openai.routes import named
+from prepos.server.store.idempotency import KeyClaimed
 
 from . import schema as S
 from . import translate as T
@@ -75,7 +76,7 @@ MAX_STOPS = 16  # stop sequences a request may name (the server's bound)
 def answered(fn):
     """A route whose every failure is answered in Anthropic's shape, messages named as the
     client named them (`Renamer`), and which takes an `Idempotency-Key` as every route that
-    writes does (`durable/idempotency.py`: the answer it records is the one sent, in this
+    writes does (`http/idempotency.py`: the answer it records is the one sent, in this
     shape; a refusal it would not record, a 5xx, 408, 429 or busy session, is not)."""
 
     async def shaped(request: Request):
@@ -207,7 +208,7 @@ class _Named:
 def session_name(request: Request) -> str | None:
     """The session a request names in its headers: `x-session-id`, else the first valid name
     of the headers coding agents name their conversation in (Claude Code's
-    `x-claude-code-session-id`), as `ClusterFront` reads them (`durable/cluster.py`)."""
+    `x-claude-code-session-id`), as `ClusterFront` reads them (`http/cluster_front.py`)."""
     value = (request.headers.get("x-session-id") or "").strip()
     if value:
         return value

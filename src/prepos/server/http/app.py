@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from prepos.server.anthropic.routes import routes as messages_routes
-from prepos.server.durable.cluster import ClusterFront, default_url
-from prepos.server.durable.store import StoreHeld, hold, is_url, redacted
+from prepos.server.cluster import default_url
 from prepos.server.http import errors, openapi, results
 from prepos.server.http import response_bodies as R
 from prepos.server.http.auth import open_warning
+from prepos.server.http.cluster_front import ClusterFront
 from prepos.server.http.console import routes as console_routes
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.fast import App, FastRoute
@@ -37,6 +37,7 @@ from prepos.server.http.state import ServerConfig, ServerState
 from prepos.server.openai.conversations_api import routes as conversations_routes
 from prepos.server.openai.responses import routes as responses_routes
 from prepos.server.openai.routes import routes as openai_routes
+from prepos.server.store.database import StoreHeld, hold, is_url, redacted
 
 log = logging.getLogger("prepos.server")
 

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from prepos.engine import STREAMING
-from prepos.server.durable.cluster import HEADER, SESSION_ID, ClusterFront
+from prepos.server.http.cluster_front import HEADER, SESSION_ID, ClusterFront
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.metrics import CONTENT_TYPE

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from prepos.server.durable import idempotency
+from prepos.server.http import idempotency
 from prepos.server.http import response_bodies as responses
 from prepos.server.http.routing import Doc, Registered
 

@@ -25,12 +25,12 @@ from prepos.config import (
 )
 from prepos.engine import remote_config
 from prepos.paths import DEFAULT_MODEL
-from prepos.server.durable.lease import LeaseConfig
-from prepos.server.durable.store import is_url
 from prepos.server.http.auth import load_keys
 from prepos.server.http.guard import MAX_HEADER_BYTES
 from prepos.server.http.limits import Limits
 from prepos.server.http.state import REMOTE_ENGINES, RemoteEngine, ServerConfig
+from prepos.server.store.database import is_url
+from prepos.server.store.lease import LeaseConfig
 
 
 def size(text: str) -> int:

@@ -25,16 +25,18 @@ from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.engine import Engine, Session, is_ephemeral
 from prepos.errors import PreposError, SessionNotFound
-from prepos.server.durable import idempotency, responses_store
-from prepos.server.durable.journal import Journal
-from prepos.server.durable.lease import LeaseConfig
-from prepos.server.durable.store import Database
 from prepos.server.http.auth import SCOPE, Keys, scoped
 from prepos.server.http.errors import ApiError, validation_error
+from prepos.server.http.idempotency import KeyedRequests
 from prepos.server.http.limits import Limits, share
 from prepos.server.http.metrics import Metrics
 from prepos.server.http.session_admission import SessionAdmission
 from prepos.server.http.sse import Subscriptions, disconnected
+from prepos.server.store import idempotency
+from prepos.server.store import responses as responses_store
+from prepos.server.store.database import Database
+from prepos.server.store.journal import Journal
+from prepos.server.store.lease import LeaseConfig
 
 log = logging.getLogger("prepos.server")
 M = TypeVar("M", bound=BaseModel)
@@ -122,7 +124,7 @@ class ServerState:
                        share(self.limits.max_subscribers, self.limits.max_subscribers_per_key,
                              len(config.api_keys)))
         self.journal: Journal | None = None
-        self.idempotency: idempotency.Records | None = None  # once loaded: in the store
+        self.idempotency: KeyedRequests | None = None  # once loaded: in the store
         self.loaded: Engine | None = None  # the engine, once loaded
         self.status = "loading"
         self.error: str | None = None
@@ -139,7 +141,7 @@ class ServerState:
         self._factory = engine_factory or _load_engine
         self._loader: threading.Thread | None = None
         self.on_failure: Callable[[], None] | None = None
-        self.cluster = None  # server/durable/cluster.py's Cluster, with a shared store
+        self.cluster = None  # server/cluster.py's Cluster, with a shared store
         self.front = None  # the app's cluster.ClusterFront, which serves its requests once joined
         self.bound = threading.Event()  # set once listening, `url` the address bound
         self.url = ""
@@ -169,16 +171,16 @@ class ServerState:
                                 "with %s", self.config.journal, previous, self.model_name)
                 self.journal.attach(engine)
                 if self.journal.shared:  # several nodes: sessions loaded when asked for
-                    from prepos.server.durable.cluster import join
-                    from prepos.server.durable.directory import Directory
+                    from prepos.server.cluster import join
+                    from prepos.server.store.directory import Directory
                     self.cluster = join(self, engine, self.journal)
                     self.cluster.directory = Directory(
                         Database(self.config.journal, migrate=False), self.cluster.leases.node)
                     engine.publish_conversations(self.cluster.directory.publish)
-            self.idempotency = idempotency.Records(
+            self.idempotency = KeyedRequests(idempotency.Records(
                 self.journal.db if self.journal is not None else Database(None),
                 self.config.idempotency_ttl, self.config.idempotency_keys,
-                self.config.idempotency_bytes)
+                self.config.idempotency_bytes))
             self.subscriptions.attach(engine, self.loop)
             self.metrics.engine = engine
             if self.journal is not None and self.cluster is None:
@@ -219,7 +221,7 @@ class ServerState:
         if self.journal is not None:
             self.journal.close()
         elif self.idempotency is not None:
-            self.idempotency.db.close()
+            self.idempotency.records.db.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.cpu.shutdown(wait=False, cancel_futures=True)
 

@@ -18,7 +18,7 @@ import re
 
 from starlette.requests import Request
 
-from prepos.server.durable.idempotency import current, idempotent
+from prepos.server.http.idempotency import idempotent
 from prepos.server.http.request_bodies import AddItems, CreateConversation, UpdateConversation
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import QueryParam, Routes
@@ -35,6 +35,7 @@ from prepos.server.openai.responses_input import (
     input_messages,
     unsupported,
 )
+from prepos.server.store.idempotency import current
 
 routes = Routes()
 MAX_ITEMS = 20  # items one request adds (OpenAI's bound)

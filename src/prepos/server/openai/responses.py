@@ -1,7 +1,7 @@
 """OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
 
 A request is put in the chat route's terms (`responses_input.py`): its conversation is the
-stored conversation of `previous_response_id` (`responses_store.py`) or the items of its
+stored conversation of `previous_response_id` (`server/store/responses.py`) or the items of its
 `conversation` (`conversation_store.py`), then its `input` items, after its own
 `instructions` as the system message (a previous response's are not carried over, as OpenAI
 documents). A response on a conversation adds its input and output items to it once it is
@@ -42,11 +42,8 @@ from starlette.requests import Request
 from prepos.chat.conversation import check_order
 from prepos.engine import AGENTIC, Engine, SessionSpec
 from prepos.errors import PreposError
-from prepos.server.durable import idempotency
-from prepos.server.durable.conversation_store import ConversationStore, size
-from prepos.server.durable.idempotency import idempotent
-from prepos.server.durable.responses_store import ResponseStore, Stored
 from prepos.server.http.errors import ApiError
+from prepos.server.http.idempotency import idempotent
 from prepos.server.http.request_bodies import ChatCompletion, CreateResponse
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import QueryParam, Routes
@@ -67,6 +64,9 @@ from prepos.server.openai.responses_input import (
     text_format,
     tool_choice,
 )
+from prepos.server.store import idempotency
+from prepos.server.store.conversations import ConversationStore, size
+from prepos.server.store.responses import ResponseStore, Stored
 
 log = logging.getLogger("prepos.server.responses")
 routes = Routes()

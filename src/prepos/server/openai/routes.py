@@ -41,12 +41,12 @@ from starlette.requests import Request
 from prepos.chat.conversation import session_messages
 from prepos.engine import EPHEMERAL, STREAMING
 from prepos.errors import PreposError
-from prepos.server.durable.cluster import SESSION_ID
-from prepos.server.durable.directory import hop
-from prepos.server.durable.idempotency import idempotent, named_session
 from prepos.server.http import response_bodies as R
 from prepos.server.http.auth import public
+from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError
+from prepos.server.http.forwarding import hop
+from prepos.server.http.idempotency import idempotent, named_session
 from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes

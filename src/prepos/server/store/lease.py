@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prepos.errors import PreposError
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
 
 log = logging.getLogger("prepos.server.lease")
 

@@ -1,13 +1,8 @@
-"""Several nodes behind a router: the session a request names, and who serves it.
+"""Several nodes on one shared store: who serves a session.
 
-`ClusterFront` sits in front of the whole app (the straight line included). It finds the session a
-request names (the `x-session-id` header, the `/sessions/{id}` path, or an OpenAI body's
-`session_id`; the header alone names it for the OpenAI routes too, and there the headers
-coding agents name their conversation in stand for it where `x-session-id` is not sent:
-Claude Code's `x-claude-code-session-id`, Codex's `session-id` and `thread-id`) and puts
-`x-session-id` on the response, so a router can hash on it both ways. With a shared store
-(`Cluster`), it
-also decides who serves the request:
+A node joins (`join`) when its store is shared (PostgreSQL). The HTTP layer's
+`ClusterFront` (`server/http/cluster_front.py`) asks `Cluster` about each request that names
+a session:
 - this node owns the session (its lease held with margin): served here, no store access;
 - the session is free or its owner dead: claimed (`Leases.claim`), loaded from the store
   where this node's copy is not the store's (its KV recomputed, pre-positioned again), served;
@@ -20,7 +15,7 @@ also decides who serves the request:
   rebuilt (`Cluster.warm`), unserved, so the takeover finds it ready.
 Nothing of that runs for a request whose API key is missing or not valid (401 first), nor for
 one of a key the store's session is not owned by (the app answers 404). Forwarding, and which
-requests count as forwarded: `forwarding.py`.
+requests count as forwarded: `server/http/forwarding.py`.
 """
 
 from __future__ import annotations
@@ -28,159 +23,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import socket
 import time
 
 from prepos.engine import is_ephemeral
 from prepos.errors import PreposError
-from prepos.server.durable.forwarding import Forwarder, replaying, shared_secret
-from prepos.server.durable.journal import Journal
-from prepos.server.durable.lease import Claim, LeaseConfig, Leases
-from prepos.server.durable.store import Database
 from prepos.server.http.auth import public, scoped
-from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.cluster_front import CLIENT_NAMED, SESSION_ID
+from prepos.server.http.errors import ApiError
+from prepos.server.http.forwarding import Forwarder, shared_secret
+from prepos.server.store.database import Database
+from prepos.server.store.journal import Journal
+from prepos.server.store.lease import Claim, LeaseConfig, Leases
 
 log = logging.getLogger("prepos.server.cluster")
-HEADER = b"x-session-id"
-# the headers coding agents name their conversation in, first found first: on the /v1/ routes
-# they name it where `x-session-id` is not sent (a value that is no valid name is ignored)
-AGENT_HEADERS = (b"x-claude-code-session-id", b"session-id", b"thread-id")
-SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-SLOW_S = 5.0  # a request on a session slower than this is logged
-NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
-CLIENT_NAMED = (*NAMED_IN_BODY, "/v1/responses")  # a name no session has is the client's
-
-
-def named_session(scope) -> tuple[str | None, bool]:
-    """The session id the path or `x-session-id` names, and whether the header gave it;
-    400 where they differ."""
-    header = None
-    agents: dict[bytes, str] = {}
-    for name, value in scope["headers"]:
-        if name == HEADER:
-            header = value.decode("latin-1").strip() or None
-        elif name in AGENT_HEADERS:
-            agents[name] = value.decode("latin-1").strip()
-    path = scope["path"]
-    if header is None and agents and path.startswith("/v1/"):
-        header = next((agents[h] for h in AGENT_HEADERS if SESSION_ID.fullmatch(
-            agents.get(h, ""))), None)
-    in_path = None
-    if path.startswith("/sessions/"):
-        in_path = path[len("/sessions/"):].split("/", 1)[0] or None
-    if header is not None and not SESSION_ID.fullmatch(header):
-        raise ApiError(400, "invalid_session_id", "x-session-id must be 1-128 letters, "
-                       f"digits and ._:- (starting with a letter or digit), got {header[:140]!r}")
-    if in_path is not None and not SESSION_ID.fullmatch(in_path):
-        in_path = None  # no session's id: the route answers 404
-    if header and in_path and header != in_path:
-        raise ApiError(400, "session_id_mismatch", f"x-session-id {header!r} names another "
-                       f"session than the path's {in_path!r}")
-    return in_path or header, header is not None
-
-
-class ClusterFront:
-    """The ASGI layer in front of the app: the session's id both ways, and ownership where
-    the store is shared (`cluster`, set once the node has joined)."""
-
-    def __init__(self, respond, max_body: int):
-        self.respond = respond  # an ApiError as the app's JSON error response
-        self.max_body = max_body  # a body over it is left to the app's 413, never read here
-        self.cluster: Cluster | None = None
-
-    def small(self, scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                return value.isdigit() and int(value) <= self.max_body
-        return False
-
-    async def __call__(self, scope, receive, send, app) -> None:
-        t0 = time.monotonic()
-        sent = receive  # the client's body, as sent
-        try:
-            sid, from_header = named_session(scope)
-            cluster = self.cluster
-            if scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY and (
-                    from_header or cluster is not None) and self.small(scope):
-                sid, receive = await with_body_session(sid, receive)
-            if cluster is not None:
-                await cluster.forwarder.verify(scope, sid, receive)
-            if cluster is not None and sid is not None and not (
-                    scope["method"] == "POST" and scope["path"] == "/sessions") and \
-                    (held := await cluster.may_claim(sid, scope)) is not None:
-                while not await cluster.serve_here(held, scope):
-                    if await cluster.forward(held, scope, receive, send):
-                        slow(scope, sid, t0, "forwarded")
-                        return  # the owner answered; else it is dead: wait it out
-            if "prepos.body" in scope:  # read to verify it, or for a forward that found no one
-                receive = replaying(scope["prepos.body"], sent)
-        except (ApiError, PreposError) as exc:  # before any byte of a response was sent
-            err = exc if isinstance(exc, ApiError) else as_api_error(exc)
-            if err.status == 503:  # a lease lost or contended: retry shortly
-                err.headers.setdefault("Retry-After", "1")
-            return await self.respond(err, scope["path"])(scope, receive, send)
-
-        async def tagged(message):
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                found = sid
-                for name, value in headers:
-                    if name == b"x-prepos-session" or (found is None and name == b"location"
-                                                       and value.startswith(b"/sessions/")):
-                        found = value.decode("latin-1").rsplit("/", 1)[-1]
-                        found = found if SESSION_ID.fullmatch(found) else None
-                if found is not None:
-                    headers.append((HEADER, found.encode("latin-1")))
-                    if cluster is not None:  # who served it
-                        headers.append((b"x-prepos-node", cluster.leases.node.encode()))
-                    message = {**message, "headers": headers}
-            await send(message)
-
-        await app(scope, receive, tagged)
-        if cluster is not None and sid is not None:
-            slow(scope, sid, t0, "served here")
 
 
 def mark(sid: str, stage: str) -> None:
     """A step of a takeover, on the wall clock (benchmarks/cluster.py lines them up)."""
     log.info("takeover %s at %.3f: %s", sid, time.time(), stage)
-
-
-def slow(scope, sid: str, t0: float, how: str) -> None:
-    """A request on a session that took long is logged (a takeover's wait, a recompute)."""
-    took = time.monotonic() - t0
-    if took > SLOW_S:
-        log.warning("session %s: %s %s %s in %.1f s", sid, scope["method"], scope["path"],
-                    how, took)
-
-
-async def with_body_session(sid: str | None, receive):
-    """An OpenAI body's `session_id`, or the header's written into a body that has none;
-    the body replayed to the app."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return sid, receive
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    raw = b"".join(chunks)
-    if sid is not None or b'"session_id"' in raw:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # the route says what is wrong with it
-        if isinstance(body, dict):
-            named = body.get("session_id")
-            if sid is not None and named is not None and named != sid:
-                raise ApiError(400, "session_id_mismatch", f"x-session-id {sid!r} names "
-                               f"another session than the body's {named!r}", "session_id")
-            if named is None and sid is not None:
-                raw = json.dumps({**body, "session_id": sid}).encode()
-            sid = named if isinstance(named, str) and SESSION_ID.fullmatch(named) else sid
-    return sid, replaying(raw, receive)
 
 
 class Cluster:
@@ -197,7 +58,7 @@ class Cluster:
         self.takeovers = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._dropping: set[str] = set()  # copies being closed here, their lease kept
-        self.directory = None  # the stateless conversations' (server/durable/directory.py)
+        self.directory = None  # the stateless conversations' (server/store/directory.py)
         journal.fence = self.leases.fence
         engine.subscribe(self._on_event)
 

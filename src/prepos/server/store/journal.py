@@ -1,5 +1,5 @@
 """The journal: every committed version of every session, in the session store
-(`server/durable/store.py`: SQLite by default, PostgreSQL for several nodes), so a restarted server
+(`server/store/database.py`: SQLite by default, PostgreSQL for several nodes), so a restarted server
 restores them all, or, with a shared store, the node a session moves to loads it. Ready
 records and KV caches are never persisted: a restored session's KV is rebuilt lazily by its
 pre-position job at idle priority (a session moving to another node: there, at once).
@@ -13,7 +13,7 @@ Rows are deltas against the session's previous version (slices of its messages p
 ones), with a full checkpoint every `checkpoint_every` versions; rows older than the newest
 checkpoint that still covers the `max_versions` the engine keeps for rollback are pruned.
 With a shared store every write first checks, in its transaction, that this node still owns
-the session (`fence`, server/durable/lease.py): a write it refuses fails the request.
+the session (`fence`, server/store/lease.py): a write it refuses fails the request.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 
 from prepos.engine import Session, SessionSpec, Snapshot, is_ephemeral
 from prepos.errors import PreposError
-from prepos.server.durable.idempotency import KeyClaimed, riding
-from prepos.server.durable.store import TIMEOUT, Database
 from prepos.server.http.auth import public
+from prepos.server.store.database import TIMEOUT, Database
+from prepos.server.store.idempotency import KeyClaimed, riding
 
 log = logging.getLogger("prepos.server.journal")
 Restored = tuple[str, SessionSpec, list[tuple[int, list[dict]]]]

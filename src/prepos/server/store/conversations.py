@@ -1,7 +1,7 @@
 """Conversations of OpenAI's Conversations API (`server/openai/conversations_api.py`): a
 conversation and its items, in the session store beside the journal's and the stored
-responses' (`server/durable/store.py`: its SQLite file or PostgreSQL database; SQLite in memory when
-the server has no journal), so they survive a restart as the sessions do.
+responses' (`database.py`: its SQLite file or PostgreSQL database; SQLite in memory when the
+server has no journal), so they survive a restart as the sessions do.
 
 A conversation row is its id, owner (the API key), creation time and metadata, its
 `version` (bumped by every change of its items: a response made on one version adds its
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepos.errors import PreposError
-from prepos.server.durable.idempotency import Attempt
-from prepos.server.durable.responses_store import MAX_BYTES, SAME_OWNER
-from prepos.server.durable.store import Database
 from prepos.server.http.errors import ApiError
+from prepos.server.store.database import Database
+from prepos.server.store.idempotency import Attempt
+from prepos.server.store.responses import MAX_BYTES, SAME_OWNER
 
 log = logging.getLogger("prepos.server.conversations")
 KEEP = 10000  # conversations per API key

@@ -1,5 +1,5 @@
 """Stored responses (`store: true`), for `GET`, `DELETE` and `previous_response_id`: a
-`responses` table in the session store beside the journal's (`server/durable/store.py`: its SQLite
+`responses` table in the session store beside the journal's (`server/store/database.py`: its SQLite
 file or PostgreSQL database; SQLite in memory when the server has no journal), so they survive
 a restart as the sessions do.
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from prepos.server.durable.idempotency import Attempt
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
+from prepos.server.store.idempotency import Attempt
 
 SAME_OWNER = "owner IS NOT DISTINCT FROM ?"  # a key, or None (NULL) for an open server
 KEEP = 10000  # stored responses per API key

@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_parent ON responses (parent);
 CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created);
 """),
-    # ownership (server/durable/lease.py): a node's liveness, renewed while it lives; a session's
+    # ownership (server/store/lease.py): a node's liveness, renewed while it lives; a session's
     # owner, valid while the node it names is alive in the epoch it names
     (2, """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -71,13 +71,13 @@ CREATE TABLE IF NOT EXISTS leases (
     sid TEXT PRIMARY KEY, node TEXT NOT NULL, node_epoch BIGINT NOT NULL);
 CREATE INDEX IF NOT EXISTS leases_node ON leases (node);
 """),
-    # stateless conversations (server/durable/directory.py): which node keeps each, by hash
+    # stateless conversations (server/store/directory.py): which node keeps each, by hash
     (3, """
 CREATE TABLE IF NOT EXISTS conversations (
     key TEXT PRIMARY KEY, sid TEXT NOT NULL, node TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS conversations_sid ON conversations (sid, node);
 """),
-    # idempotency keys (server/durable/idempotency.py): a request's result per API key and key; a
+    # idempotency keys (server/store/idempotency.py): a request's result per API key and key; a
     # NULL status: claimed by its commit, its result not written yet
     (4, """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -87,7 +87,7 @@ CREATE TABLE IF NOT EXISTS idempotency (
 CREATE INDEX IF NOT EXISTS idempotency_owner ON idempotency (owner, created);
 CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency (created);
 """),
-    # the Conversations API's conversations and their items (server/durable/conversation_store.py)
+    # the Conversations API's conversations and their items (server/store/conversations.py)
     (5, """
 CREATE TABLE IF NOT EXISTS openai_conversations (
     id TEXT PRIMARY KEY, owner TEXT, created DOUBLE PRECISION NOT NULL, metadata TEXT NOT NULL,
@@ -99,7 +99,7 @@ CREATE TABLE IF NOT EXISTS openai_conversation_items (
 CREATE UNIQUE INDEX IF NOT EXISTS openai_conversation_items_seq
     ON openai_conversation_items (conversation, seq);
 """),
-    # the bytes of each idempotency record, bounded per API key (server/durable/idempotency.py)
+    # the bytes of each idempotency record, bounded per API key (server/store/idempotency.py)
     (6, """
 ALTER TABLE idempotency ADD COLUMN bytes BIGINT NOT NULL DEFAULT 0;
 """),

@@ -7,7 +7,10 @@ The signature covers the forwarding node, a timestamp, a nonce, the method, path
 session and the SHA-256 of the body, so it is bound to its one request: a request that
 arrives with the header counts as forwarded only where it verifies (else the header is
 dropped, as if never sent), and a verifying one is refused (403 `forwarding_refused`) where
-its timestamp is more than `WINDOW_S` from this node's clock or its nonce was seen before."""
+its timestamp is more than `WINDOW_S` from this node's clock or its nonce was seen before.
+
+A stateless conversation kept by another node (`store/directory.py`) is answered by that node
+the same way, once (`hop`)."""
 
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ import logging
 import secrets
 import time
 
-from prepos.server.durable.lease import Claim
-from prepos.server.durable.store import Database
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from prepos.engine import conversation_keys
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
+from prepos.server.store.database import Database
+from prepos.server.store.lease import Claim
 
 log = logging.getLogger("prepos.server.cluster")
 FORWARDED = b"x-prepos-forwarded"
@@ -196,3 +203,46 @@ def shared_secret(db: Database) -> bytes:
          (secrets.token_hex(32),))
     return bytes.fromhex(db.q("SELECT value FROM meta WHERE key='cluster_secret'"
                               ).fetchone()[0])
+
+
+async def hop(state, request: Request, owner: str | None, tools: list[dict],
+              msgs: list[dict]) -> Response | None:
+    """The answer of the node that keeps this stateless conversation, where another live
+    node does and no conversation kept here is extended by it; None: answer it here."""
+    cluster = state.cluster
+    directory = cluster.directory if cluster is not None else None
+    if directory is None or request.scope.get("prepos.forwarded") or \
+            state.loaded.holds_conversation(owner, tools, msgs):
+        return None
+    try:
+        url = await state.run(directory.owner, conversation_keys(owner, tools, msgs))
+    except Exception as exc:  # the store is away: answered here
+        log.warning("conversation lookup failed: %s", exc)
+        return None
+    if url is None:
+        return None
+    import httpx
+
+    client = cluster.forwarder.client()
+    headers = [(k, v) for k, v in request.headers.raw if k not in HOP and k != FORWARDED]
+    body = await request.body()
+    headers.append(cluster.forwarder.header(request.scope, "", body))
+    try:
+        upstream = await client.send(client.build_request(
+            "POST", url.rstrip("/") + request.url.path + (
+                f"?{request.url.query}" if request.url.query else ""), headers=headers,
+            content=body), stream=True)
+    except httpx.TransportError as exc:  # dead or away: answered here, prefilled once
+        log.info("conversation's node %s did not answer (%r): answered here", url, exc)
+        return None
+    directory.hops += 1
+
+    async def body():
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    out = {k: v for k, v in upstream.headers.items() if k.encode() not in HOP}
+    return StreamingResponse(body(), status_code=upstream.status_code, headers=out)

@@ -1,4 +1,5 @@
-"""Stateless conversations across nodes: which node keeps each one, and the hop to it.
+"""Stateless conversations across nodes: which node keeps each one (the hop to it is
+`server/http/forwarding.hop`).
 
 A stock client names no session, so a router in front of several nodes cannot know which
 node holds its conversation. Each node publishes its kept conversations
@@ -22,12 +23,7 @@ import logging
 import queue
 import threading
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-
-from prepos.engine import conversation_keys
-from prepos.server.durable.forwarding import FORWARDED, HOP
-from prepos.server.durable.store import Database
+from prepos.server.store.database import Database
 
 log = logging.getLogger("prepos.server.conversations")
 
@@ -81,46 +77,3 @@ class Directory:
         self._writes.put(None)
         self._thread.join(timeout=5)
         self.db.close()
-
-
-async def hop(state, request: Request, owner: str | None, tools: list[dict],
-              msgs: list[dict]) -> Response | None:
-    """The answer of the node that keeps this stateless conversation, where another live
-    node does and no conversation kept here is extended by it; None: answer it here."""
-    cluster = state.cluster
-    directory = cluster.directory if cluster is not None else None
-    if directory is None or request.scope.get("prepos.forwarded") or \
-            state.loaded.holds_conversation(owner, tools, msgs):
-        return None
-    try:
-        url = await state.run(directory.owner, conversation_keys(owner, tools, msgs))
-    except Exception as exc:  # the store is away: answered here
-        log.warning("conversation lookup failed: %s", exc)
-        return None
-    if url is None:
-        return None
-    import httpx
-
-    client = cluster.forwarder.client()
-    headers = [(k, v) for k, v in request.headers.raw if k not in HOP and k != FORWARDED]
-    body = await request.body()
-    headers.append(cluster.forwarder.header(request.scope, "", body))
-    try:
-        upstream = await client.send(client.build_request(
-            "POST", url.rstrip("/") + request.url.path + (
-                f"?{request.url.query}" if request.url.query else ""), headers=headers,
-            content=body), stream=True)
-    except httpx.TransportError as exc:  # dead or away: answered here, prefilled once
-        log.info("conversation's node %s did not answer (%r): answered here", url, exc)
-        return None
-    directory.hops += 1
-
-    async def body():
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        finally:
-            await upstream.aclose()
-
-    out = {k: v for k, v in upstream.headers.items() if k.encode() not in HOP}
-    return StreamingResponse(body(), status_code=upstream.status_code, headers=out)
