@@ -117,6 +117,9 @@ class Request:
     # that return the logits at every position)
     prompt_logprobs: bool = False
     expected_version: int | None = None  # refuse (Conflict) unless the session is there
+    # the request the commits come from, opaque to the engine: handed to the write-ahead log
+    # with each (the server's Idempotency-Key attempt, claimed with the first)
+    origin: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):

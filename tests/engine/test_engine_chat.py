@@ -98,3 +98,41 @@ def test_a_streams_end_callbacks_run_before_its_reader_sees_the_end():
     assert seen == [False] and stream.done and stream.result().path is AnswerPath.COLD
     stream.on_end(lambda: seen.append("late"))  # once it has ended: at once
     assert seen == [False, "late"]
+
+
+class WriteAhead:
+    """A write-ahead log that keeps what each write was handed: (event, version, origin)."""
+
+    def __init__(self):
+        self.writes: list[tuple[str, int | None, object]] = []
+
+    def created(self, s, snap, origin=None):
+        self.writes.append(("create", snap.version, origin))
+
+    def committed(self, s, snap, origin=None):
+        self.writes.append(("commit", snap.version, origin))
+
+    def closing(self, s, origin=None):
+        self.writes.append(("close", None, origin))
+
+
+def test_every_commit_hands_its_requests_origin_to_the_write_ahead_log(make_engine):
+    """The origin a caller passes (the server's Idempotency-Key attempt) reaches the log with
+    each write the call makes, on its own thread or the worker's: the session's creation, a
+    rollback and a delta's messages, the turn's user message and the answer committed when
+    the stream ends, a message and the close; a call without one hands None."""
+    eng = make_engine("chatml")
+    log = WriteAhead()
+    eng.write_ahead(log)
+    created, chat, more, closed = object(), object(), object(), object()
+    sid = eng.create_session("agentic", system=SYSTEM, origin=created)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Trend?"},
+            {"role": "assistant", "content": "up"}, {"role": "user", "content": "Sure?"}]
+    eng.chat(eng.plan_chat(sid, msgs), Request(ONE.sampling, origin=chat)).result()
+    eng.wait_idle()
+    eng.add_message(sid, "user", "Why?", origin=more)
+    eng.rollback(sid, 1)
+    eng.close_session(sid, origin=closed)
+    assert log.writes == [("create", 0, created), ("commit", 1, chat), ("commit", 2, chat),
+                          ("commit", 3, chat), ("commit", 4, chat), ("commit", 5, more),
+                          ("commit", 6, None), ("close", None, closed)]

@@ -54,12 +54,13 @@ def carry_out(engine, p: ChatPlan, req: Request) -> Stream:
     if p.rollback_to is not None or len(p.delta) > 1:
         check_fits(engine, s, [*p.held, *p.delta], req.sampling)
     if p.rollback_to is not None:
-        engine.rollback(s.id, p.rollback_to, wait=False)
+        engine.rollback(s.id, p.rollback_to, wait=False, origin=req.origin)
     last = p.delta[-1] if p.delta else None
     if last is not None and last["role"] not in ("user", "tool"):
         last = None  # a system message alone: committed, then the turn
     for m in p.delta[:-1] if last is not None else p.delta:
-        engine.add_message(s.id, m["role"], m["content"], m.get("tool_calls"), wait=False)
+        engine.add_message(s.id, m["role"], m["content"], m.get("tool_calls"), wait=False,
+                           origin=req.origin)
     if last is None:
         return engine.turn(s.id, None, req)
     if last["role"] == "tool":

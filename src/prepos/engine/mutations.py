@@ -27,17 +27,20 @@ class Mutations:
                        preposition: bool = True, budget_cells: int | None = None,
                        owner: str | None = None, relaxed_queries: Sequence[str] = (),
                        r_max: float | None = None, answer_tokens: int | None = None,
-                       answer_stop: Sequence[str] = ()) -> str:
+                       answer_stop: Sequence[str] = (), origin: object = None) -> str:
         """A new session; `owner`: the API key that made it (journalled; the server checks it);
-        `answer_tokens`, `answer_stop`: its exact entries' answer budget, pre-decoded at idle."""
+        `answer_tokens`, `answer_stop`: its exact entries' answer budget, pre-decoded at idle.
+        `origin` (every mutation): the request it comes from, handed to the write-ahead log
+        with the change (opaque here: the server's Idempotency-Key attempt)."""
         spec = SessionSpec(kind, system, tuple(tools), tuple(standing), fast_path, preposition,
                            budget_cells, owner=owner, relaxed_queries=tuple(relaxed_queries),
                            r_max=r_max, answer_tokens=answer_tokens,
                            answer_stop=tuple(answer_stop))
-        return self.restore_session(self.sessions.new_id(), spec)
+        return self.restore_session(self.sessions.new_id(), spec, origin=origin)
 
     def restore_session(self, sid: str, spec: SessionSpec, history: Sequence[tuple[int,
-                        Sequence[dict]]] = (), warm: bool = False) -> str:
+                        Sequence[dict]]] = (), warm: bool = False, origin: object = None
+                        ) -> str:
         """A session with a given id, optionally from journalled history ((version, messages),
         the last current). Its KV is rebuilt by the pre-position job at idle priority (`warm`:
         first in the foreground, waited for); ready records are recomputed, never restored."""
@@ -47,14 +50,15 @@ class Mutations:
         s = Session(sid, spec, self.fmt, self.max_context, c.max_versions, c.shift_keep,
                     c.reserve_tokens, history, check_commit=self.room.check_commit,
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
-        self.sessions.add(s)
+        self.sessions.add(s, origin)
         self._emit("create", s, s.snap)
         self._committed(s, s.snap, None, wait=warm)
         return s.id
 
-    def close_session(self, sid: str, expected_version: int | None = None) -> None:
+    def close_session(self, sid: str, expected_version: int | None = None,
+                      origin: object = None) -> None:
         with self.sessions.get(sid).expecting(expected_version):
-            s = self.sessions.remove(sid)
+            s = self.sessions.remove(sid, origin)
         s.invalidate()
         self.relaxed.gate.forget(s.id)
         self.chains.forget(s.id)  # closed by its owner, or its answer failed
@@ -78,34 +82,37 @@ class Mutations:
         self._call(crop(), key=s.id)
 
     # == mutations =========================================================================
-    def append(self, sid: str, text: str, wait=True, expected_version=None) -> int:
+    def append(self, sid: str, text: str, wait=True, expected_version=None,
+               origin: object = None) -> int:
         """Streaming: commit a data message (the window shifted when the context is full), with
         `wait` once in the KV. `expected_version` (any mutation): Conflict unless it is there."""
         s = self.sessions.get(sid)
         self.fmt.check_text(text, "data")
         with s.expecting(expected_version):
-            snap, dropped = s.append(text)
+            snap, dropped = s.append(text, origin)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def rollback(self, sid: str, version: int, wait=True, expected_version=None) -> int:
+    def rollback(self, sid: str, version: int, wait=True, expected_version=None,
+                 origin: object = None) -> int:
         s = self.sessions.get(sid)
         with s.expecting(expected_version):
-            snap, dropped = s.rollback(version)
+            snap, dropped = s.rollback(version, origin)
         if dropped is not None:  # None: it was at that version already, nothing committed
             self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def shift(self, sid: str, drop: int | None = None, wait=True, expected_version=None) -> int:
+    def shift(self, sid: str, drop: int | None = None, wait=True, expected_version=None,
+              origin: object = None) -> int:
         s = self.sessions.get(sid)
         with s.expecting(expected_version):
-            snap, dropped = s.shift(drop)
+            snap, dropped = s.shift(drop, origin)
         self._committed(s, snap, dropped, wait)
         return snap.version
 
     def add_message(self, sid: str, role: str, content: str,
                     tool_calls: Sequence[dict] | None = None, wait: bool = True,
-                    expected_version: int | None = None) -> int:
+                    expected_version: int | None = None, origin: object = None) -> int:
         """Agentic: commit a message without generating (user, tool, or a client's assistant)."""
         s = self.sessions.get(sid)
         self.fmt.check_text(content, "content")
@@ -115,7 +122,7 @@ class Mutations:
                 raise InvalidInput("only assistant messages carry tool_calls")
             msg["tool_calls"] = [normalize_tool_call(c) for c in tool_calls]
             self.fmt.check_text(json.dumps(msg["tool_calls"]), "tool_calls")
-        snap, dropped = s.add_message(msg, expected_version=expected_version)
+        snap, dropped = s.add_message(msg, expected_version=expected_version, origin=origin)
         self._committed(s, snap, dropped, wait)
         return snap.version
 

@@ -7,7 +7,6 @@ A mixin of `Engine` (`facade.py`), whose `__init__` sets what it uses."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import time
 from typing import Callable, Sequence
 
@@ -100,7 +99,8 @@ class Requests:
             if mode != "off" and turn is not None and answers_from(
                     turn, sampling, self.backend.full_distribution):
                 return self.answers.exact(s, base, ready, TURN, turn, sampling, req.logprobs,
-                                          t0, on_finish=self._commit_answer(s, base.version))
+                                          t0, on_finish=self._commit_answer(s, base.version,
+                                                                            req.origin))
             snap, dropped = base, None
         else:
             self.fmt.check_text(message["content"], "user" if message["role"] == "user"
@@ -109,7 +109,7 @@ class Requests:
             after_answer = bool(base.messages) and base.messages[-1]["role"] == "assistant"
             was_ready = ready.prepared  # as the request arrived
             snap, dropped = s.add_message(  # the request's delta, committed if it fits
-                message, expected_version=req.expected_version,
+                message, expected_version=req.expected_version, origin=req.origin,
                 check=lambda n: self.room.check(s, n + n_header, sampling), turn=True)
             if after_answer:
                 self.prepositioner.arrived(was_ready)
@@ -118,12 +118,11 @@ class Requests:
         return self.answers.prefill(s, snap.tokens + header, len(base.tokens), snap.version,
                                     dropped if dropped is not None else ready, sampling,
                                     req.logprobs, t0,
-                                    on_finish=self._commit_answer(s, snap.version),
+                                    on_finish=self._commit_answer(s, snap.version, req.origin),
                                     settle_dropped=dropped is not None)
 
-    def _commit_answer(self, s: Session, version: int) -> Callable[[Result], None]:
-        ctx = contextvars.copy_context()  # the answer commits in its request's context
-
+    def _commit_answer(self, s: Session, version: int, origin: object
+                       ) -> Callable[[Result], None]:
         def commit(res: Result) -> None:
             if res.finish_reason == "cancelled":  # the client left: the turn never happened
                 return
@@ -132,7 +131,8 @@ class Requests:
             msg: dict = {"role": "assistant", "content": content}
             if calls:
                 msg["tool_calls"] = calls
-            snap, dropped = ctx.run(s.add_message, msg, expected_version=version, turn=True)
+            snap, dropped = s.add_message(msg, expected_version=version, turn=True,
+                                          origin=origin)
             self._committed(s, snap, dropped, wait=False)
 
         return commit

@@ -92,7 +92,8 @@ class Session:
         refuse, by raising, a committed state of n tokens (the engine's cell budget). `said_tokens`:
         how many tokens of its latest answers it keeps as draft material (`said`)."""
         self.check_commit = check_commit
-        self.persist: Callable[[Session, Snapshot], None] | None = None  # SessionStore.add
+        # the write-ahead log's commit (`persist(session, snap, origin)`): SessionStore.add
+        self.persist: Callable[[Session, Snapshot, object], None] | None = None
         self.id, self.spec, self.fmt, self.max_context = sid, spec, fmt, max_context
         self.max_versions, self.shift_keep, self.reserve = max_versions, shift_keep, reserve
         self.lock = threading.Lock()  # guards snap, ready, history, said (held briefly)
@@ -227,7 +228,7 @@ class Session:
                 + FRAME_TOKENS + self.reserve <= self.max_context)
 
     # -- mutations -----------------------------------------------------------------------
-    def append(self, text: str) -> tuple[Snapshot, ReadySet | None]:
+    def append(self, text: str, origin: object = None) -> tuple[Snapshot, ReadySet | None]:
         """Streaming: commit a data message; shift the window first if the context is full."""
         self.require(STREAMING)
         _check_text(text, "data")
@@ -240,9 +241,10 @@ class Session:
                 snap = self._render(msgs, incremental=False)
             else:
                 self._check_fits(len(snap[1]))
-            return self._commit(msgs, *snap)
+            return self._commit(msgs, *snap, origin)
 
-    def shift(self, drop: int | None = None) -> tuple[Snapshot, ReadySet | None]:
+    def shift(self, drop: int | None = None, origin: object = None
+              ) -> tuple[Snapshot, ReadySet | None]:
         """Streaming: drop the `drop` oldest data messages (default: down to the shift target),
         keeping the system region; positions are recomputed from the new sequence."""
         self.require(STREAMING)
@@ -257,9 +259,9 @@ class Session:
                 if not isinstance(drop, int) or not 1 <= drop <= data:
                     raise InvalidInput(f"drop must be an integer in [1, {data}], got {drop!r}")
                 msgs = [*self.snap.messages[:first], *self.snap.messages[first + drop:]]
-            return self._commit(msgs, *self._render(msgs, incremental=False))
+            return self._commit(msgs, *self._render(msgs, incremental=False), origin)
 
-    def rollback(self, version: int) -> tuple[Snapshot, ReadySet | None]:
+    def rollback(self, version: int, origin: object = None) -> tuple[Snapshot, ReadySet | None]:
         with self.mutex:
             self._admit()
             if not isinstance(version, int) or version not in self.history:
@@ -271,14 +273,15 @@ class Session:
             with self.lock:
                 messages = self.history.messages(version)
             old = self._snapshot(version, messages)
-            return self._commit(list(old.messages), old.text, old.tokens)
+            return self._commit(list(old.messages), old.text, old.tokens, origin)
 
     def add_message(self, message: dict, expected_version: int | None = None,
-                    check: Callable[[int], None] | None = None, turn: bool = False
-                    ) -> tuple[Snapshot, ReadySet | None]:
+                    check: Callable[[int], None] | None = None, turn: bool = False,
+                    origin: object = None) -> tuple[Snapshot, ReadySet | None]:
         """Agentic: commit a user, assistant or tool message. `check` sees the new length
         before anything changes and may refuse by raising. `turn`: a commit of the turn in
-        flight (its message: a tool result is refused while other calls await theirs)."""
+        flight (its message: a tool result is refused while other calls await theirs).
+        `origin`: the request it comes from, handed to the write-ahead log."""
         self.require(AGENTIC)
         role = message.get("role")
         if role not in ("system", "user", "assistant", "tool"):  # system: where the template
@@ -300,7 +303,7 @@ class Session:
             text, tokens = self._render(msgs)
             if check is not None:
                 check(len(tokens))
-            return self._commit(msgs, text, tokens)
+            return self._commit(msgs, text, tokens, origin)
 
     @contextlib.contextmanager
     def expecting(self, version: int | None):
@@ -360,12 +363,14 @@ class Session:
         if self.check_commit is not None:
             self.check_commit(self, n)
 
-    def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...]):
-        """Write the next version ahead, then swap the snapshot, bump the version, clear the
-        ready records: one critical section. The new snapshot and the ready set it dropped."""
+    def _commit(self, msgs: Sequence[dict], text: str, tokens: tuple[int, ...],
+                origin: object = None):
+        """Write the next version ahead (with `origin`, the request it comes from), then swap
+        the snapshot, bump the version, clear the ready records: one critical section. The new
+        snapshot and the ready set it dropped."""
         snap = Snapshot(self.snap.version + 1, tuple(msgs), text, tokens)
         if self.persist is not None:
-            self.persist(self, snap)
+            self.persist(self, snap, origin)
         with self.lock:
             dropped = self.ready
             if dropped is not None:
@@ -399,7 +404,7 @@ class SessionStore:
     def new_id(self) -> str:
         return f"s-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
 
-    def add(self, session: Session) -> None:
+    def add(self, session: Session, origin: object = None) -> None:
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise TooManySessions(f"this engine holds its limit of {self.max_sessions} "
@@ -408,7 +413,7 @@ class SessionStore:
         if self.durable is not None:
             session.persist = self.durable.committed
             try:
-                self.durable.created(session, session.snap)
+                self.durable.created(session, session.snap, origin)
             except BaseException:
                 self._sessions.pop(session.id, None)
                 raise
@@ -423,9 +428,9 @@ class SessionStore:
             raise SessionNotFound(f"no session {sid!r}")
         return s
 
-    def remove(self, sid: str) -> Session:
+    def remove(self, sid: str, origin: object = None) -> Session:
         if self.durable is not None:
-            self.durable.closing(self.get(sid))
+            self.durable.closing(self.get(sid), origin)
         with self._lock:
             s = self.get(sid)
             s.closed = True

@@ -182,7 +182,7 @@ async def create_message(request: Request, rename: Renamer):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
     tools = tool_specs(chat)
     reply = MessageReply(state, state.model_name, bool(body.stream), stops, rename=rename)
-    call = RepliedCall(state, chat, sampling, request.receive, reply)
+    call = RepliedCall(state, chat, sampling, request, reply)
     s = named(state, eng, _Named(session_name(request)), owner)
     if s is None:  # no session of this key's named: stateless, found by its content
         kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node

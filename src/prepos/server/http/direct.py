@@ -18,7 +18,6 @@ is written on the event loop as before.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import time
@@ -110,7 +109,6 @@ class DirectBody:
         self.feed = _Feed(stream)
         self.chunks = make(self.feed)
         self.step = None  # the chunk generator's step under way
-        self.context = contextvars.copy_context()  # the request's, on whichever thread
         # each token's stages, and each chunk's write to the socket
         self.clock = StageClock(stages) if stages is not None else None
         self.on_write = stages["write"] if stages is not None else None
@@ -131,7 +129,7 @@ class DirectBody:
         clock = self.clock if event is not None else None
         since = clock.taken(event) if clock is not None else 0.0
         self.feed.item = _END if event is None else event
-        self.context.run(self._chunks)
+        self._chunks()
         if clock is not None:
             clock.answered(since)
 

@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from functools import wraps
 
 from starlette.responses import Response
@@ -21,7 +20,6 @@ from starlette.responses import Response
 from prepos.errors import PreposError
 from prepos.server.http.errors import ApiError, as_api_error, error_body
 from prepos.server.store.idempotency import (
-    CURRENT,
     HEADER,
     Attempt,
     KeyClaimed,
@@ -40,6 +38,13 @@ PARAMETER = {"name": HEADER, "in": "header", "required": False,  # in /openapi.j
              "description": "makes the request safe to retry: a retry with the same key and "
                             "request is answered the first result (Idempotent-Replayed: true) "
                             "and commits nothing"}
+ATTEMPT = "prepos.attempt"  # the scope's key of a request's attempt
+
+
+def attempt_of(request) -> Attempt | None:
+    """The request's `Attempt` (None: it sent no key): the origin it hands to every write it
+    makes, the engine's (`Request.origin`) and the stores', so its first write claims the key."""
+    return request.scope.get(ATTEMPT)
 
 
 class KeyedRequests:
@@ -52,8 +57,8 @@ class KeyedRequests:
         self.waited = 0  # retries that waited for their first attempt here
 
     async def serve(self, state, owner: str, key: str, digest: str, sid: str | None,
-                    run: Callable[[], Awaitable[Response]]) -> Response:
-        """The recorded result, or `run()`'s, recorded."""
+                    run: Callable[[Attempt], Awaitable[Response]]) -> Response:
+        """The recorded result, or `run(attempt)`'s, recorded."""
         slot = (owner, key)
         while (first := self._running.get(slot)) is not None:  # running here: wait for it
             if first.digest != digest:
@@ -68,9 +73,8 @@ class KeyedRequests:
             found = await state.run(self.records.get, owner, key)
             if found is not None:
                 return replay(found, digest)
-            token = CURRENT.set(a)
             try:
-                response = await run()
+                response = await run(a)
             except KeyClaimed:
                 found = await state.run(self.records.get, owner, key)
                 if found is None:
@@ -86,8 +90,6 @@ class KeyedRequests:
                                *([k.lower(), v] for k, v in err.headers.items())]
                     await self._finish(a, err.status, headers, body.encode())
                 raise err from None
-            finally:
-                CURRENT.reset(token)
             if getattr(response, "chunks", None) is not None:  # an sse.EventStream
                 response.chunks = self._relay(state, a, response, response.chunks)
                 response.direct = None  # recorded as it goes: written on the event loop
@@ -115,7 +117,6 @@ class KeyedRequests:
         """The stream's chunks as they go; recorded whole at its end, unless its client left
         (its answer cancelled)."""
         parts: list[bytes] = []
-        token = CURRENT.set(a)  # a write made as the stream ends (a stored response) claims
         try:
             async for chunk in chunks:
                 parts.append(chunk)
@@ -124,8 +125,6 @@ class KeyedRequests:
                 await self._finish(a, response.status_code, _headers(response),
                                    b"".join(parts))
         finally:
-            with suppress(ValueError):  # closed from another context: nothing to undo there
-                CURRENT.reset(token)
             if a.interrupted:  # its answer stopped with its client: say what it wrote
                 await asyncio.shield(self._interrupted(a))
             self._end(a)
@@ -206,7 +205,7 @@ def named_session(raw: bytes) -> str | None:
 def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None):
     """A route made safe to retry with `Idempotency-Key`. The session whose commit claims the
     key is the path's `sid`, or `session(body)`'s (None: the one the request creates, if any;
-    a route that writes elsewhere hands `current()` to its store's write)."""
+    the route hands `attempt_of(request)` to the writes it makes)."""
 
     def wrap(fn):
         @wraps(fn)
@@ -225,8 +224,12 @@ def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None)
                          request.headers.get("x-session-id", "")):
                 h.update(part.encode() + b"\0")
             h.update(raw)
+            def run(attempt: Attempt):
+                request.scope[ATTEMPT] = attempt
+                return fn(request=request, **params)
+
             return await state.idempotency.serve(state, owner or "", key, h.hexdigest(), sid,
-                                                 lambda: fn(request=request, **params))
+                                                 run)
 
         route.idempotent = True  # documented with the header
         return route

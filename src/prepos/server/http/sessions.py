@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 from dataclasses import replace
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -41,7 +42,6 @@ from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import event
 from prepos.server.http.state import RequestContext, ServerState
 from prepos.server.openai.checks import logit_bias
-from prepos.server.store.idempotency import interrupted
 
 routes = Routes()
 
@@ -59,7 +59,7 @@ def _request(c: RequestContext, expected_version: int | None = None) -> EngineRe
     if b.response_format is not None:  # checked here: a 400 naming it, before any commit
         sampling = replace(sampling, response_format=b.response_format)
     return EngineRequest(sampling, b.fast_path, b.logprobs,
-                         expected_version=expected_version)
+                         expected_version=expected_version, origin=c.origin)
 
 
 async def _commit(c: RequestContext, fn, *args, quick: bool = False) -> Response:
@@ -68,6 +68,7 @@ async def _commit(c: RequestContext, fn, *args, quick: bool = False) -> Response
     the committed version."""
     if c.body.wait:
         c.state.backpressure(c.engine)
+    fn = partial(fn, origin=c.origin)
     version = await (c.state.committing(fn, *args) if quick else c.state.run(fn, *args))
     snap = c.engine.snapshot(c.sid, version)
     return JSONBody({"session_id": public(c.sid), "version": version, "tokens": len(snap.tokens),
@@ -115,7 +116,8 @@ async def create_session(request: Request):
     if requested is not None:  # in the caller's namespace: no other key's session is seen
         requested = check_new_id(state, eng, requested, owner)
     with state.admission.new_session(eng, owner, requested) as sid:
-        await state.run(state.admission.with_room, eng, lambda: eng.restore_session(sid, spec))
+        await state.run(state.admission.with_room, eng, lambda: eng.restore_session(
+            sid, spec, origin=c.origin))
     return JSONBody(_info(state, eng, sid), 201, {"Location": f"/sessions/{public(sid)}"})
 
 
@@ -239,7 +241,8 @@ async def close_session(sid: str, request: Request):
     except ValueError:
         raise ApiError(400, "invalid_request", f"expected_version must be an integer, got "
                        f"{raw!r}", "expected_version") from None
-    await c.state.committing(c.engine.close_session, c.sid, expected)  # rows deleted first
+    await c.state.committing(c.engine.close_session, c.sid, expected,  # rows deleted first
+                             c.origin)
     return JSONBody({"session_id": public(c.sid), "closed": True})
 
 
@@ -360,8 +363,8 @@ async def respond(c: RequestContext, receive, stream, agentic: bool) -> Response
     state, sid, logprobs, streamed = c.state, c.sid, c.body.logprobs, c.body.stream
 
     def final(res) -> dict:
-        if res.finish_reason == "cancelled":  # its client left: no result to keep
-            interrupted()
+        if res.finish_reason == "cancelled" and c.origin is not None:  # its client left: its
+            c.origin.interrupted = True  # answer was cancelled, its result is not recorded
         content = state.engine.fmt.parse_tool_calls(res.text)[0] if agentic else None
         return results.session_result(res, sid, logprobs, agentic, content)
 

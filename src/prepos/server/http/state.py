@@ -5,7 +5,6 @@ session lookup, backpressure; its session admission (`session_admission.py`)."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import gc
 import logging
 import threading
@@ -27,7 +26,7 @@ from prepos.engine import Engine, Session, is_ephemeral
 from prepos.errors import PreposError, SessionNotFound
 from prepos.server.http.auth import SCOPE, Keys, scoped
 from prepos.server.http.errors import ApiError, validation_error
-from prepos.server.http.idempotency import KeyedRequests
+from prepos.server.http.idempotency import KeyedRequests, attempt_of
 from prepos.server.http.limits import Limits, share
 from prepos.server.http.metrics import Metrics
 from prepos.server.http.session_admission import SessionAdmission
@@ -96,6 +95,8 @@ class RequestContext:
     owner: str | None
     body: Any = None
     session: Session | None = None
+    # the request's Idempotency-Key attempt (None: no key): the origin of every write it makes
+    origin: object = None
 
     @property
     def sid(self) -> str:
@@ -239,8 +240,10 @@ class ServerState:
         async def body():
             return await state.parse(await request.body(), model)
 
-        return await state.call(request.headers.get("authorization"),
-                                body if model is not None else None, sid, kind)
+        c = await state.call(request.headers.get("authorization"),
+                             body if model is not None else None, sid, kind)
+        c.origin = attempt_of(request)
+        return c
 
     async def call(self, authorization: str | None, body: Callable[[], Awaitable[Any]] | None,
                    sid: str | None = None, kind: str | None = None) -> RequestContext:
@@ -334,10 +337,8 @@ class ServerState:
             self.cpu, self.limits.check_input, engine, text, what, context)
 
     async def run(self, fn, *args):
-        """Run blocking engine work (rendering, waiting for the worker) off the loop, in the
-        request's context (its idempotency key rides its commits)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, contextvars.copy_context().run, fn, *args)
+        """Run blocking engine work (rendering, waiting for the worker) off the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def committing(self, fn, *args):
         """`fn(*args)`, which commits: off the loop where the journal writes it ahead (the

@@ -35,7 +35,6 @@ from prepos.server.openai.responses_input import (
     input_messages,
     unsupported,
 )
-from prepos.server.store.idempotency import current
 
 routes = Routes()
 MAX_ITEMS = 20  # items one request adds (OpenAI's bound)
@@ -95,7 +94,7 @@ async def create_conversation(request: Request):
     meta = check_metadata(body.metadata)
     items = _items(body.items or [], set())
     conv = await c.state.run(api.conversations.create, new_id("conv_"), c.owner, meta, items,
-                             current())
+                             c.origin)
     return JSONBody(conv.object())
 
 
@@ -113,7 +112,7 @@ async def retrieve_conversation(request: Request, conversation_id: str):
 async def update_conversation(request: Request, conversation_id: str):
     api, c, cid = await _open(request, conversation_id, UpdateConversation)
     meta = check_metadata(c.body.metadata)
-    conv = await c.state.run(api.conversations.update, c.owner, cid, meta, current())
+    conv = await c.state.run(api.conversations.update, c.owner, cid, meta, c.origin)
     return JSONBody(conv.object())
 
 
@@ -123,7 +122,7 @@ async def update_conversation(request: Request, conversation_id: str):
 async def delete_conversation(request: Request, conversation_id: str):
     """Delete a conversation and its items. The responses made on it stay stored."""
     api, c, cid = await _open(request, conversation_id)
-    await c.state.run(api.conversations.delete, c.owner, cid, current())
+    await c.state.run(api.conversations.delete, c.owner, cid, c.origin)
     return JSONBody({"id": cid, "object": "conversation.deleted", "deleted": True})
 
 
@@ -138,7 +137,7 @@ async def create_conversation_items(request: Request, conversation_id: str):
         raise bad("items must not be empty", "items")
     items = _items(c.body.items, calls)
     await c.state.run(api.conversations.append, c.owner, cid, items, "conversation_id", None,
-                      current())
+                      c.origin)
     return JSONBody(_list(items))
 
 
@@ -185,5 +184,5 @@ async def delete_conversation_item(request: Request, conversation_id: str, item_
     """Delete an item; the conversation as it is now."""
     api, c, cid = await _open(request, conversation_id)
     conv = await c.state.run(api.conversations.delete_item, c.owner, cid,
-                             _item_id(item_id, "item_id"), current())
+                             _item_id(item_id, "item_id"), c.origin)
     return JSONBody(conv.object())

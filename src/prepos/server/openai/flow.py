@@ -34,6 +34,7 @@ from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
 from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
+from prepos.server.http.idempotency import attempt_of
 from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.state import ServerState
 from prepos.server.openai.chat_reply import ChatReply, CompletionReply, respond
@@ -59,9 +60,10 @@ def _continuation_prompt(fmt, text: str) -> str:
 
 
 class ChatCall:
-    def __init__(self, state: ServerState, body: ChatCompletion, sampling, receive):
+    def __init__(self, state: ServerState, body: ChatCompletion, sampling, request):
         self.state = state
-        self.receive = receive  # the request's: a client that leaves cancels its stream
+        self.receive = request.receive  # a client that leaves cancels its stream
+        self.origin = attempt_of(request)  # handed to the engine with every commit
         self.body = body
         self.sampling = sampling
         self.logprobs = bool(body.logprobs)
@@ -91,7 +93,7 @@ class ChatCall:
         return True
 
     def _req(self, sampling: SamplingParams, fast_path: str | None = None) -> EngineRequest:
-        return EngineRequest(sampling, fast_path, self.logprobs)
+        return EngineRequest(sampling, fast_path, self.logprobs, origin=self.origin)
 
     def _reply(self, sid: str | None, agentic: bool, tools: bool, prefix: str = "",
                forced: dict[str, str] | None = None) -> ChatReply:
@@ -292,8 +294,8 @@ class RepliedCall(ChatCall):
     """The chat route's flow with another API's reply (`reply.respond`: the Responses API's
     or the Messages API's), told what the chat reply would have been told."""
 
-    def __init__(self, state: ServerState, body: ChatCompletion, sampling, receive, reply):
-        super().__init__(state, body, sampling, receive)
+    def __init__(self, state: ServerState, body: ChatCompletion, sampling, request, reply):
+        super().__init__(state, body, sampling, request)
         self.reply = reply
 
     async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):

@@ -43,7 +43,7 @@ from prepos.chat.conversation import check_order
 from prepos.engine import AGENTIC, Engine, SessionSpec
 from prepos.errors import PreposError
 from prepos.server.http.errors import ApiError
-from prepos.server.http.idempotency import idempotent
+from prepos.server.http.idempotency import attempt_of, idempotent
 from prepos.server.http.request_bodies import ChatCompletion, CreateResponse
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import QueryParam, Routes
@@ -207,7 +207,7 @@ async def _create(c, request: Request, rename: Renamer):
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
             "top_logprobs": 0, "conversation": {"id": conv.id} if conv else None}
     reply = Reply(state, echo, bool(body.stream))
-    call = RepliedCall(state, chat, sampling, request.receive, reply)
+    call = RepliedCall(state, chat, sampling, request, reply)
     forced = call.choice not in ("auto", "none")
 
     async def save(obj: dict, res) -> None:
@@ -218,7 +218,7 @@ async def _create(c, request: Request, rename: Renamer):
             return
         if conv:
             await state.run(api.conversations.append, owner, conv.id, turn + obj["output"],
-                            "conversation", conv.version, idempotency.current())
+                            "conversation", conv.version, attempt_of(request))
         if not store:
             return
         answer = output_message(obj["output"])
@@ -226,7 +226,7 @@ async def _create(c, request: Request, rename: Renamer):
         row = Stored(obj["id"], owner, prev.id if prev else None, sid,
                      res.version + 1 if sid else None, new + ([answer] if answer else []), obj)
         try:
-            if not await state.run(api.store.put, row, idempotency.current()):
+            if not await state.run(api.store.put, row, attempt_of(request)):
                 log.warning("response %s not stored: its conversation is over the stored "
                             "responses' limit of %d bytes per key", obj["id"],
                             api.store.max_bytes)

@@ -138,15 +138,15 @@ async def chat_completions(request: Request):
         kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
         if kept_elsewhere is not None:
             return kept_elsewhere
-        return await ChatCall(state, body, sampling, request.receive).stateless(
+        return await ChatCall(state, body, sampling, request).stateless(
             eng, owner, msgs, tools)
     if s.kind == STREAMING:
-        return await ChatCall(state, body, sampling, request.receive).streaming(eng, s, msgs)
+        return await ChatCall(state, body, sampling, request).streaming(eng, s, msgs)
     if body.tools is not None and tools != list(s.spec.tools):
         raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
                        f"{public(s.id)} was created with; send the same tools or none", "tools")
     body.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
-    return await ChatCall(state, body, sampling, request.receive).agentic(eng, s, msgs)
+    return await ChatCall(state, body, sampling, request).agentic(eng, s, msgs)
 
 
 @routes.add("POST", "/v1/completions", 6, summary="Create a completion", body=Completion,

@@ -10,10 +10,11 @@ that arrives while the first attempt still runs on this node waits for it, then 
 
 The key rides the request's first durable write, in that write's transaction, so the write
 and its key are in the store together or not at all: a session's commit (the journal's
-transaction inserts the record's row, `claim`; the request's `Attempt` is a context variable
-that the server carries to the threads that commit, `ServerState.run`, and the engine for a
-turn's answer), or a write of the Conversations API's store or the stored responses' (the
-attempt passed to it, `claim_in`, where the records live in the same store). An attempt
+transaction inserts the record's row, `claim`; the request's `Attempt` is handed to the
+engine as the change's origin, `Request.origin`, which the engine hands to the journal with
+each commit, a turn's answer included), or a write of the Conversations API's store or the
+stored responses' (the attempt passed to it, `claim_in`, where the records live in the same
+store). An attempt
 whose claim finds the row taken (a second attempt that got past the check, on another node
 or after a takeover) fails its write, which changes nothing, and is answered what is
 recorded. The result is written into the row when the request ends (`finish`); a row claimed
@@ -37,7 +38,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from prepos.errors import PreposError
@@ -74,29 +74,14 @@ class Attempt:
     interrupted: bool = False  # its client left before its answer
 
 
-CURRENT: ContextVar[Attempt | None] = ContextVar("prepos_idempotency", default=None)
-
-
-def riding(event: str, sid: str) -> Attempt | None:
+def riding(origin: object, event: str, sid: str) -> Attempt | None:
     """The attempt whose key the journal's write of `event` on session `sid` claims: the
-    request's own first commit of its session (or of the session it creates)."""
-    a = CURRENT.get()
+    request's (`origin`) own first commit of its session (or of the session it creates)."""
+    a = origin if isinstance(origin, Attempt) else None
     if a is None or a.claimed or (a.sid != public(sid) if a.sid is not None
                                   else event != "create"):
         return None
     return a
-
-
-def current() -> Attempt | None:
-    """The running request's attempt, to hand to a store write that claims its key."""
-    return CURRENT.get()
-
-
-def interrupted() -> None:
-    """The request's answer was cancelled (its client left): its result is not recorded."""
-    a = CURRENT.get()
-    if a is not None:
-        a.interrupted = True
 
 
 @dataclass(frozen=True)

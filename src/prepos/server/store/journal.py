@@ -174,19 +174,21 @@ class Journal:
             self._last.pop(sid, None)
 
     # -- write-ahead, called by the engine before each change ------------------------------
-    def created(self, s: Session, snap: Snapshot) -> None:
+    # `origin`: the request the change comes from (the engine's `Request.origin`), an
+    # idempotency `Attempt` where the request has a key, claimed with its first write
+    def created(self, s: Session, snap: Snapshot, origin: object = None) -> None:
         """Before a new session is admitted: its row and first version (none for a session
         loaded from this store)."""
         if is_ephemeral(s.id) or s.id in self._last:
             return
-        self._write("create", s.id, lambda: self._create(s, snap), snap.version)
+        self._write("create", s.id, lambda: self._create(s, snap), snap.version, origin)
 
-    def committed(self, s: Session, snap: Snapshot) -> None:
+    def committed(self, s: Session, snap: Snapshot, origin: object = None) -> None:
         """Before version `snap` of a journalled session is swapped in: its row."""
         if not is_ephemeral(s.id):
-            self._write("commit", s.id, lambda: self._commit(s.id, snap), snap.version)
+            self._write("commit", s.id, lambda: self._commit(s.id, snap), snap.version, origin)
 
-    def closing(self, s: Session) -> None:
+    def closing(self, s: Session, origin: object = None) -> None:
         """Before a session is closed: its rows deleted (left in the store where the session
         moved to another node). On the event loop (a session evicted to make room) the
         delete is not waited for: a failed one leaves rows a restart restores."""
@@ -199,16 +201,18 @@ class Journal:
         if _on_loop():
             self._db.submit(lambda db: self._job("close", s.id, lambda: self._close(s.id)))
             return
-        self._write("close", s.id, lambda: self._close(s.id), self._last.get(s.id, (None,))[0])
+        self._write("close", s.id, lambda: self._close(s.id), self._last.get(s.id, (None,))[0],
+                    origin)
 
-    def _write(self, event: str, sid: str, write: Callable[[], None], version) -> None:
+    def _write(self, event: str, sid: str, write: Callable[[], None], version,
+               origin: object = None) -> None:
         """`write()` in one transaction on the writer thread, waited for; StoreUnavailable
         (or the fence's refusal) where it was not written. The request's idempotency key, if
         this is its first commit, is claimed in the same transaction (`riding`)."""
         if _on_loop():
             log.warning("journal: the %s of session %s waits for the store on the event loop",
                         event, sid)
-        key = riding(event, sid)
+        key = riding(origin, event, sid)
         try:
             self._db.submit(lambda db: self._job(event, sid, write, key, version)).result()
         except KeyClaimed:  # another attempt with its key committed: this one changed nothing
