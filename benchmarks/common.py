@@ -203,3 +203,21 @@ def intervals(ours: list[dict], theirs: list[dict], per: int, draws: int = 1000)
         v.sort()
         out[k] = [round(percentile(v, 2.5), 3), round(percentile(v, 97.5), 3)]
     return {"ratio_ci95": out}
+
+
+def read_chat_stream(r, url: str, times: list[float]) -> tuple[dict | None, dict | None]:
+    """A streamed chat completion read to its end (`r`, an httpx streaming response): the
+    client's clock at each chunk with content appended to `times`; the usage and the last
+    chunk. A status other than 200 raises, naming `url`."""
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
+    usage = last = None
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+            times.append(time.perf_counter())
+        usage = chunk.get("usage") or usage
+        last = chunk
+    return usage, last

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stock_clients import ratio, resolve, serve_prepos, stop  # noqa: E402
 
-from common import RESULTS, machine, percentile, write  # noqa: E402
+from common import RESULTS, machine, percentile, read_chat_stream, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 
 CONTEXT = 32768
@@ -92,19 +92,9 @@ def one_request(url: str, model: str, msgs: list[dict], max_tokens: int) -> dict
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     times: list[float] = []
-    usage, last = None, None
     with httpx.Client(timeout=1800) as http, \
             http.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
-            last = chunk
+        usage, last = read_chat_stream(r, url, times)
     return {"ttft_s": times[0] - sent if times else None,
             "gaps_s": [b - a for a, b in zip(times, times[1:])],
             "prompt_tokens": (usage or {}).get("prompt_tokens"),

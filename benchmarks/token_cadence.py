@@ -82,6 +82,7 @@ from common import (  # noqa: E402
     intervals,
     machine,
     percentile,
+    read_chat_stream,
     turn_gaps,
     write,
 )
@@ -121,19 +122,8 @@ def one_stream(url: str, i: int, max_tokens: int, key: str | None,
             start.wait()
         with http.stream("POST", url + "/v1/chat/completions", json=body,
                          headers=headers) as r:
-            _read(r, url, times)
+            read_chat_stream(r, url, times)
     return {"times": times, "gaps": [b - a for a, b in zip(times, times[1:])]}
-
-
-def _read(r: httpx.Response, url: str, times: list[float]) -> None:
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
-    for line in r.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-            times.append(time.perf_counter())
 
 
 def summary(streams: list[dict], wall_s: float | None = None) -> dict:
