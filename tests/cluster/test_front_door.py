@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -35,12 +32,11 @@ from prepos.lab.retrying import new_key, retrying
 from prepos.paths import DEFAULT_MODEL
 from prepos.server.store.database import Database
 from prepos.server.store.journal import Journal
-from tests.support.cluster_harness import Postgres, missing_postgres
+from tests.support.cluster_harness import FrontDoor, Postgres, missing_haproxy, missing_postgres
 from tests.support.server_harness import ServerProc
 
 LEASE, RENEW = 2.0, 0.5
-PORTS = range(19400, 19500)
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "front_door.sh"
+PORTS = range(19400, 19500)  # fixed: a node restarts on its port, the one the front door lists
 pytestmark = pytest.mark.slow
 
 
@@ -58,51 +54,9 @@ def free_ports(n: int) -> list[int]:
     raise RuntimeError(f"fewer than {n} free ports in {PORTS}")
 
 
-class FrontDoor:
-    """scripts/front_door.sh (HAProxy in the foreground) on `port`, in front of `nodes`."""
-
-    def __init__(self, port: int, nodes: list[str], workdir: Path):
-        self.url = f"http://127.0.0.1:{port}"
-        self.cmd = [str(SCRIPT), "--host", "127.0.0.1", "--port", str(port)]
-        for url in nodes:
-            self.cmd += ["--node", url]
-        self.log = workdir / "front_door.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 30.0) -> FrontDoor:
-        self._logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the front door exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the front door not ready: {self.log.read_text()[-2000:]}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None:
-            self._logf.close()
-            self.proc = None
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    reason = missing_postgres() or (
-        None if shutil.which("haproxy", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
-        else "haproxy is not installed (apt-get install haproxy)")
+    reason = missing_postgres() or missing_haproxy()
     if reason:
         print(f"\nSKIPPING tests/cluster/test_front_door.py: {reason}", file=sys.stderr)
         pytest.skip(reason)
@@ -119,7 +73,7 @@ def cluster(tmp_path_factory):
             n.start(timeout=240, wait_ready=False)
         for n in nodes:
             n.wait_ready(240)
-        front = FrontDoor(front_port, [n.url for n in nodes], work).start()
+        front = FrontDoor([n.url for n in nodes], work, front_port).start()
         yield pg, nodes, front
     finally:
         if front is not None:

