@@ -558,3 +558,43 @@ def test_a_state_block_is_mapped_alone_and_returned_when_freed(mode):
         assert (fixed, int(mapped_mib), int(left_mib)) == ("True", 9, 0)
     else:  # what the tiers set it for: glibc alone keeps the block in its heap
         assert (fixed, int(mapped_mib)) == ("False", 0)
+
+
+def test_a_prefill_alone_in_its_quantum_moves_the_answers_left_out_down(make_engine, backend):
+    """A forward longer than the batch's token cap runs alone in its quantum, and the
+    answers the cap left out of it hold resident KV it needs: theirs moves down a tier (it
+    comes back when they run next) and no request is refused (invariant 3). Each answer is
+    the cold one."""
+    cells = 1024
+    fixed = {} if backend.endswith("/streams") else {"kv_cells": cells}  # llama.cpp's cache
+    eng = make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=cells),
+                      max_sequences=8, kv_idle_cells=None, **fixed)  # idle KVs stay resident
+    cap = eng.scheduler._max_batch_tokens
+    others = [eng.create_session("streaming", system=SYSTEM, preposition=False)
+              for _ in range(3)]
+    for i, sid in enumerate(others):  # about a quarter of the cells each, resident
+        for k in range(5):
+            eng.append(sid, f"ACME {40 + i + k} {41 + i} {43 + k} BOLT {9 - i % 3} {k}")
+    long = eng.create_session("streaming", system=SYSTEM, preposition=False)
+    eng.append(long, "ACME 40 41 43")
+    words = " ".join(f"ACME {n} BOLT {n % 7}" for n in range(40))
+    question = f"Which of these moved most? {words}"
+    seqs = {long: entry(eng, long, question)}
+    seqs.update({sid: entry(eng, sid, "Which way is ACME moving?") for sid in others})
+    used = eng.pool.used
+    assert len(seqs[long]) - len(eng.snapshot(long).tokens) > cap  # alone in its quantum
+    assert used + len(seqs[long]) > cells  # it fits only where the others' KV moves down
+    assert max(map(len, seqs.values())) < cells
+    gate = hold_worker(eng, 300)
+    streams = {long: eng.query(long, question, Request(SamplingParams(max_tokens=4),
+                                                       fast_path="off"))}
+    for sid in others:  # taken with it, after it, into one quantum: left out by the cap
+        streams[sid] = eng.query(sid, "Which way is ACME moving?",
+                                 Request(SamplingParams(max_tokens=8), fast_path="off"))
+    gate.set()
+    results = {sid: stream.result(timeout=600) for sid, stream in streams.items()}
+    for sid in [*others, long]:  # the cold references need cells of their own
+        eng.close_session(sid)
+    for sid, res in results.items():
+        assert res.finish_reason in ("stop", "length") and res.tokens
+        assert answers_as_cold(eng, seqs[sid], res)

@@ -291,6 +291,13 @@ class Scheduler:
                 tokens += cost
             if not chosen:
                 return finished
+            # a task the token cap left out runs no forward now: its KV may move down a tier
+            # to make the batch's room, as a waiting forward's does (it comes back when the
+            # task runs), so it is not held as in use meanwhile
+            left = [t.key for t in batch if t.want is not None and t not in chosen]
+            if left:
+                with self._cv:
+                    self._busy.difference_update(left)
             preemptible = all(t.want.preemptible for t in chosen)
             with idle_work(idle, self._fg_waiting if preemptible else None):
                 try:
