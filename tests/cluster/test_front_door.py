@@ -33,7 +33,13 @@ from prepos.lab.retrying import new_key, retrying
 from prepos.paths import DEFAULT_MODEL
 from prepos.server.store.database import Database
 from prepos.server.store.journal import Journal
-from tests.support.cluster_harness import FrontDoor, Postgres, missing_haproxy, missing_postgres
+from tests.support.cluster_harness import (
+    FrontDoor,
+    Postgres,
+    missing_haproxy,
+    missing_postgres,
+    revive,
+)
 from tests.support.server_harness import ServerProc
 
 LEASE, RENEW = 2.0, 0.5
@@ -82,13 +88,6 @@ def cluster(tmp_path_factory):
         for n in nodes:
             n.stop()
         pg.stop()
-
-
-def revive(nodes: list[ServerProc]) -> None:
-    for n in nodes:
-        if n.proc is None or n.proc.poll() is not None:
-            n.stop()
-            n.start(timeout=240)
 
 
 def post(url: str, path: str, body: dict, headers: dict[str, str],

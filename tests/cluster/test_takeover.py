@@ -33,6 +33,7 @@ from tests.support.cluster_harness import (
     free_port,
     missing_postgres,
     missing_router,
+    revive,
 )
 from tests.support.server_harness import ServerProc
 
@@ -61,13 +62,6 @@ def cluster(tmp_path_factory):
         for n in nodes:
             n.stop()
         pg.stop()
-
-
-def revive(nodes: list[ServerProc]) -> None:
-    for n in nodes:
-        if n.proc is None or n.proc.poll() is not None:
-            n.stop()
-            n.start(timeout=240)
 
 
 def queued(port: int) -> bool:

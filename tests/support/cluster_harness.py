@@ -130,18 +130,31 @@ class Router:
         raise TimeoutError(f"vllm-router not ready: {self.log.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         if self.proc is not None:
-            self._logf.close()
+            terminate(self.proc, self._logf)
 
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "front_door.sh"
+
+
+def terminate(proc: subprocess.Popen, log) -> None:
+    """A helper process stopped (SIGTERM, SIGKILL after 10 s) and its log file closed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+def revive(nodes) -> None:
+    """Every node (a `ServerProc`) that is not running, started again."""
+    for n in nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            n.stop()
+            n.start(timeout=240)
 
 
 def missing_haproxy() -> str | None:
@@ -180,15 +193,8 @@ class FrontDoor:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
         if self.proc is not None:
-            self._logf.close()
+            terminate(self.proc, self._logf)
             self.proc = None
 
 
