@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from prepos.server.http.errors import ApiError
+from prepos.errors import PreposError
+from prepos.server.http.errors import as_api_error
 from prepos.server.store.conversations import ConversationStore
 from tests.support.openai_helpers import ext, held, openai_client
 from tests.support.server_harness import ServerProc, sse_events
@@ -382,30 +383,31 @@ def test_the_store_bounds_each_key_and_refuses_a_stale_turn(target):
 
     a = store.create("conv_a", "k1", {}, [item(1)])
     store.create("conv_b", "k1", {}, [])
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(PreposError) as err:
         store.create("conv_c", "k1", {}, [])
-    assert err.value.status == 400 and err.value.code == "too_many_conversations"
+    assert as_api_error(err.value).status == 400 and err.value.code == "too_many_conversations"
     assert store.used("k1")[0] == 2
     store.create("conv_c", "k2", {}, [])  # another key's bound is its own
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(PreposError) as err:
         store.get("k2", "conv_a", "conversation_id")
-    assert err.value.status == 404
+    assert as_api_error(err.value).status == 404
     used = store.used("k1")[1]
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(PreposError) as err:
         store.append("k1", "conv_a", [item(2, "y" * 1000)], "conversation_id")
-    assert err.value.status == 413 and err.value.param == "items"
+    assert as_api_error(err.value).status == 413 and err.value.param == "items"
     assert store.used("k1")[1] == used and len(store.items("k1", "conv_a", "c")[1]) == 1
     # a turn made on version 0 joins it; one made on a version that moved on does not
     store.append("k1", "conv_a", [item(3)], "conversation", version=a.version)
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(PreposError) as err:
         store.append("k1", "conv_a", [item(4)], "conversation", version=a.version)
-    assert err.value.status == 409 and err.value.code == "conversation_changed"
+    assert as_api_error(err.value).status == 409 and err.value.code == "conversation_changed"
     assert [i["id"] for i in store.items("k1", "conv_a", "c")[1]] == ["msg_1", "msg_3"]
     # a turn is never refused for bytes: the key's next addition is
     store.append("k1", "conv_a", [item(5, "z" * 1000)], "conversation", version=a.version + 1)
     assert store.used("k1")[1] > 1000
-    with pytest.raises(ApiError):
+    with pytest.raises(PreposError) as err:
         store.append("k1", "conv_b", [item(6)], "conversation_id")
+    assert as_api_error(err.value).status == 413
     store.delete_item("k1", "conv_a", "msg_5")
     assert store.used("k1")[1] == used + len(json.dumps(item(3)))
     store.close()

@@ -330,7 +330,8 @@ def test_every_error_class_has_an_http_status_named_in_the_http_layer():
 
     for mod in ("prepos.chat.conversation", "prepos.backends.remote_protocol",
                 "prepos.backends.llama_cpp", "prepos.server.store.idempotency",
-                "prepos.server.store.database", "prepos.server.store.lease"):
+                "prepos.server.store.database", "prepos.server.store.lease",
+                "prepos.server.store.conversations"):
         importlib.import_module(mod)
     seen, todo = [], [PreposError]
     while todo:

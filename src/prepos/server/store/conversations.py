@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepos.errors import PreposError
-from prepos.server.http.errors import ApiError
 from prepos.server.store.database import Database
 from prepos.server.store.idempotency import Attempt
 from prepos.server.store.responses import MAX_BYTES, SAME_OWNER
@@ -57,12 +56,40 @@ class Conversation:
                 "metadata": self.metadata}
 
 
-def not_found(cid: str, param: str | None) -> ApiError:
-    return ApiError(404, "conversation_not_found", f"no conversation {cid!r}", param)
+class ConversationStoreError(PreposError):
+    """A refusal of the conversations' store, naming the request's field (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
-def item_not_found(cid: str, item: str, param: str | None) -> ApiError:
-    return ApiError(404, "item_not_found", f"no item {item!r} in conversation {cid!r}", param)
+class ConversationNotFound(ConversationStoreError):
+    code = "conversation_not_found"
+
+
+class ItemNotFound(ConversationStoreError):
+    code = "item_not_found"
+
+
+class TooManyConversations(ConversationStoreError):
+    code = "too_many_conversations"
+
+
+class ConversationChanged(ConversationStoreError):
+    code = "conversation_changed"
+
+
+class ConversationsTooLarge(ConversationStoreError):
+    code = "conversations_too_large"
+
+
+def not_found(cid: str, param: str | None) -> ConversationNotFound:
+    return ConversationNotFound(f"no conversation {cid!r}", param)
+
+
+def item_not_found(cid: str, item: str, param: str | None) -> ItemNotFound:
+    return ItemNotFound(f"no item {item!r} in conversation {cid!r}", param)
 
 
 def size(obj) -> int:
@@ -85,8 +112,8 @@ class ConversationStore:
         with self._io(tx=True, key=key, wrote={"conversation_id": cid}):
             count, used = self._usage(owner)
             if count >= self.keep:
-                raise ApiError(400, "too_many_conversations", f"this key holds its limit of "
-                               f"{self.keep} conversations; delete one first")
+                raise TooManyConversations(f"this key holds its limit of {self.keep} "
+                                           "conversations; delete one first")
             self._check_room(used, n, "items")
             self._db.q(f"INSERT INTO {CONV} VALUES (?, ?, ?, ?, 0, ?, ?)",
                        (cid, owner, created, json.dumps(metadata), len(items), n))
@@ -179,9 +206,9 @@ class ConversationStore:
             if version is None:
                 self._check_room(self._usage(owner)[1], n, "items")
             elif conv.version != version:
-                raise ApiError(409, "conversation_changed", f"conversation {cid!r} changed "
-                               "while this response was made (items added or deleted): its "
-                               "turn is not added; send it again", param)
+                raise ConversationChanged(f"conversation {cid!r} changed while this response "
+                                          "was made (items added or deleted): its turn is not "
+                                          "added; send it again", param)
             at = self._db.q(f"SELECT next FROM {CONV} WHERE id=?", (cid,)).fetchone()[0]
             self._insert(cid, at, items)
             self._db.q(f"UPDATE {CONV} SET version=version+1, next=next+?, bytes=bytes+? "
@@ -223,7 +250,7 @@ class ConversationStore:
                         key.claimed = True
                 else:
                     yield
-            except (ApiError, PreposError):
+            except PreposError:
                 raise
             except Exception as exc:
                 log.error("conversations: the %s store failed: %s", self._db.name, exc)
@@ -245,9 +272,10 @@ class ConversationStore:
 
     def _check_room(self, used: int, n: int, param: str) -> None:
         if used + n > self.max_bytes:
-            raise ApiError(413, "conversations_too_large", f"this key's conversations would "
-                           f"take {used + n} bytes, over the limit of {self.max_bytes} "
-                           "(--responses-bytes); delete items or conversations first", param)
+            raise ConversationsTooLarge(f"this key's conversations would take {used + n} "
+                                        f"bytes, over the limit of {self.max_bytes} "
+                                        "(--responses-bytes); delete items or conversations "
+                                        "first", param)
 
     def _insert(self, cid: str, at: int, items: list[dict]) -> None:
         for i, item in enumerate(items):
