@@ -54,7 +54,8 @@ The arms, one server alive at a time (a fresh one per N; which runs first altern
                 --yarn-orig-ctx 8192 -np N --kv-unified --cache-ram <--ram-mib> --jinja`:
                 --kv-unified so each of the N slots may use the whole 32k context (with -np N
                 the slots would otherwise split it, 2,048 tokens each at 16), the pool the
-                same 32,768 cells prepos keeps resident; --jinja since llama-server takes no
+                same 32,768 cells prepos keeps resident (--llama-cells sets another -c: N x
+                32,768 gives each slot a whole context); --jinja since llama-server takes no
                 `tools` without it. Each body gets max_tokens (max_output_tokens) set to
                 --answer-tokens and temperature 0 (llama-server's per-request max_tokens
                 overrides its -n and its default temperature is 0.8), so both servers decode
@@ -656,13 +657,14 @@ class Llama(LlamaServer):
     def __init__(self, binary, gguf, agents: int, args, log: Path, port: int | None = None):
         super().__init__(binary, gguf, port=port, slots=agents, threads=args.threads, log=log)
         self.context, self.ram_mib = args.context, args.ram_mib
+        self.cells = args.llama_cells or args.context  # the pool: -c
 
     def args(self) -> list[str]:
         yarn = ["--rope-scaling", "yarn", "--rope-scale", f"{self.context / TRAINED_CONTEXT:g}",
                 "--yarn-orig-ctx", str(TRAINED_CONTEXT)] if self.context > TRAINED_CONTEXT \
             else []
         return [self.binary, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-                "-c", str(self.context), "-np", str(self.slots), "--kv-unified",
+                "-c", str(self.cells), "-np", str(self.slots), "--kv-unified",
                 "--cache-ram", str(self.ram_mib), *yarn, "-t", str(self.threads),
                 "-tb", str(self.threads), "--no-warmup", "--jinja", "--metrics"]
 
@@ -928,6 +930,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=None,
                     help="most tokens an answer may take on both servers (default 128)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-cells", type=int, default=None,
+                    help="llama-server's pool, -c (default --context: the cells prepos keeps "
+                         "resident; N x --context gives each slot a whole context)")
     ap.add_argument("--scale", type=float, default=None, help="text sizes' factor (default 1)")
     ap.add_argument("--tool-seconds", default=None, help="LO,HI (default 0.2,5)")
     ap.add_argument("--result-chars", default="200,4000", help="LO,HI of a tool's result")
@@ -969,7 +974,8 @@ def main(argv: list[str] | None = None) -> int:
     statics = {c: Statics(c, args.seed, args.scale) for c in CLIENTS}
     out: dict = {
         "benchmark": "agents", "model": label, "machine": machine(), "quick": q,
-        "context": args.context, "agents": args.agents, "turns": args.turns,
+        "context": args.context, "llama_cells": args.llama_cells or args.context,
+        "agents": args.agents, "turns": args.turns,
         "min_jobs": args.min_jobs, "seed": args.seed, "arms": arms,
         "answer_tokens": args.answer_tokens, "ram_mib": args.ram_mib, "threads": args.threads,
         "scale": args.scale, "tool_seconds": list(args.tool_seconds),
