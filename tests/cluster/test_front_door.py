@@ -30,7 +30,6 @@ import httpx
 import pytest
 
 from prepos.lab.retrying import new_key, retrying
-from prepos.paths import DEFAULT_MODEL
 from prepos.server.store.database import Database
 from prepos.server.store.journal import Journal
 from tests.support.cluster_harness import (
@@ -39,6 +38,7 @@ from tests.support.cluster_harness import (
     missing_haproxy,
     missing_postgres,
     revive,
+    start_nodes,
 )
 from tests.support.server_harness import ServerProc
 
@@ -70,16 +70,9 @@ def cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("front_door")
     *node_ports, front_port = free_ports(4)
     pg = Postgres().start()
-    nodes = [ServerProc(DEFAULT_MODEL, work / f"n{i}", "--store", pg.url, "--node-id", f"n{i}",
-                        "--port", str(port), "--lease-seconds", str(LEASE),
-                        "--renew-seconds", str(RENEW), "--threads", "1")
-             for i, port in enumerate(node_ports)]
-    front = None
+    nodes, front = [], None
     try:
-        for n in nodes:
-            n.start(timeout=240, wait_ready=False)
-        for n in nodes:
-            n.wait_ready(240)
+        nodes = start_nodes(pg, work, ["n0", "n1", "n2"], node_ports, lease=LEASE, renew=RENEW)
         front = FrontDoor([n.url for n in nodes], work, front_port).start()
         yield pg, nodes, front
     finally:

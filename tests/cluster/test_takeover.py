@@ -24,7 +24,6 @@ import httpx
 import pytest
 
 from prepos.lab.demo_client import DemoError, Http
-from prepos.paths import DEFAULT_MODEL
 from prepos.server.store.database import Database
 from prepos.server.store.journal import Journal
 from tests.support.cluster_harness import (
@@ -34,6 +33,7 @@ from tests.support.cluster_harness import (
     missing_postgres,
     missing_router,
     revive,
+    start_nodes,
 )
 from tests.support.server_harness import ServerProc
 
@@ -48,15 +48,9 @@ def cluster(tmp_path_factory):
         pytest.skip(reason)
     work = tmp_path_factory.mktemp("takeover")
     pg = Postgres().start()
-    nodes = [ServerProc(DEFAULT_MODEL, work / name, "--store", pg.url, "--node-id", name,
-                        "--port", str(free_port()), "--lease-seconds", str(LEASE),
-                        "--renew-seconds", str(RENEW), "--threads", "1")
-             for name in ("na", "nb")]
+    nodes = []
     try:
-        for n in nodes:
-            n.start(timeout=240, wait_ready=False)
-        for n in nodes:
-            n.wait_ready(240)
+        nodes = start_nodes(pg, work, ["na", "nb"], lease=LEASE, renew=RENEW)
         yield pg, nodes, work
     finally:
         for n in nodes:

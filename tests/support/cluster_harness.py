@@ -149,6 +149,30 @@ def terminate(proc: subprocess.Popen, log) -> None:
     log.close()
 
 
+def start_nodes(pg, work: Path, names, ports=None, *args: str, lease: float = 2.0,
+                renew: float = 0.5):
+    """Nodes of one cluster on `pg`'s store (`ServerProc`s of the bundled model, one thread
+    each, `ports` or free ones), started together and waited for."""
+    from prepos.paths import DEFAULT_MODEL
+    from tests.support.server_harness import ServerProc
+
+    ports = ports or [free_port() for _ in names]
+    nodes = [ServerProc(DEFAULT_MODEL, work / name, "--store", pg.url, "--node-id", name,
+                        "--port", str(port), "--lease-seconds", str(lease),
+                        "--renew-seconds", str(renew), "--threads", "1", *args)
+             for name, port in zip(names, ports)]
+    try:
+        for n in nodes:
+            n.start(timeout=240, wait_ready=False)
+        for n in nodes:
+            n.wait_ready(240)
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
 def revive(nodes) -> None:
     """Every node (a `ServerProc`) that is not running, started again."""
     for n in nodes:

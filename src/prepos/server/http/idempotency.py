@@ -134,9 +134,9 @@ class KeyedRequests:
         retry runs again), else 409 naming what it wrote."""
         if a.claimed:
             status, hdrs, body = said(a, 409, "idempotency_key_interrupted", "its client "
-                                       "left before its answer, which was cancelled: read "
-                                       "what it wrote (an empty /turn answers a turn cut off "
-                                       "at its user message)")
+                                      "left before its answer, which was cancelled: read "
+                                      "what it wrote (an empty /turn answers a turn cut off "
+                                      "at its user message)")
             await self._finish(a, status, json.loads(hdrs), body.encode())
 
     async def _finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:

@@ -240,13 +240,13 @@ class ServerState:
         async def body():
             return await state.parse(await request.body(), model)
 
-        c = await state.call(request.headers.get("authorization"),
-                             body if model is not None else None, sid, kind)
-        c.origin = attempt_of(request)
-        return c
+        return await state.call(request.headers.get("authorization"),
+                                body if model is not None else None, sid, kind,
+                                attempt_of(request))
 
     async def call(self, authorization: str | None, body: Callable[[], Awaitable[Any]] | None,
-                   sid: str | None = None, kind: str | None = None) -> RequestContext:
+                   sid: str | None = None, kind: str | None = None,
+                   origin: object = None) -> RequestContext:
         """A request's context, refused in this order: 503 while loading, 401 for a bad key
         (`authorization`, the request's header), 404 for no session `sid` (of this key), 400
         for a bad body (`body()`, the request's, read and parsed), 409 for a session of
@@ -257,7 +257,7 @@ class ServerState:
         parsed = await body() if body is not None else None
         if kind is not None:
             s.require(kind)
-        return RequestContext(self, eng, owner, parsed, s)
+        return RequestContext(self, eng, owner, parsed, s, origin)
 
     @property
     def engine(self) -> Engine:

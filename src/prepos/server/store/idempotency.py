@@ -139,9 +139,9 @@ class Records:
             if not a.claimed:
                 return  # it wrote nothing: a retry runs again
             status, hdrs, text = said(a, 409, "idempotency_result_too_large", f"its result, "
-                                       f"{len(text)} bytes, is over the {self.max_bytes} "
-                                       "bytes of results kept per API key: read what it "
-                                       "wrote instead")
+                                      f"{len(text)} bytes, is over the {self.max_bytes} "
+                                      "bytes of results kept per API key: read what it "
+                                      "wrote instead")
         n = len(hdrs) + len(text)
         with self.db.tx():
             if a.claimed:
