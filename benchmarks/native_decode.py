@@ -204,7 +204,7 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
     for sid in sids:
         fill(eng, sid, args.throughput_state, rng)
     ours, theirs = [], []
-    batches = eng.scheduler.batches, eng.scheduler.batched_forwards
+    batches = eng.scheduler.steps.total, eng.scheduler.steps.sequences
     # as many HTTP threads as clients (llama-server streams one response per HTTP thread);
     # a context per slot: with --kv-unified this llama-server re-processed every slot's whole
     # prompt instead of reusing its cache (seen in its log), which would slow it unfairly
@@ -245,8 +245,8 @@ def measure_throughput(eng: Engine, binary: Path, gguf: Path, args, rng) -> dict
     return {"prepos_tokens_s": ours, "peer_tokens_s": theirs,
             "prepos_tokens_s_median": statistics.median(ours),
             "peer_tokens_s_median": statistics.median(theirs),
-            "mean_batch": (eng.scheduler.batched_forwards - batches[1])
-            / max(1, eng.scheduler.batches - batches[0])}
+            "mean_batch": (eng.scheduler.steps.sequences - batches[1])
+            / max(1, eng.scheduler.steps.total - batches[0])}
 
 
 def measure_fast(eng: Engine, args, rng) -> dict:

@@ -297,7 +297,7 @@ def test_concurrent_answers_are_batched_and_each_is_its_greedy_answer(model_dirs
             sid = eng.create_session("streaming", system="You read market data.")
             eng.append(sid, f"AAPL {100 + i} {101 + i} {99 + 2 * i}")
             sids.append(sid)
-        before = eng.scheduler.batches, eng.scheduler.batched_forwards
+        before = eng.scheduler.steps.total, eng.scheduler.steps.sequences
         gate = threading.Event()
 
         def blocker():  # holds the one model worker until every request is queued
@@ -309,8 +309,8 @@ def test_concurrent_answers_are_batched_and_each_is_its_greedy_answer(model_dirs
                    for sid in sids}
         gate.set()
         answers = {sid: st.result(timeout=60).tokens for sid, st in streams.items()}
-        batches = eng.scheduler.batches - before[0]
-        forwards = eng.scheduler.batched_forwards - before[1]
+        batches = eng.scheduler.steps.total - before[0]
+        forwards = eng.scheduler.steps.sequences - before[1]
         assert forwards > batches  # some quanta ran several sessions' steps in one forward
         for sid in sids:
             seq = list(eng.session(sid).snap.tokens) + list(query_entry(eng, sid, Q))

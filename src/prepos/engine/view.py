@@ -152,6 +152,7 @@ class EngineView:
                              "budget": self.prepositioner.kept.budget,
                              "stripped": self.prepositioner.kept.stripped},
             "queue_foreground": fg, "queue_idle": idle,
+            "scheduler": self.scheduler.steps.as_dict(),
             "lookup": self.lookup.stats.metrics(),
             "relaxed": self.relaxed.gate.metrics(),
             "implicit": {k: self.conversations.counts[k]

@@ -8,7 +8,18 @@ back-end call; idle work runs only when no request waits, one chunk per quantum,
 chunk gives way between layers when a request arrives (`Forward.preemptible`). So a request
 waits behind at most one chunk of idle work, foreground tasks interleave round-robin, and a
 session's tasks never run at the same time (tasks with the same key are never in one batch
-or on two workers at once). Idle tasks run by `priority`, highest first (what the work is
+or on two workers at once).
+
+Chunked prefill (one worker: the in-process model): a step first takes every forward that
+fits the token cap whole, in queue order (decode steps: one token each), then gives the
+cap's remaining tokens to the forwards too long for it, oldest request first, each cut to
+what is left (`Forward.max_tokens`); the task is sent one Advance when its whole forward
+has run, and goes to the back of the queue between its chunks. So a long prefill shares
+every step with the streams decoding beside it: a decoding stream waits behind at most one
+step of `max_batch_tokens` tokens, and, with `max_batch` or fewer streams, advances every
+step (more streams take their turns: each waits at most ceil(streams / max_batch) - 1
+steps). With several workers (remote engines, whose steps run side by side) forwards run
+whole. Idle tasks run by `priority`, highest first (what the work is
 worth: the engine gives a pre-position its session's chance of being asked before its next
 update), in turn among equals. The workers own the KV caches: only tasks touch them.
 
@@ -28,7 +39,8 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from dataclasses import replace
 from typing import Callable, Generator
 
 from prepos.backends.base import idle_work
@@ -45,7 +57,7 @@ def _tidy_failed(exc: BaseException) -> None:
 
 class Task:
     __slots__ = ("gen", "idle", "key", "on_error", "submitted", "started", "done", "idle_mark",
-                 "want", "reply", "priority")
+                 "want", "reply", "priority", "partial")
 
     def __init__(self, gen: Generator, idle: bool, key: str | None,
                  on_error: Callable[[BaseException], None], priority: float = 0.0):
@@ -60,6 +72,57 @@ class Task:
         self.idle_mark = 0  # the workers' idle-step count when this task was submitted
         self.want: Forward | None = None  # the forward it yielded, not yet run
         self.reply: Advance | BaseException | None = None  # what to send it next
+        self.partial: Advance | None = None  # what the chunks of `want` run so far did
+
+
+class Steps:
+    """What the foreground steps carried (the engine's metrics read them): steps and the
+    seconds of their batched forwards by kind (`decode`: one-token steps and draft checks
+    only, `prefill`: longer forwards only, `mixed`: both), the forwards they carried, the
+    foreground tasks queued that a step did not carry, tokens by what they were, the
+    forwards cut to share a step (chunks), and the worker's whole time per step (the
+    tasks' own Python around the forward: sampling, detokenizing, streaming out)."""
+
+    def __init__(self) -> None:
+        # every key made now: the metrics copy these dicts from another thread
+        self.count: Counter[str] = Counter(decode=0, prefill=0, mixed=0)
+        self.seconds: Counter[str] = Counter(decode=0.0, prefill=0.0, mixed=0.0)
+        self.sequences = 0
+        self.waiting = 0
+        self.tokens: Counter[str] = Counter(decode=0, prefill=0)
+        self.chunks = 0
+        self.quantum_s = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.count.values())
+
+    def as_dict(self) -> dict:
+        return {"steps": dict(self.count), "step_seconds": dict(self.seconds),
+                "sequences": self.sequences, "waiting": self.waiting,
+                "tokens": dict(self.tokens), "prefill_chunks": self.chunks,
+                "quantum_seconds": self.quantum_s}
+
+
+def _joined(first: Advance | None, then: Advance) -> Advance:
+    """One Advance for a forward run in chunks: the resident prefix found at its start and
+    the sums of what each chunk paid."""
+    if first is None:
+        return then
+    return Advance(then.logits, first.kept, first.prefilled + then.prefilled,
+                   first.restore_s + then.restore_s, first.forward_s + then.forward_s,
+                   then.choice)
+
+
+def _chunkable(f: Forward) -> bool:
+    """A forward the scheduler may cut: one the task wants whole, not every position's
+    logits of."""
+    return f.max_tokens is None and f.logits_from is None
+
+
+def _decodes(f: Forward, plan: tuple[int, int, int]) -> bool:
+    """A decode step (one token) or a check of drafted tokens, not a prefill."""
+    return plan[2] - plan[1] == 1 or (f.logits_from or 0) > 0
 
 
 class Scheduler:
@@ -87,13 +150,13 @@ class Scheduler:
         self._idle_cap = idle_workers or workers
         self._max_batch = max_batch
         self._max_batch_tokens = max_batch_tokens
+        self._chunks = workers == 1  # a long forward shares steps (see the module's doc)
         self._stopped = False
         # idle work queued when the queues run empty after other work (None: none)
         self.housekeeping: Callable[[], Generator] | None = None
         self._tidy: Task | None = None  # its task, while queued or running
         self.idle_steps = 0
-        self.batches = 0  # batched foreground forwards run
-        self.batched_forwards = 0  # foreground forwards they held (/ batches: mean batch size)
+        self.steps = Steps()
         # (seconds, idle chunks run meanwhile) each foreground task waited before it started
         self.fg_waits: deque[tuple[float, int]] = deque(maxlen=4096)
         self._threads = [threading.Thread(target=self._loop, name=f"prepos-worker-{i}",
@@ -223,7 +286,9 @@ class Scheduler:
                 if idle:
                     self.idle_steps += 1
                     self._idle_running -= 1
-                waiting = []  # forwards left out of the batch: they run first next quantum
+                # forwards left out of the batch run first next quantum; a forward run in
+                # chunks waits its next turn behind the rest (its task: `partial`)
+                waiting = []
                 tidy = batch[0] is self._tidy
                 for task in batch:
                     self._busy.discard(task.key)
@@ -233,7 +298,7 @@ class Scheduler:
                         task.done.set()
                         if task is self._tidy:
                             self._tidy = None
-                    elif task.want is not None and not task.idle:
+                    elif task.want is not None and not task.idle and task.partial is None:
                         waiting.append(task)
                     else:
                         self._queue(task)
@@ -258,8 +323,10 @@ class Scheduler:
 
     def _quantum(self, batch: list[Task], idle: bool) -> set[Task]:
         """Step each task to its next forward, then run those forwards as one batch (within
-        the token cap and, `run_forwards`, the cells room can be made for; a forward left
-        out runs first in the next quantum). Returns the tasks that finished."""
+        the token cap, a long forward cut to the cap's rest, and, `run_forwards`, the cells
+        room can be made for; a forward left out runs first in the next quantum). Returns
+        the tasks that finished."""
+        t0 = time.perf_counter()
         finished: set[Task] = set()
         with idle_work(idle, self._fg_waiting):
             for task in batch:
@@ -274,21 +341,7 @@ class Scheduler:
                     # (read without the lock: a deque's or a list's length is read whole)
                     if len(batch) > 1 or self._fg or (idle and self._idle) or self._stopped:
                         break
-            chosen, plans, tokens = [], [], 0
-            for task in batch:
-                if task.want is None:
-                    continue
-                try:
-                    plan = task.want.plan()
-                except ValueError as exc:  # an empty target: the task's own error
-                    task.want, task.reply = None, exc
-                    continue
-                cost = plan[2] - plan[1]
-                if chosen and tokens + cost > self._max_batch_tokens:
-                    continue
-                chosen.append(task)
-                plans.append(plan)
-                tokens += cost
+            chosen, forwards, plans = self._fill(batch, idle)
             if not chosen:
                 return finished
             # a task the token cap left out runs no forward now: its KV may move down a tier
@@ -298,20 +351,79 @@ class Scheduler:
             if left:
                 with self._cv:
                     self._busy.difference_update(left)
-            preemptible = all(t.want.preemptible for t in chosen)
+            preemptible = all(f.preemptible for f in forwards)
+            t1 = time.perf_counter()
             with idle_work(idle, self._fg_waiting if preemptible else None):
                 try:
-                    advances = run_forwards(chosen[0].want.kv.backend,
-                                            [t.want for t in chosen], plans, moves=not idle)
+                    advances = run_forwards(forwards[0].kv.backend, forwards, plans,
+                                            moves=not idle)
                 except BaseException as exc:  # each task of the batch gets the error
                     advances = [exc] * len(chosen)
-        if not idle:
-            self.batches += 1
-            self.batched_forwards += len(chosen)
         for task, adv in zip(chosen, advances):
-            if adv is not None:  # None: not run, for want of room; its forward waits
-                task.want, task.reply = None, adv
+            if adv is None:  # not run, for want of room: its forward waits
+                continue
+            if isinstance(adv, Advance) and not adv.done and task.want.max_tokens is None:
+                task.partial = _joined(task.partial, adv)  # a chunk: the forward goes on
+                continue
+            if isinstance(adv, Advance):
+                adv = _joined(task.partial, adv)
+            task.want, task.reply, task.partial = None, adv, None
+        if not idle:
+            self._count(forwards, plans, len(left), time.perf_counter() - t1, t0)
         return finished
+
+    def _fill(self, batch: list[Task], idle: bool
+              ) -> tuple[list[Task], list[Forward], list[tuple[int, int, int]]]:
+        """The step's tasks, their forwards and plans: each forward that fits the token cap
+        whole, in batch order, then (foreground, one worker) the cap's rest given to those
+        too long for it, the oldest request's first, each cut to what is left. A step with
+        nothing else runs its first forward whole where it cannot be cut."""
+        chosen, forwards, plans, tokens = [], [], [], 0
+        cap = self._max_batch_tokens
+        long: list[Task] = []
+        for task in batch:
+            if task.want is None:
+                continue
+            try:
+                plan = task.want.plan()
+            except ValueError as exc:  # an empty target: the task's own error
+                task.want, task.reply = None, exc
+                continue
+            cost = plan[2] - plan[1]
+            if tokens + cost > cap:
+                if self._chunks and not idle and _chunkable(task.want):
+                    long.append(task)
+                    continue
+                if chosen:
+                    continue
+            chosen.append(task)
+            forwards.append(task.want)
+            plans.append(plan)
+            tokens += cost
+        for task in sorted(long, key=lambda t: t.submitted):
+            if tokens >= cap:
+                break
+            cut = replace(task.want, max_tokens=cap - tokens)
+            plan = cut.plan()
+            chosen.append(task)
+            forwards.append(cut)
+            plans.append(plan)
+            tokens += plan[2] - plan[1]
+        return chosen, forwards, plans
+
+    def _count(self, forwards: list[Forward], plans: list[tuple[int, int, int]], left: int,
+               step_s: float, t0: float) -> None:
+        st = self.steps
+        decodes = [_decodes(f, p) for f, p in zip(forwards, plans)]
+        kind = "decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"
+        st.count[kind] += 1
+        st.seconds[kind] += step_s
+        st.sequences += len(forwards)
+        st.waiting += len(self._fg) + left
+        for f, (_, start, stop), d in zip(forwards, plans, decodes):
+            st.tokens["decode" if d else "prefill"] += stop - start
+            st.chunks += f.max_tokens is not None and not d and stop < len(f.target)
+        st.quantum_s += time.perf_counter() - t0
 
     @staticmethod
     def _step(task: Task) -> bool:

@@ -1,6 +1,6 @@
 """The engine's Prometheus families, read from `Engine.metrics()` at scrape time and written
 as text (`exposition.Family`): pre-positions, paths, KV cells and tiers, queues, sessions,
-drafts, implicit sessions and the relaxed path's risk gate.
+the model worker's steps, drafts, implicit sessions and the relaxed path's risk gate.
 
 `samples` says which family holds which value; `text` writes them. Making prometheus_client's
 metric families for these each scrape (some forty objects, each name checked again) cost
@@ -72,6 +72,20 @@ QUEUES = Family("prepos:queue_length", "Tasks queued on the model worker", G, "q
 WAITING = Family("prepos:num_requests_waiting", "Foreground requests queued on the model "
                  "worker", G)
 SESSIONS = Family("prepos:sessions", "Live sessions", G)
+STEPS = Family("prepos:scheduler_steps", "Batched foreground steps by what they carried: "
+               "decode (one-token steps and draft checks), prefill, mixed (both)", C, "kind")
+STEP_SECONDS = Family("prepos:scheduler_step_seconds", "Seconds in the steps' batched "
+                      "forwards (admission included), by step kind", C, "kind")
+STEP_SEQUENCES = Family("prepos:scheduler_step_sequences", "Forwards the steps carried "
+                        "(/ steps: the mean batch)", C)
+STEP_WAITING = Family("prepos:scheduler_step_waiting", "Foreground tasks queued that a step "
+                      "did not carry, summed over steps", C)
+STEP_TOKENS = Family("prepos:scheduler_step_tokens", "Tokens the steps ran, by what they "
+                     "were", C, "what")
+PREFILL_CHUNKS = Family("prepos:scheduler_prefill_chunks", "Long forwards' chunks cut to "
+                        "share a step with other streams (chunked prefill)", C)
+QUANTUM_SECONDS = Family("prepos:scheduler_quantum_seconds", "The model worker's whole time "
+                         "per step: the forward and the tasks' own work around it", C)
 DRAFTS = Family("prepos:lookup_drafts", "Prompt-lookup drafted tokens of greedy answers: "
                 "proposed (run in a verifying forward) and accepted (equal to the greedy "
                 "choice)", C, "outcome")
@@ -136,6 +150,7 @@ def samples(m: dict | None, model: str) -> Iterator[tuple[Family, object]]:
     yield QUEUES, (("foreground", m["queue_foreground"]), ("idle", m["queue_idle"]))
     yield WAITING, m["queue_foreground"]
     yield SESSIONS, m["sessions"]
+    yield from _steps(m["scheduler"])
     lk = m["lookup"]
     yield DRAFTS, (("proposed", lk["proposed"]), ("accepted", lk["accepted"]))
     yield VERIFY_STEPS, lk["verify_steps"]
@@ -156,6 +171,19 @@ def _tiers(t: dict) -> Iterator[tuple[Family, object]]:
     yield PREFIX_LOADS, t["prefix_loads"]
     yield RECOMPUTED, t["recomputed_tokens"]
     yield DEFERRED, t.get("deferred", 0)
+
+
+def _steps(st: dict) -> Iterator[tuple[Family, object]]:
+    """The model worker's foreground steps: by kind, their forwards' seconds, what they
+    carried and left queued, their tokens, chunks and the worker's whole time."""
+    kinds = ("decode", "prefill", "mixed")
+    yield STEPS, [(k, st["steps"].get(k, 0)) for k in kinds]
+    yield STEP_SECONDS, [(k, st["step_seconds"].get(k, 0.0)) for k in kinds]
+    yield STEP_SEQUENCES, st["sequences"]
+    yield STEP_WAITING, st["waiting"]
+    yield STEP_TOKENS, [(w, st["tokens"].get(w, 0)) for w in ("decode", "prefill")]
+    yield PREFILL_CHUNKS, st["prefill_chunks"]
+    yield QUANTUM_SECONDS, st["quantum_seconds"]
 
 
 def _relaxed(rx: dict) -> Iterator[tuple[Family, object]]:
