@@ -4,8 +4,8 @@ other), a signed one that meets another owner is a 409 naming no URL, a signatur
 for its one request only (its body, within a minute, once), a forwarded body is
 read only up to the body limit, a request with no key or another key's takes nothing over
 (no lease or node row changes), and once the store is unreachable past the lease the
-sessions' SSE subscribers are ended. The tests run in order (a node is killed, then the
-store stopped). Skips, saying why, without PostgreSQL."""
+sessions' SSE subscribers are ended (`end`: `lease_lost`). The tests run in order (a node
+is killed, then the store stopped). Skips, saying why, without PostgreSQL."""
 
 from __future__ import annotations
 
@@ -198,28 +198,37 @@ def test_another_key_makes_its_own_session_of_the_name(nodes):
 
 
 def test_subscribers_are_ended_when_the_store_is_gone_past_the_lease(nodes):
+    """Their streams end with `end`, reason `lease_lost` (not `close`: the session lives on,
+    in the store), its id the last commit sent, to resume from."""
     pg, _, b = nodes
     events: queue.Queue = queue.Queue()
 
     def listen():
         with httpx.Client(base_url=b.url, timeout=60, headers=auth(K1)) as c, \
                 c.stream("GET", f"/sessions/{SID}/events") as r:
-            name = None
+            name, eid = None, None
             for line in r.iter_lines():
                 if line.startswith("event:"):
                     name = line[6:].strip()
                 elif line.startswith("data:"):
-                    events.put(name)
-        events.put("ended")
+                    data = json.loads(line[5:])
+                elif line.startswith("id:"):
+                    eid = int(line[3:])
+                elif not line and name is not None:
+                    events.put((name, data, eid))
+                    name = None
+        events.put(("ended", None, None))
 
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
-    assert events.get(timeout=30) == "hello"
+    name, hello, eid = events.get(timeout=30)
+    assert name == "hello" and eid == hello["version"]
     pg.stop()  # every renewal fails from now on
     seen = []
-    while not seen or seen[-1] != "ended":
+    while not seen or seen[-1][0] != "ended":
         seen.append(events.get(timeout=30))  # before: keep-alives for ever, nothing ends it
-    assert "close" in seen
+    assert [n for n, _, _ in seen] == ["end", "ended"], seen
+    assert seen[0][1]["reason"] == "lease_lost" and seen[0][2] == hello["version"]
 
 
 def test_a_renewal_that_raises_gives_the_sessions_up(tmp_path):

@@ -4,13 +4,18 @@ the client saw.
 
     prepos demo --url http://127.0.0.1:8000 [--api-key KEY]
 
+`--url` is one address: a single server's, or a cluster's front door (`docs/clusters.md`);
+the demo needs to know nothing of the nodes behind it.
+
 The market session registers a standing query and appends price data; after each update
 the server pre-positions it, so the standing query is answered from the cache (fast), an
 ad-hoc question resumes from the pre-paid query prefix (fall-through, or fast where the
 calibrated gate fires), and the same query to a baseline session that never pre-positions
-pays its whole entry (cold). The agentic session runs a turn, a tool result if the model
-calls its tool, a turn whose user message was committed ahead (fast), and an
-OpenAI-compatible chat turn with the `session_id` extension.
+pays its whole entry (cold). Meanwhile it follows the market session's events
+(`prepos.lab.following`: subscribed again, with `Last-Event-ID`, wherever a stream ends)
+and says how many commits and pushed answers came, each commit once. The agentic session
+runs a turn, a tool result if the model calls its tool, a turn whose user message was
+committed ahead (fast), and an OpenAI-compatible chat turn with the `session_id` extension.
 
 With `--agentic`, a tool-calling loop answered by the served model instead (serve a real
 chat model: `prepos serve --model smollm2`): each question's turn, its tool call (or the
@@ -28,6 +33,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from prepos.lab.following import Follower
 from prepos.lab.retrying import retrying
 from prepos.lab.task.market import SYSTEM_PROMPT, generate_stream
 
@@ -78,6 +84,7 @@ class Http:
     and the same `Idempotency-Key` (`prepos.lab.retrying`), until `retry_s` has passed."""
 
     def __init__(self, url: str, key: str | None = None, retry_s: float = 30.0):
+        self.url, self.key = url, key
         u = urlsplit(url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.headers = {"Content-Type": "application/json"}
@@ -114,6 +121,10 @@ class Http:
         if status >= 300:
             raise DemoError(f"{method} {path}: HTTP {status}: {raw.decode(errors='replace')}")
         return json.loads(raw)
+
+    def follow(self, sid: str, on_event=None) -> Follower:
+        """A follower of `sid`'s events through this client's URL, not started."""
+        return Follower(self.url, sid, self.key, on_event, self.retry_s)
 
     def stream(self, path: str, body: dict) -> tuple[float | None, list[tuple[str, object]]]:
         """POST a streaming request: seconds to the first token, and the events."""
@@ -238,13 +249,17 @@ def market(h: Http, table: Table, updates: int, seed: int, max_tokens: int) -> N
     base = h.call("POST", "/sessions", {"kind": "streaming", "system": SYSTEM_PROMPT,
                                         "preposition": False})["id"]
     rng = random.Random(seed)
+    pushed: list[object] = []
+    feed = h.follow(hot, lambda name, data: pushed.append(data) if name == "answer" else None)
+    follower = feed.start()
+    last = 0  # the market session's last version
     try:
         for m in msgs[:3]:  # some history first
             for sid in (hot, base):
-                h.call("POST", f"/sessions/{sid}/append", {"data": m})
+                last = h.call("POST", f"/sessions/{sid}/append", {"data": m})["version"]
         for m in msgs[3:3 + updates]:
             for sid in (hot, base):
-                h.call("POST", f"/sessions/{sid}/append", {"data": m})
+                last = h.call("POST", f"/sessions/{sid}/append", {"data": m})["version"]
             h.call("GET", f"/sessions/{hot}?wait_ready=60")  # the idle time between updates
             for sid, name, q in ((hot, "market", STANDING), (hot, "market", rng.choice(AD_HOC)),
                                  (base, "baseline", STANDING)):
@@ -255,6 +270,12 @@ def market(h: Http, table: Table, updates: int, seed: int, max_tokens: int) -> N
     finally:
         for sid in (hot, base):
             h.call("DELETE", f"/sessions/{sid}")
+        follower.join(30)  # the deletion's `close` ends it
+        feed.stop()
+    once = feed.repeated == 0 and feed.missed(last) == 0
+    print(f"\nmarket session's events: {len(feed.commits)} commits, "
+          f"{'each once' if once else 'NOT each once'}; {len(pushed)} standing answers pushed; "
+          f"{len(feed.streams)} subscription(s)")
 
 
 def agentic(h: Http, table: Table, model: str, max_tokens: int) -> None:

@@ -57,10 +57,12 @@ class Cluster:
                                    state.config.limits.max_body_bytes)
         self.takeovers = 0
         self._locks: dict[str, asyncio.Lock] = {}
-        self._dropping: set[str] = set()  # copies being closed here, their lease kept
+        # copies being closed here, their lease kept: why (their subscriptions' `end` reason)
+        self._dropping: dict[str, str] = {}
         self.directory = None  # the stateless conversations' (server/store/directory.py)
         journal.fence = self.leases.fence
         engine.subscribe(self._on_event)
+        state.subscriptions.closing_reason = self._dropping.get
 
     def start(self, url: str) -> None:
         self.leases.start(url)
@@ -163,7 +165,7 @@ class Cluster:
         """A warmed copy of `sid` this node did not get to own: closed (the store's rows
         stay)."""
         if sid not in self.leases.owned:
-            self._drop(sid)
+            self._drop(sid, "moved")
 
     def take_over(self, sid: str) -> None:
         """Load `sid` from the store unless this node's copy is the store's: its KV is
@@ -173,7 +175,7 @@ class Cluster:
         eng = self.engine
         if found is None:  # not in the store: nothing to own
             self.leases.release(sid)
-            self._drop(sid)
+            self._drop(sid, "moved")
             return
         _, spec, history = found
         if eng.has_session(sid):
@@ -185,7 +187,7 @@ class Cluster:
                     return  # this node's copy is the store's: keep it, and its KV
             except PreposError:
                 pass
-            self._drop(sid)
+            self._drop(sid, "moved")
             found = self.journal.load_one(sid)  # closing the copy forgot the store's rows
             if found is None:
                 self.leases.release(sid)
@@ -197,26 +199,27 @@ class Cluster:
         log.info("node %s took session %s over at version %d", self.leases.node, sid,
                  history[-1][0])
 
-    def _drop(self, sid: str) -> None:
+    def _drop(self, sid: str, why: str) -> None:
         """Close this node's copy of `sid`, leaving the store's rows, and wait until its KV
-        is gone (so a session restored with the same id starts clean)."""
+        is gone (so a session restored with the same id starts clean); its subscriptions
+        end with `why` (`lease_lost`, `moved`)."""
         eng = self.engine
         if not eng.has_session(sid):
             return
         self.journal.moving.add(sid)
-        self._dropping.add(sid)  # the journal forgets `moving` in its own close listener
+        self._dropping[sid] = why  # the journal forgets `moving` in its own close listener
         try:
             eng.close_session(sid)
         except PreposError:
             self.journal.moving.discard(sid)
             return
         finally:
-            self._dropping.discard(sid)
+            self._dropping.pop(sid, None)
         eng.settle(sid)
 
     def _give_up(self, sids: list[str]) -> None:
         for sid in sids:
-            self._drop(sid)
+            self._drop(sid, "lease_lost")
 
     def _on_event(self, event: str, s, payload) -> None:
         if event == "close" and s.id not in self._dropping and s.id in self.leases.owned:

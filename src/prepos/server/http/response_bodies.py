@@ -182,6 +182,8 @@ class HelloEvent(Body):
     version: int
     tokens: int
     standing_queries: list[str]
+    after: int | None = Field(description="the Last-Event-ID the stream resumes after: "
+                              "each commit since is sent next (null: a new subscription)")
 
 
 class CommitEvent(Body):
@@ -229,6 +231,15 @@ class CorrectionEvent(Body):
 
 class CloseEvent(Body):
     session_id: str
+
+
+class EndEvent(Body):
+    """The stream ends while its session lives on (elsewhere, or here after a restart):
+    subscribe again with `Last-Event-ID`."""
+
+    session_id: str
+    reason: Literal["shutdown", "lease_lost", "moved", "too_slow"]
+    detail: str
 
 
 # -- OpenAI-compatible --------------------------------------------------------------------
@@ -396,6 +407,6 @@ ANSWER_EVENTS = {"token": TokenEvent, "result": Answer, "error": ErrorBody}
 AGENTIC_EVENTS = {"token": TokenEvent, "result": AgenticAnswer, "error": ErrorBody}
 SESSION_EVENTS = {"hello": HelloEvent, "commit": CommitEvent, "ready": ReadyEvent,
                   "answer": StandingAnswerEvent, "correction": CorrectionEvent,
-                  "close": CloseEvent}
+                  "close": CloseEvent, "end": EndEvent}
 CHAT_EVENTS = {"message": (ChatCompletionChunk, ErrorBody, DONE)}
 COMPLETION_EVENTS = {"message": (CompletionChunk, ErrorBody, DONE)}

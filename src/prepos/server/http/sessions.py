@@ -385,15 +385,22 @@ async def respond(c: RequestContext, receive, stream, agentic: bool) -> Response
 
 # -- events -------------------------------------------------------------------------------
 @routes.add("GET", "/sessions/{sid}/events", 50, summary="Subscribe to a session's events",
-            events=R.SESSION_EVENTS)
+            events=R.SESSION_EVENTS, errors=(400, 409, 429))
 async def events(sid: str, request: Request):
     """SSE: `hello` (the session's state), `commit` (each committed version), `ready` (each
     recorded ready distribution), `answer` (each standing query, answered from its record
     before anyone asks), `correction` (a relaxed answer its verification disagreed with:
-    answer id, served and full-path tokens) and `close`."""
+    answer id, served and full-path tokens), `close` (the session was closed) and `end` (the
+    stream ends, the session lives on: its `reason`; subscribe again). Each event's `id` is
+    the version of the last commit the stream sent: with the header `Last-Event-ID` set to
+    it, a new subscription is sent every commit after that one, once (409 `cannot_resume`
+    where the session no longer keeps them)."""
     c = await ServerState.open(request, sid=sid)
     state = c.state
-    sub = state.subscriptions.subscribe(c.session)
+    after = last_event_id(request)
+    if after is not None:
+        await state.run(state.subscriptions.check_resume, c.session.id, after)
+    sub = state.subscriptions.subscribe(c.session, after)
 
     async def stream():
         try:
@@ -403,3 +410,16 @@ async def events(sid: str, request: Request):
             state.subscriptions.unsubscribe(sub)
 
     return StreamingResponse(stream(), headers=SSE_HEADERS, media_type="text/event-stream")
+
+
+def last_event_id(request: Request) -> int | None:
+    """The version a subscription resumes after (`Last-Event-ID`; none where it is absent or
+    empty); 400 where it is not one."""
+    raw = request.headers.get("last-event-id", "").strip()
+    if not raw:
+        return None
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
+        raise ApiError(400, "invalid_last_event_id", "Last-Event-ID must be the id of an event "
+                       f"of this stream (a version: a non-negative integer), got {raw[:40]!r}",
+                       "Last-Event-ID")
+    return int(raw)
