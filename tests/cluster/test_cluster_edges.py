@@ -21,7 +21,8 @@ import time
 import httpx
 import pytest
 
-from prepos.server.http.auth import owner_id, scoped
+from prepos.server.http.auth import owner_id
+from prepos.server.names import scoped
 from prepos.server.store.database import Database
 from prepos.server.store.lease import LeaseConfig, Leases
 from tests.support.cluster_harness import Postgres, missing_postgres

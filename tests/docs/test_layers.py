@@ -210,3 +210,17 @@ def test_the_server_imports_only_the_engines_public_names():
                 found += [f"{f.relative_to(SRC)}:{node.lineno} {a.name}" for a in node.names
                           if a.name.startswith("prepos.engine.")]
     assert found == []
+
+
+def test_the_store_imports_nothing_of_http():
+    """server/store/ keeps state (the journal, leases, records, stored responses): HTTP's
+    shapes, statuses and middleware stay in server/http/, which reads the store."""
+    found = []
+    for f in sorted((SRC / "server" / "store").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{f.relative_to(SRC)}:{node.lineno} {n}" for n in names
+                      if n.startswith(("prepos.server.http", "prepos.server.openai",
+                                       "prepos.server.anthropic", "starlette", "fastapi"))]
+    assert found == []

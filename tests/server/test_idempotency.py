@@ -21,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
+from prepos.server.http.idempotency import kept_result
 from prepos.server.store.database import Database
 from prepos.server.store.idempotency import Attempt, Records
 from tests.support.cluster_harness import Postgres, missing_postgres
@@ -484,7 +485,9 @@ def test_records_are_bounded_by_bytes_per_api_key():
         with db.tx():
             db.q("INSERT INTO idempotency VALUES ('owner', 'big', 'd', ?, NULL, NULL, '{}', 2)",
                  (now[0],))
-        records.finish(big, 200, [], b"z" * 10000)
+        assert kept_result(Attempt("owner", "small", "d", None, records, None), 200, [],
+                           b"z" * 10000, records.max_bytes) is None  # wrote nothing
+        records.finish(big, *kept_result(big, 200, [], b"z" * 10000, records.max_bytes))
         found = records.get("owner", "big")
         assert found.status == 409 and "idempotency_result_too_large" in found.body
         assert "session s, version 3" in found.body

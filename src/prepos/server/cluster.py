@@ -28,10 +28,10 @@ import time
 
 from prepos.engine import is_ephemeral
 from prepos.errors import PreposError
-from prepos.server.http.auth import public, scoped
 from prepos.server.http.cluster_front import CLIENT_NAMED, SESSION_ID
 from prepos.server.http.errors import ApiError
 from prepos.server.http.forwarding import Forwarder, shared_secret
+from prepos.server.names import public, scoped
 from prepos.server.store.database import Database
 from prepos.server.store.journal import Journal
 from prepos.server.store.lease import Claim, LeaseConfig, Leases

@@ -50,7 +50,6 @@ from starlette.requests import Request
 from prepos.chat.conversation import check_order, session_messages
 from prepos.engine import STREAMING
 from prepos.errors import InvalidInput
-from prepos.server.http.auth import public
 from prepos.server.http.cluster_front import AGENT_HEADERS, SESSION_ID
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.forwarding import hop
@@ -59,6 +58,7 @@ from prepos.server.http.request_bodies import ChatCompletion, ChatMessage
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.state import ServerState
+from prepos.server.names import public
 from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
 from prepos.server.openai.flow import RepliedCall, _continuation_prompt
 from prepos.server.openai.routes import named

@@ -1,5 +1,5 @@
 """Optional API keys (Bearer). A key's owner id tags every session it creates and scopes
-its name (`scoped`); the engine shows a session only to its owner, so another key's request
+its name (`names.scoped`); the engine shows a session only to its owner, so another key's request
 gets 404, and may create a session of the same name, never a hint that the session exists.
 Keys are kept as SHA-256 digests; the raw key is never stored or logged.
 Without keys the server is open: every client is the one owner (None), sharing its sessions,
@@ -21,23 +21,6 @@ from prepos.server.http.errors import ApiError
 
 def owner_id(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-# A session's id is its name in its owner's namespace: two keys may each have a session
-# "orders", and neither can learn that the other has one. Inside the server (engine, journal,
-# leases) a keyed owner's session is `<name>~<owner's tag>`; `~` is in no name a client may
-# choose, and every id a client reads is the name alone.
-SCOPE = "~"
-
-
-def scoped(owner: str | None, name: str) -> str:
-    """The server's id of the session `name` of key `owner` (None: an open server's)."""
-    return name if owner is None else f"{name}{SCOPE}{owner.removeprefix('key-')}"
-
-
-def public(sid: str) -> str:
-    """The name a client knows the session `sid` by."""
-    return sid.partition(SCOPE)[0]
 
 
 def load_keys(keys: Iterable[str] = (), keys_file: str | None = None,

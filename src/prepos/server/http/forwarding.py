@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.engine import conversation_keys
-from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
+from prepos.server.names import public
 from prepos.server.store.database import Database
 from prepos.server.store.lease import Claim
 

@@ -25,8 +25,6 @@ from prepos.server.store.idempotency import (
     KeyClaimed,
     Recorded,
     Records,
-    said,
-    wrote_text,
 )
 
 log = logging.getLogger("prepos.server.idempotency")
@@ -140,10 +138,14 @@ class KeyedRequests:
             await self._finish(a, status, json.loads(hdrs), body.encode())
 
     async def _finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:
-        """`finish`, on the store's writer thread (after the commits it follows)."""
+        """`finish`, on the store's writer thread (after the commits it follows), of what is
+        kept of the result (`kept_result`)."""
+        result = kept_result(a, status, headers, body, self.records.max_bytes)
+        if result is None:
+            return
         try:
             await asyncio.wrap_future(self.records.db.submit(
-                lambda db: self.records.finish(a, status, headers, body)))
+                lambda db: self.records.finish(a, *result)))
         except PreposError as exc:  # the answer stands; a retry finds the key pending
             log.error("idempotency: the result for a key was not recorded: %s", exc)
 
@@ -235,3 +237,31 @@ def idempotent(fn=None, *, session: Callable[[bytes], str | None] | None = None)
         return route
 
     return wrap if fn is None else wrap(fn)
+
+
+def kept_result(a: Attempt, status: int, headers: list, body: bytes, max_bytes: int
+                ) -> tuple[int, list, bytes] | None:
+    """What is recorded of attempt `a`'s result: the result itself; where it alone is over
+    the bytes kept per key, a 409 naming what the attempt wrote, or nothing where it wrote
+    nothing (a retry runs again)."""
+    size = len(json.dumps(headers)) + len(body.decode())
+    if size <= max_bytes:
+        return status, headers, body
+    if not a.claimed:
+        return None
+    status, hdrs, text = said(a, 409, "idempotency_result_too_large", f"its result, {size} "
+                              f"bytes, is over the {max_bytes} bytes of results kept per API "
+                              "key: read what it wrote instead")
+    return status, json.loads(hdrs), text.encode()
+
+
+def said(a: Attempt, status: int, code: str, why: str) -> tuple[int, str, str]:
+    """A recorded error result for attempt `a`, which wrote: status, headers and body."""
+    body = error_body(status, code, f"the request with this {HEADER} wrote "
+                      f"({wrote_text(a.wrote or {})}), and {why}", HEADER)
+    return status, json.dumps([["content-type", "application/json"]]), json.dumps(body)
+
+
+def wrote_text(where: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ').removesuffix(' id')} {v}" for k, v in where.items()
+                     if v is not None) or "a change"

@@ -7,8 +7,8 @@ import orjson
 from starlette.responses import Response
 
 from prepos.core import Result
-from prepos.server.http.auth import public
 from prepos.server.http.metrics import cached_prompt_tokens
+from prepos.server.names import public
 
 JSON = "application/json"
 

@@ -23,7 +23,6 @@ from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.server.cluster import check_new_id
 from prepos.server.http import response_bodies as R
 from prepos.server.http import results, streaming
-from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
 from prepos.server.http.idempotency import idempotent
 from prepos.server.http.request_bodies import (
@@ -41,6 +40,7 @@ from prepos.server.http.routing import QueryParam, Routes
 from prepos.server.http.sse import HEADERS as SSE_HEADERS
 from prepos.server.http.sse import event
 from prepos.server.http.state import RequestContext, ServerState
+from prepos.server.names import public
 from prepos.server.openai.checks import logit_bias
 
 routes = Routes()

@@ -30,10 +30,10 @@ from prepos.core import SamplingParams
 from prepos.decode.stream import Stream
 from prepos.engine import is_ephemeral
 from prepos.errors import SessionNotFound
-from prepos.server.http.auth import public
 from prepos.server.http.direct import Stages, direct_body
 from prepos.server.http.errors import ApiError
 from prepos.server.http.results import json_bytes
+from prepos.server.names import public
 
 log = logging.getLogger("prepos.server.sse")
 

@@ -24,13 +24,14 @@ from prepos.core import Result
 from prepos.decode.stream import Stream
 from prepos.engine import Engine, Session, is_ephemeral
 from prepos.errors import PreposError, SessionNotFound
-from prepos.server.http.auth import SCOPE, Keys, scoped
+from prepos.server.http.auth import Keys
 from prepos.server.http.errors import ApiError, validation_error
 from prepos.server.http.idempotency import KeyedRequests, attempt_of
 from prepos.server.http.limits import Limits, share
 from prepos.server.http.metrics import Metrics
 from prepos.server.http.session_admission import SessionAdmission
 from prepos.server.http.sse import Subscriptions, disconnected
+from prepos.server.names import SCOPE, scoped
 from prepos.server.store import idempotency
 from prepos.server.store import responses as responses_store
 from prepos.server.store.database import Database

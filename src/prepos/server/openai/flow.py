@@ -32,11 +32,11 @@ from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
-from prepos.server.http.auth import public
 from prepos.server.http.errors import ApiError
 from prepos.server.http.idempotency import attempt_of
 from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.state import ServerState
+from prepos.server.names import public
 from prepos.server.openai.chat_reply import ChatReply, CompletionReply, respond
 from prepos.server.openai.checks import forced_call, tool_choice
 

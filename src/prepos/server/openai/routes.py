@@ -42,7 +42,6 @@ from prepos.chat.conversation import session_messages
 from prepos.engine import EPHEMERAL, STREAMING
 from prepos.errors import PreposError
 from prepos.server.http import response_bodies as R
-from prepos.server.http.auth import public
 from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError
 from prepos.server.http.forwarding import hop
@@ -51,6 +50,7 @@ from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.state import ServerState
+from prepos.server.names import public
 from prepos.server.openai.checks import chat_sampling, completion_input, tool_specs
 from prepos.server.openai.flow import ChatCall, complete, prompt_text
 

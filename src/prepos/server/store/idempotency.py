@@ -41,8 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prepos.errors import PreposError
-from prepos.server.http.auth import public
-from prepos.server.http.errors import error_body
+from prepos.server.names import public
 from prepos.server.store.database import Database
 
 log = logging.getLogger("prepos.server.idempotency")
@@ -133,15 +132,8 @@ class Records:
 
     def finish(self, a: Attempt, status: int, headers: list, body: bytes) -> None:
         """The attempt's result in its row (inserted where no write claimed one), then the
-        bounds kept."""
+        bounds kept (a result alone over `max_bytes` is the caller's to replace)."""
         now, hdrs, text = self.clock(), json.dumps(headers), body.decode()
-        if len(hdrs) + len(text) > self.max_bytes:  # alone over the key's bound
-            if not a.claimed:
-                return  # it wrote nothing: a retry runs again
-            status, hdrs, text = said(a, 409, "idempotency_result_too_large", f"its result, "
-                                      f"{len(text)} bytes, is over the {self.max_bytes} "
-                                      "bytes of results kept per API key: read what it "
-                                      "wrote instead")
         n = len(hdrs) + len(text)
         with self.db.tx():
             if a.claimed:
@@ -172,15 +164,3 @@ class Records:
         n, size = self.db.q("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM idempotency WHERE "
                             "owner=?", (owner,)).fetchone()
         return int(n), int(size)
-
-
-def said(a: Attempt, status: int, code: str, why: str) -> tuple[int, str, str]:
-    """A recorded error result for attempt `a`, which wrote: status, headers and body."""
-    body = error_body(status, code, f"the request with this {HEADER} wrote "
-                      f"({wrote_text(a.wrote or {})}), and {why}", HEADER)
-    return status, json.dumps([["content-type", "application/json"]]), json.dumps(body)
-
-
-def wrote_text(where: dict) -> str:
-    return ", ".join(f"{k.replace('_', ' ').removesuffix(' id')} {v}" for k, v in where.items()
-                     if v is not None) or "a change"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from prepos.engine import Session, SessionSpec, Snapshot, is_ephemeral
 from prepos.errors import PreposError
-from prepos.server.http.auth import public
+from prepos.server.names import public
 from prepos.server.store.database import TIMEOUT, Database
 from prepos.server.store.idempotency import KeyClaimed, riding
 
