@@ -5,7 +5,7 @@ or, with `--front haproxy`, the front door (HAProxy with deploy/haproxy.cfg): th
 goes through it, the appends too.
 
     python benchmarks/cluster.py [--ops 600] [--sessions 8] [--kills 3] [--lease 2]
-                                 [--front vllm-router|haproxy]
+                                 [--front vllm-router|haproxy] [--subscribers 4]
                                  [--no-client-retries] [--router-defaults] [--full]
 
 Part 3 always, parts 1, 2 and 4 with `--full`:
@@ -30,6 +30,14 @@ Part 3 always, parts 1, 2 and 4 with `--full`:
    `unanswered`: failures by where and status.
    `takeover_*`: from the kill to the first answer the new owner served, per session that
    lost its owner. `--router-defaults`: the router without the retry flags, to compare.
+   With `--front haproxy`, `--subscribers` of the sessions (streaming and agentic in turn)
+   are followed through the front door by the bundled client (`prepos.lab.following`:
+   subscribed again with `Last-Event-ID` wherever a stream ends) from before the first kill
+   to the store's last version: `sse_missed_commits` (versions after a follower's first
+   `hello` never handed on; versions are consecutive), `sse_duplicate_commits` (commits a
+   node sent a follower again, or handed on twice), `sse_resubscriptions`, and how the
+   streams ended (`sse_stream_ends`: with an `end` event and its reason, "closed" with none,
+   "broken", or "stopped" at the end of the run).
 4. `throughput_ratio_3_nodes_vs_1`: answered ad-hoc queries per second through the router,
    8 clients, 3 nodes, then the same after two nodes stopped (their sessions moved to the
    third). CPU-bound on a small machine: it checks the router and the forwarding add no
@@ -58,6 +66,7 @@ sys.path.insert(0, str(ROOT))  # the servers are started as the tests start them
 
 from common import RESULTS, cpu_model, machine, summarize, write  # noqa: E402
 from prepos.engine.session_spec import SessionSpec  # noqa: E402
+from prepos.lab.following import Follower  # noqa: E402
 from prepos.lab.retrying import new_key, retrying  # noqa: E402
 from prepos.paths import DEFAULT_MODEL  # noqa: E402
 from prepos.server.store.database import Database  # noqa: E402
@@ -320,7 +329,8 @@ def steps(nodes: list[ServerProc], sid: str, start: float, end: float) -> list:
 
 
 def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops: int,
-          lease: float, sessions: int, kills_n: int, retries: bool, keys: bool = True) -> dict:
+          lease: float, sessions: int, kills_n: int, retries: bool, keys: bool = True,
+          subscribers: int = 0) -> dict:
     streaming = [f"st-{i}" for i in range(sessions // 2)]
     agentic = [f"ag-{i}" for i in range(sessions - sessions // 2)]
     for i, sid in enumerate(streaming + agentic):
@@ -328,6 +338,7 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
     c = Clients(router, nodes, streaming, agentic, retries)
     c.keys = keys
     c.appends_via_router = isinstance(router, FrontDoor)
+    followers = following(router, streaming, agentic, subscribers)
     for t in c.threads:
         t.start()
     kills = []
@@ -376,6 +387,7 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
                 time.sleep(0.2)
             c.ops[sid][-1].setdefault("done", time.monotonic())
     journal = Journal(Database(pg.url, migrate=False))
+    sse = followed(journal, followers)
     lost = 0
     for sid in c.ops:
         stored = journal.load_one(sid)[2][-1][1]
@@ -449,7 +461,63 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
             "takeover_asked_after_kill_p99_s": summarize(asked_after)["p99_ms"] / 1e3,
             "takeovers": takeovers, "takeover_p50_s": tk["p50_ms"] / 1e3,
             "takeover_p99_s": tk["p99_ms"] / 1e3, "takeover_max_s": max(takeover_s),
-            "lease_s": lease}
+            "lease_s": lease, **sse}
+
+
+def following(front: Router | FrontDoor, streaming: list[str], agentic: list[str],
+              n: int) -> dict[str, tuple[Follower, threading.Thread]]:
+    """`n` of the sessions, streaming and agentic in turn, followed through the front door
+    (none behind vllm-router, which hashes no session API route), each until it is told to
+    stop; started once each has its first `hello`."""
+    if not isinstance(front, FrontDoor) or n <= 0:
+        return {}
+    turns = [sid for pair in zip(streaming, agentic) for sid in pair]
+    turns += [sid for sid in streaming + agentic if sid not in turns]
+    out = {}
+    for sid in turns[:n]:
+        f = Follower(front.url, sid, retry_s=120.0)
+        out[sid] = (f, f.start())
+    deadline = time.monotonic() + 60
+    while any(f.first is None and f.error is None for f, _ in out.values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("a follower got no hello in 60 s")
+        time.sleep(0.05)
+    return out
+
+
+def followed(journal: Journal, followers: dict[str, tuple[Follower, threading.Thread]]
+             ) -> dict:
+    """Each follower, once its stream has reached its session's last version in the store
+    (or a minute has passed), stopped and read: missed and duplicate commits."""
+    if not followers:
+        return {"sse_subscribers": 0, "sse_missed_commits": None,
+                "sse_duplicate_commits": None}
+    last = {sid: journal.load_one(sid)[2][-1][0] for sid in followers}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            (f.last or 0) < last[sid] and f.error is None for sid, (f, _) in followers.items()):
+        time.sleep(0.05)
+    ends: dict[str, int] = {}
+    by_session = {}
+    for sid, (f, t) in followers.items():
+        f.stop()
+        t.join(30)
+        for s in f.streams:  # "end: <reason>", "closed" (no end event), "broken", "stopped"
+            end = "broken" if (s["end"] or "").startswith("broken") else s["end"] or "open"
+            ends[end] = ends.get(end, 0) + 1
+        by_session[sid] = {"first": f.first, "last": last[sid], "commits": len(f.commits),
+                           "missed": f.missed(last[sid]),
+                           "duplicates": f.repeated + len(f.commits) - len(set(f.commits)),
+                           "subscriptions": len(f.streams), "gaps": f.gaps,
+                           "nodes": [s["node"] for s in f.streams],
+                           "error": repr(f.error)[:200] if f.error else None}
+    return {"sse_subscribers": len(followers),
+            "sse_missed_commits": sum(v["missed"] for v in by_session.values()),
+            "sse_duplicate_commits": sum(v["duplicates"] for v in by_session.values()),
+            "sse_commits_followed": sum(v["commits"] for v in by_session.values()),
+            "sse_resubscriptions": sum(v["subscriptions"] - 1 for v in by_session.values()),
+            "sse_cannot_resume": sum(v["gaps"] for v in by_session.values()),
+            "sse_stream_ends": ends, "sse_by_session": by_session}
 
 
 def throughput(router: Router | FrontDoor, sids: list[str], seconds: float,
@@ -498,6 +566,8 @@ def main() -> int:
     ap.add_argument("--front", choices=("vllm-router", "haproxy"), default="vllm-router",
                     help="what stands in front of the nodes (haproxy: deploy/haproxy.cfg, on "
                     "the port after the nodes')")
+    ap.add_argument("--subscribers", type=int, default=4, help="sessions followed over SSE "
+                    "through the front door (--front haproxy only)")
     ap.add_argument("--router-defaults", action="store_true", help="the router with its "
                     "health flags only (its own retry defaults), to compare")
     ap.add_argument("--full", action="store_true", help="also parts 1, 2 and 4 (commit "
@@ -551,7 +621,7 @@ def main() -> int:
                 "store_commit_p50_ms": {k: v["p50_ms"] for k, v in commits.items()},
                 "store_commit": commits})
         result = chaos(pg, router, nodes, args.ops, args.lease, args.sessions, args.kills,
-                       not args.no_client_retries, not args.no_keys)
+                       not args.no_client_retries, not args.no_keys, args.subscribers)
         log("chaos done")
         if args.full:
             sids = [f"st-{i}" for i in range(args.sessions // 2)]

@@ -136,7 +136,8 @@ def agentic_loop_demo(eng: Engine, max_tokens: int = 64) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prepos demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--url", help="replay against a running server instead of in process")
+    ap.add_argument("--url", help="replay against a running server (or a cluster's front door: "
+                    "one URL) instead of in process")
     ap.add_argument("--api-key", help="with --url: the server's Bearer key")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--updates", type=int, default=6)

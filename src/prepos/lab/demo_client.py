@@ -360,7 +360,8 @@ def _as_openai(m: dict, i: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="prepos demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="a running prepos server")
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="a running prepos "
+                    "server, or a cluster's front door: one URL")
     ap.add_argument("--api-key", help="Bearer key, if the server wants one")
     ap.add_argument("--updates", type=int, default=6, help="market data updates to replay")
     ap.add_argument("--max-tokens", type=int, default=4)

@@ -56,7 +56,8 @@ class Follower:
         self.commits: list[int] = []
         self.repeated = 0  # commits a server sent again (dropped here)
         self.gaps = 0  # subscriptions that could not resume: commits were missed
-        self.streams: list[dict] = []  # each subscription: its node, events, how it ended
+        # each subscription: its node, the id it resumed after, its events, how it ended
+        self.streams: list[dict] = []
         self.closed = False  # the session's `close` event came
         self.error: BaseException | None = None  # what ended `start()`'s thread, if not stop
         self._stop = threading.Event()
@@ -132,8 +133,11 @@ class Follower:
             try:
                 self._read(r, stream)
             except (OSError, http.client.HTTPException) as exc:
-                stream["end"] = stream["end"] or f"broken: {exc!r}"[:120]
-            stream["end"] = stream["end"] or "closed"
+                if not self._stop.is_set():
+                    stream["end"] = stream["end"] or f"broken: {exc!r}"[:120]
+            # how it ended: "end: <reason>", "broken: ...", "closed" (no `end` event) or
+            # "stopped" (by `stop()`)
+            stream["end"] = stream["end"] or ("stopped" if self._stop.is_set() else "closed")
             return 200, b""
         finally:
             self._conn = None
