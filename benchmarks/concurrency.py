@@ -30,13 +30,17 @@ generated tokens, from the usage, over the wall from the clients' common start t
 stream's end; content chunks where a server sent no usage: `tokens_from`), TTFT P50/P90/P99
 (the client's time from sending a request to its first content chunk), gap P50/P99 and max
 (the time between two content chunks of one stream), the samples behind each, failed
-requests (an error is counted and the client goes on with its next request), the server's
-CPU seconds per generated token and where the machine's CPU went (token_cadence's
-CpuShare), and the clients' own CPU (this process: N threads reading SSE on the cores the
-servers compute on, the same on both arms). `cells_needed` is N x (prompt + max tokens) of
-the run's own prompts: where it exceeds the cells, the servers must evict, move KV down
-tiers, or fail requests. Ratios prepos over llama-server with their targets at every N:
-`tokens_per_s_ratio` >= 1.0, `ttft_p90_ratio` <= 1.0, `gap_p99_ratio` <= 1.25 (`met`).
+requests (a status other than 200, a broken stream, or an error event in it, as llama-server
+sends "Context size has been exceeded" when its cells run out: counted, left out of the
+figures, and the client goes on with its next request), answers shorter than max tokens
+(`short`: the model's end of text), the server's CPU seconds per generated token and where
+the machine's CPU went (token_cadence's CpuShare), and the clients' own CPU (this process:
+N threads reading SSE on the cores the servers compute on, the same on both arms).
+`cells_needed` is N x (prompt + max tokens) of the run's own prompts: where it exceeds the
+cells, a server must move KV down tiers (prepos) or fail requests (llama-server). Ratios
+prepos over llama-server with their targets at every N: `tokens_per_s_ratio` >= 1.0,
+`ttft_p90_ratio` <= 1.0, `gap_p99_ratio` <= 1.25 (`met`: all False where prepos failed a
+request, None where only llama-server did, since its figures then leave work out).
 
 The stage breakdown (prepos): its /metrics scraped before and after each case, the deltas of
 its scheduler's counters (`prepos:scheduler_*`; null where the server does not export them):
@@ -115,7 +119,9 @@ def one_request(http: httpx.Client, url: str, model: str, msgs: list[dict], max_
     try:
         with http.stream("POST", url + "/v1/chat/completions", json=body,
                          headers=headers) as r:
-            usage, _ = read_chat_stream(r, url, times)
+            usage, last = read_chat_stream(r, url, times)
+        if isinstance(last, dict) and last.get("error"):  # the server's error event
+            raise RuntimeError(f"error event: {json.dumps(last['error'])[:200]}")
     except Exception as exc:  # counted; the client goes on with its next request
         return {"error": repr(exc)[:300], "ttft_s": None, "gaps_s": [], "chunks": len(times),
                 "completion_tokens": None, "prompt_tokens": None}
@@ -167,16 +173,19 @@ def run_clients(url: str, key: str | None, n: int, per_client: int, max_tokens: 
 
 
 # -- the figures (pure: tests/bench/test_concurrency_bench.py) ------------------------------
-def summary(reqs: list[dict], wall_s: float, server_cpu_s: float | None = None) -> dict:
+def summary(reqs: list[dict], wall_s: float, server_cpu_s: float | None = None,
+            max_tokens: int | None = None) -> dict:
     """One arm's case: throughput over the wall, TTFT and gap percentiles with their sample
-    counts, errors, and the server's CPU per generated token."""
+    counts, errors, answers shorter than `max_tokens`, and the server's CPU per generated
+    token. A failed request's figures and tokens are left out (its content chunks are in
+    `content_chunks`)."""
     ok = [q for q in reqs if q["error"] is None]
     ttft = sorted(q["ttft_s"] * 1e3 for q in ok if q["ttft_s"] is not None)
     gaps = sorted(g * 1e3 for q in ok for g in q["gaps_s"])
     chunks = sum(q["chunks"] for q in reqs)
     usage = [q["completion_tokens"] for q in ok]
     from_usage = bool(ok) and all(u is not None for u in usage)
-    tokens = sum(usage) if from_usage else chunks
+    tokens = sum(usage) if from_usage else sum(q["chunks"] for q in ok)
     prompts = [q["prompt_tokens"] for q in ok if q["prompt_tokens"] is not None]
 
     def pct(xs: list[float], p: float) -> float | None:
@@ -185,6 +194,8 @@ def summary(reqs: list[dict], wall_s: float, server_cpu_s: float | None = None) 
     out = {"requests": len(reqs), "errors": len(reqs) - len(ok),
            "error_examples": sorted({q["error"] for q in reqs if q["error"]})[:3],
            "empty": sum(1 for q in ok if q["ttft_s"] is None),
+           "short": (sum(1 for q in ok if (q["completion_tokens"] or q["chunks"]) < max_tokens)
+                     if max_tokens else None),
            "tokens": tokens, "tokens_from": "usage" if from_usage else "chunks",
            "content_chunks": chunks,
            "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
@@ -201,13 +212,19 @@ def summary(reqs: list[dict], wall_s: float, server_cpu_s: float | None = None) 
 
 
 def ratios(ours: dict, theirs: dict) -> dict:
-    """prepos over llama-server, each against its target (`met`: None where either arm has no
-    figure)."""
+    """prepos over llama-server, each against its target. `met`: False for every target
+    where prepos failed a request; else None where llama-server failed one (its figures then
+    leave work out: no comparison) or either arm has no figure."""
     r = {"tokens_per_s_ratio": ratio(ours["tokens_per_s"], theirs["tokens_per_s"]),
          "ttft_p90_ratio": ratio(ours["ttft_p90_ms"], theirs["ttft_p90_ms"]),
          "gap_p99_ratio": ratio(ours["gap_p99_ms"], theirs["gap_p99_ms"])}
-    met = {k: None if v is None else (v >= TARGETS[k][1] if TARGETS[k][0] == ">="
-                                      else v <= TARGETS[k][1]) for k, v in r.items()}
+    if ours.get("errors"):
+        met = {k: False for k in r}
+    elif theirs.get("errors"):
+        met = {k: None for k in r}
+    else:
+        met = {k: None if v is None else (v >= TARGETS[k][1] if TARGETS[k][0] == ">="
+                                          else v <= TARGETS[k][1]) for k, v in r.items()}
     return {**r, "met": met}
 
 
@@ -325,7 +342,7 @@ def run_case(arm: Arm, n: int, max_tokens: int, args) -> dict:
     with arm.running():
         after = scrape(arm.url, arm.key, keep)
     cpu = arm.cpu[case]
-    out = {**summary(reqs, wall, cpu.server), **cpu.summary(),
+    out = {**summary(reqs, wall, cpu.server, max_tokens), **cpu.summary(),
            "client_cpu_s": round(client_cpu, 3)}
     if arm.prepos:
         out["stages"] = stages(before, after)
@@ -334,7 +351,7 @@ def run_case(arm: Arm, n: int, max_tokens: int, args) -> dict:
         out["stages"] = llama_stages(before, after)
     print(f"N={n} max_tokens={max_tokens} {arm.name}: {out['tokens_per_s']} tokens/s, TTFT "
           f"P90 {out['ttft_p90_ms']} ms, gap P99 {out['gap_p99_ms']} ms, "
-          f"errors {out['errors']}", file=sys.stderr, flush=True)
+          f"errors {out['errors']}, short {out['short']}", file=sys.stderr, flush=True)
     return out
 
 

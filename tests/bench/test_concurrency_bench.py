@@ -4,6 +4,7 @@ from two scrapes of prepos's scheduler counters (and llama-server's)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from benchmarks import concurrency as cc
@@ -47,7 +48,11 @@ def test_summary_pools_requests_and_leaves_errors_out():
 def test_summary_counts_chunks_where_a_server_sent_no_usage():
     s = cc.summary([req(tokens=None), req(tokens=9)], wall_s=2.0)
     assert s["tokens_from"] == "chunks" and s["tokens"] == 8 and s["tokens_per_s"] == 4.0
-    assert "cpu_s_per_token" not in s
+    assert "cpu_s_per_token" not in s and s["short"] is None
+    # a failed request's tokens are left out; answers shorter than max tokens counted
+    s = cc.summary([req(tokens=64), req(tokens=30), req(error="error event", tokens=None)],
+                   wall_s=1.0, max_tokens=64)
+    assert s["tokens"] == 94 and s["short"] == 1 and s["errors"] == 1
     empty = cc.summary([req(error="boom")], wall_s=1.0)
     assert empty["ttft_p90_ms"] is None and empty["gap_p99_ms"] is None
 
@@ -68,6 +73,12 @@ def test_ratios_against_targets():
     r = cc.ratios(arm(100, None, 130), arm(100, 1000, 100))
     assert r["ttft_p90_ratio"] is None and r["met"]["ttft_p90_ratio"] is None
     assert r["met"]["gap_p99_ratio"] is False
+    # prepos failed a request: no target met; only llama-server did: no comparison
+    failed = cc.ratios({**arm(200, 100, 10), "errors": 1}, arm(100, 1000, 100))
+    assert failed["met"] == dict.fromkeys(cc.TARGETS, False)
+    peer_failed = cc.ratios(arm(200, 100, 10), {**arm(100, 1000, 100), "errors": 3})
+    assert peer_failed["tokens_per_s_ratio"] == 2.0
+    assert peer_failed["met"] == dict.fromkeys(cc.TARGETS)
     cases = [cc.ratios(arm(100, 900, 120), arm(100, 1000, 100)),
              cc.ratios(arm(90, 900, 120), arm(100, 1000, 100))]
     assert cc.targets_met(cases) == {"tokens_per_s_ratio": False, "ttft_p90_ratio": True,
@@ -155,3 +166,24 @@ def test_llama_server_counters_and_kv_moves():
     assert cc.value_of(["--kv-layout", "streams", "--kv-layout", "unified"], "--kv-layout",
                        "x") == "unified"
     assert cc.value_of([], "--kv-sequences", 256) == 256
+
+
+def sse(*events: str) -> httpx.MockTransport:
+    body = "".join(f"data: {e}\n\n" for e in events).encode()
+    return httpx.MockTransport(lambda request: httpx.Response(
+        200, content=body, headers={"content-type": "text/event-stream"}))
+
+
+def test_one_request_reads_usage_and_counts_an_error_event_as_failed():
+    chunk = '{"choices": [{"delta": {"content": "x"}}]}'
+    usage = '{"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 120}}'
+    with httpx.Client(transport=sse(chunk, chunk, chunk, usage, "[DONE]")) as http:
+        got = cc.one_request(http, "http://t", "m", cc.prompt(64, 1, 0, 0), 64, None)
+    assert got["error"] is None and got["chunks"] == 3 and len(got["gaps_s"]) == 2
+    assert got["completion_tokens"] == 3 and got["prompt_tokens"] == 120
+    assert got["ttft_s"] is not None and got["ttft_s"] >= 0
+    # llama-server's answer when its cells run out: an error event, then the end
+    error = '{"error": {"code": 500, "message": "Context size has been exceeded."}}'
+    with httpx.Client(transport=sse(chunk, error)) as http:
+        got = cc.one_request(http, "http://t", "m", cc.prompt(64, 1, 0, 0), 64, None)
+    assert "Context size has been exceeded" in got["error"] and got["chunks"] == 1
