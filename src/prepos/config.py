@@ -138,6 +138,10 @@ class EngineConfig:
     # llama.cpp: the resident cells all sessions share (the rest of their KV in the tiers);
     # every step of the unified layout scans the occupied ones (docs/ARCHITECTURE.md)
     kv_cells: int = 8192
+    # the tokens of one batched step: every decoding stream's next token first, then prompts
+    # (a long one in chunks) in the rest, as llama-server's -b and vLLM's
+    # --max-num-batched-tokens bound theirs (`prepos.worker.scheduler`)
+    batch_tokens: int = 2048
     max_sequences: int = 256  # llama.cpp: sessions holding a KV at once (at most 256)
     # llama.cpp: "unified" (one pool: a session may use all of it, every step scans every
     # session's cells) or "streams" (kv_cells / max_sequences per session, scanned alone)

@@ -19,7 +19,6 @@ CAP = 16  # a step's tokens, small so the tiny model's prompts run in several ch
 def record_steps(eng, monkeypatch) -> list[list[tuple[str, int, bool]]]:
     """Each foreground step's forwards as run: (session, tokens, whether it reached the end
     of its target)."""
-    eng.scheduler._max_batch_tokens = CAP
     log: list[list[tuple[str, int, bool]]] = []
     real = scheduler_module.run_forwards
 
@@ -47,7 +46,7 @@ def entry(eng, sid, question):
 
 def test_a_long_prefill_runs_in_chunks_beside_streams_that_each_advance_in_turn(
         make_engine, monkeypatch):
-    eng = make_engine("chatml", max_sequences=8, kv_idle_cells=None)
+    eng = make_engine("chatml", max_sequences=8, kv_idle_cells=None, batch_tokens=CAP)
     log = record_steps(eng, monkeypatch)
     short = [eng.create_session("streaming", system=SYSTEM, preposition=False)
              for _ in range(3)]
@@ -95,7 +94,7 @@ def test_a_long_prefill_runs_in_chunks_beside_streams_that_each_advance_in_turn(
 def test_a_forward_that_wants_every_positions_logits_runs_whole(make_engine, monkeypatch):
     """A forward whose every position's logits are wanted (a raw completion's prompt
     logprobs) is not cut: it runs whole, alone in its step, though longer than the cap."""
-    eng = make_engine("chatml")
+    eng = make_engine("chatml", batch_tokens=CAP)
     if not eng.backend.verifies_drafts:
         pytest.skip(f"the {eng.backend.name} back end gives no prompt logprobs")
     log = record_steps(eng, monkeypatch)

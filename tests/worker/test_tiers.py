@@ -560,16 +560,17 @@ def test_a_state_block_is_mapped_alone_and_returned_when_freed(mode):
         assert (fixed, int(mapped_mib)) == ("False", 0)
 
 
-def test_a_prefill_alone_in_its_quantum_moves_the_answers_left_out_down(make_engine, backend):
-    """A forward longer than the batch's token cap runs alone in its quantum, and the
-    answers the cap left out of it hold resident KV it needs: theirs moves down a tier (it
-    comes back when they run next) and no request is refused (invariant 3). Each answer is
-    the cold one."""
+def test_a_prompt_longer_than_a_step_runs_beside_the_answers_moving_their_kv_down(make_engine,
+                                                                               backend):
+    """A prompt longer than a step's tokens runs in chunks beside the answers taken with it,
+    and needs cells their resident KV holds: theirs moves down a tier (it comes back when
+    they run next) and no request is refused (invariant 3). Each answer is the cold one."""
     cells = 1024
     fixed = {} if backend.endswith("/streams") else {"kv_cells": cells}  # llama.cpp's cache
     eng = make_engine("chatml", budget=BudgetConfig(session_cells=4096, engine_cells=cells),
-                      max_sequences=8, kv_idle_cells=None, **fixed)  # idle KVs stay resident
-    cap = eng.scheduler._max_batch_tokens
+                      max_sequences=8, kv_idle_cells=None, batch_tokens=512,
+                      **fixed)  # idle KVs stay resident
+    cap = eng.config.batch_tokens
     others = [eng.create_session("streaming", system=SYSTEM, preposition=False)
               for _ in range(3)]
     for i, sid in enumerate(others):  # about a quarter of the cells each, resident
@@ -582,13 +583,13 @@ def test_a_prefill_alone_in_its_quantum_moves_the_answers_left_out_down(make_eng
     seqs = {long: entry(eng, long, question)}
     seqs.update({sid: entry(eng, sid, "Which way is ACME moving?") for sid in others})
     used = eng.pool.used
-    assert len(seqs[long]) - len(eng.snapshot(long).tokens) > cap  # alone in its quantum
+    assert len(seqs[long]) - len(eng.snapshot(long).tokens) > cap  # in chunks
     assert used + len(seqs[long]) > cells  # it fits only where the others' KV moves down
     assert max(map(len, seqs.values())) < cells
     gate = hold_worker(eng, 300)
     streams = {long: eng.query(long, question, Request(SamplingParams(max_tokens=4),
                                                        fast_path="off"))}
-    for sid in others:  # taken with it, after it, into one quantum: left out by the cap
+    for sid in others:  # taken with it, after it, into one quantum
         streams[sid] = eng.query(sid, "Which way is ACME moving?",
                                  Request(SamplingParams(max_tokens=8), fast_path="off"))
     gate.set()

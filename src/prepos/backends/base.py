@@ -99,10 +99,9 @@ class Backend(abc.ABC):
     kv_cells: int | None = None  # cells of a fixed-size KV cache, where the back end has one
     max_sessions: int | None = None  # sessions whose KV it holds at once, where that is bounded
     logit_tolerance: float = 1e-3  # how far logits may move with the batch they ran in
-    # sequences (and tokens) one `extend_batch` runs as one forward; 1: no batching, so the
-    # scheduler's workers run steps side by side instead (remote engines)
+    # sequences one `extend_batch` runs as one forward; 1: no batching, so the scheduler's
+    # workers run steps side by side instead (remote engines)
     max_batch: int = 1
-    max_batch_tokens: int = 512
     # True where an answer's tokens after the first come from one streamed request
     streams_answers: bool = False
     # True where `extend`/`extend_batch` return the logits at every new position on request

@@ -139,7 +139,6 @@ class LlamaCppBackend(Backend):
         self.threads = threads
         self.n_batch = n_batch
         self.max_batch = self.n_seq
-        self.max_batch_tokens = n_batch
         self.logit_tolerance = logit_tolerance
         self._batch = _ll.llama_batch_init(n_batch, 0, 1)
         self._free = list(range(self.n_seq))  # a heap: the lowest id first

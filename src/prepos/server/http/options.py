@@ -81,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cells", type=int, default=EngineConfig.kv_cells,
                    help="llama.cpp: the resident KV cells all sessions share (default "
                    "%(default)s; the rest of their KV waits in the tiers below)")
+    p.add_argument("--batch-tokens", type=int, default=EngineConfig.batch_tokens,
+                   help="the tokens of one batched step: every decoding stream's next token, "
+                   "then prompts in the rest, a long one in chunks (default %(default)s; as "
+                   "llama-server's -b). Smaller: a decoding stream waits less behind a "
+                   "prompt, prompts take longer")
     p.add_argument("--kv-sequences", type=int, default=EngineConfig.max_sequences,
                    help="llama.cpp: sessions holding a KV at once (at most 256)")
     p.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=KV_LAYOUTS,
@@ -255,6 +260,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if (getattr(args, flag) or 0) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, flag)}")
+    if args.batch_tokens < 1:
+        raise ValueError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
     if not 0 < args.responses_ttl < float("inf"):
         raise ValueError(f"--responses-ttl must be a number of seconds > 0, got "
                          f"{args.responses_ttl}")
@@ -269,6 +276,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
                           backend=args.backend, kv_cells=args.kv_cells,
                           max_sequences=args.kv_sequences, kv_layout=args.kv_layout,
+                          batch_tokens=args.batch_tokens,
                           kv_idle_cells=None if args.kv_idle_cells < 0 else args.kv_idle_cells,
                           tiers=TierConfig(**({} if args.kv_ram is None
                                               else {"ram_bytes": args.kv_ram}),
