@@ -369,7 +369,8 @@ class Scheduler:
                 adv = _joined(task.partial, adv)
             task.want, task.reply, task.partial = None, adv, None
         if not idle:
-            self._count(forwards, plans, len(left), time.perf_counter() - t1, t0)
+            ran = [(f, p) for f, p, adv in zip(forwards, plans, advances) if adv is not None]
+            self._count(ran, len(left) + len(forwards) - len(ran), time.perf_counter() - t1, t0)
         return finished
 
     def _fill(self, batch: list[Task], idle: bool
@@ -411,16 +412,20 @@ class Scheduler:
             tokens += plan[2] - plan[1]
         return chosen, forwards, plans
 
-    def _count(self, forwards: list[Forward], plans: list[tuple[int, int, int]], left: int,
+    def _count(self, ran: list[tuple[Forward, tuple[int, int, int]]], left: int,
                step_s: float, t0: float) -> None:
+        """A foreground step's counters: the forwards it ran (not those that waited for
+        room: they count as left waiting, with those the cap left out)."""
         st = self.steps
-        decodes = [_decodes(f, p) for f, p in zip(forwards, plans)]
+        if not ran:  # every forward waited for room: no step ran
+            return
+        decodes = [_decodes(f, p) for f, p in ran]
         kind = "decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"
         st.count[kind] += 1
         st.seconds[kind] += step_s
-        st.sequences += len(forwards)
+        st.sequences += len(ran)
         st.waiting += len(self._fg) + left
-        for f, (_, start, stop), d in zip(forwards, plans, decodes):
+        for (f, (_, start, stop)), d in zip(ran, decodes):
             st.tokens["decode" if d else "prefill"] += stop - start
             st.chunks += f.max_tokens is not None and not d and stop < len(f.target)
         st.quantum_s += time.perf_counter() - t0
