@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-BLOCK = 32  # tokens per indexed block: the least a shared prefix saves
+BLOCK = 16  # tokens per indexed block: the least a shared prefix saves (a system line)
 
 
 class Indexed(Protocol):
