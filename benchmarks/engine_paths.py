@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         chunk_tokens=args.chunk, device=args.device, dtype=args.dtype, backend="torch"))
 
     # -- the session under test: 512 tokens of state, one standing query ----------------
+    # an owner of its own: no other session's KV (the pre-positioned twin's) is a prefix it
+    # starts from, so its cold entry is prefilled whole
     sid = eng.create_session("streaming", system="You read market data.", fast_path="relaxed",
-                             preposition=False)
+                             preposition=False, owner="cold")
     fill_state(eng, sid, rng)
     s = eng.session(sid)
     q = question_for(eng, sid)

@@ -81,14 +81,15 @@ def test_health_and_session_listing(client):
 
 
 def test_three_paths_and_greedy_agreement(client):
-    """Cold on a session that never pre-positions, fast on a standing query's exact match,
+    """Cold on a session that never pre-positions (asked before a twin holds its entry: the
+    twin's KV would be a prefix it starts from), fast on a standing query's exact match,
     fall-through on an ad-hoc question; greedy answers agree across paths."""
     base = create(client, kind="streaming", system=SYSTEM, preposition=False)
-    hot = create(client, kind="streaming", system=SYSTEM, standing_queries=[Q])
     feed(client, base)
+    cold = ask(client, base, Q)
+    hot = create(client, kind="streaming", system=SYSTEM, standing_queries=[Q])
     version = feed(client, hot)
     settle(client, hot)
-    cold = ask(client, base, Q)
     fast = ask(client, hot, Q)
     assert cold["path"] == "cold" and cold["timing"]["cached_tokens"] == 0
     assert fast["path"] == "fast" and fast["match"] == "exact" and fast["version"] == version
