@@ -6,7 +6,8 @@ goes through it, the appends too.
 
     python benchmarks/cluster.py [--ops 600] [--sessions 8] [--kills 3] [--lease 2]
                                  [--front vllm-router|haproxy] [--subscribers 4]
-                                 [--no-client-retries] [--router-defaults] [--full]
+                                 [--conversations N] [--no-client-retries]
+                                 [--router-defaults] [--full]
 
 Part 3 always, parts 1, 2 and 4 with `--full`:
 1. `store_commit_p*_ms`: one journal commit (a delta row, in its transaction), SQLite (the
@@ -17,8 +18,14 @@ Part 3 always, parts 1, 2 and 4 with `--full`:
    interleaved, on kept-alive connections.
 3. Chaos: one client thread per session, its only writer (streaming: appends to a node
    directly, queries through the router; agentic: turns through the router, the conversation
-   sent whole), while the node owning the most sessions is killed (SIGKILL) and restarted,
-   `--kills` times, until `--ops` operations were acknowledged. Every op carries an
+   sent whole), and one per stock conversation (`--conversations`: 8 with `--front haproxy`,
+   else 0), while the node owning the most sessions is killed (SIGKILL) and restarted,
+   `--kills` times, until `--ops` operations (conversation turns included) were
+   acknowledged. A stock conversation is what a stock OpenAI client sends: no session named,
+   its whole history to /v1/chat/completions through the router each turn (the answer
+   appended, then the next user message; a new conversation every 8 turns); a node keeps it
+   as an implicit session, and one that does not keep it hops the turn to the one that does
+   (or answers it itself, prefilling it, where that one is dead). Every op carries an
    `Idempotency-Key`; every client retries 502/503/broken connections with it
    (`prepos.lab.retrying`), or, with `--no-client-retries`, sends once. Then every
    acknowledged commit is looked up in the store (`lost_acked`), the store's versions are
@@ -30,6 +37,19 @@ Part 3 always, parts 1, 2 and 4 with `--full`:
    `unanswered`: failures by where and status.
    `takeover_*`: from the kill to the first answer the new owner served, per session that
    lost its owner. `--router-defaults`: the router without the retry flags, to compare.
+   The store keeps nothing of a stock conversation (the client holds it; a node only caches
+   it), so `lost_acked`, `duplicate_commits` and `stale_answers` are the sessions'; a
+   conversation's turn is one op, sent with one `Idempotency-Key` until it is answered (a
+   retry of an answered turn is replayed its answer), and its 5xx count in `client_5xx` /
+   `router_5xx` / `front_door_5xx` like any op's (`conversation_5xx`: theirs alone). For
+   them: `conversation_turns_acked`; `conversation_turns_unanswered` (a conversation whose
+   last turn is still unanswered after the run, one more try each for up to a minute, as an
+   agentic session's); `conversation_discontinuities` (answers that do not continue the
+   history sent: a turn's `usage.prompt_tokens` not above the previous turn's prompt and
+   answer tokens); and, as information, `conversation_prefix_cached_fraction`: of the
+   turns after a conversation's first, those whose
+   `usage.prompt_tokens_details.cached_tokens` cover the previous turn's whole prompt (the
+   kept conversation was found, on its node or by a hop; after a kill its keeper is gone).
    With `--front haproxy`, `--subscribers` of the sessions (streaming and agentic in turn)
    are followed through the front door by the bundled client (`prepos.lab.following`:
    subscribed again with `Last-Event-ID` wherever a stream ends) from before the first kill
@@ -186,28 +206,35 @@ def fast_path(router: Router | FrontDoor, nodes: list[ServerProc], n: int) -> di
 
 
 class Clients(SessionClients):
-    """Part 3's clients: one thread per session, each op in turn, one writer per session.
-    Turns and queries go through the router (its OpenAI route passes `Idempotency-Key` on and
-    retries); appends go to a node directly (the router's session API routes pass no header
-    on, nor retry), the next node on a refused connection. With `retries`, every op is sent
-    through `prepos.lab.retrying` (502/503/broken connections, one key per op); without, once
-    (a key still sent), its failure logged with its status."""
+    """Part 3's clients: one thread per session, each op in turn, one writer per session,
+    and one per stock conversation (`conversations`: the client's names for them, never
+    sent). Turns, queries and stock turns go through the router (its OpenAI route passes
+    `Idempotency-Key` on and retries); appends go to a node directly (the router's session
+    API routes pass no header on, nor retry), the next node on a refused connection. With
+    `retries`, every op is sent through `prepos.lab.retrying` (502/503/broken connections,
+    one key per op); without, once (a key still sent), its failure logged with its status."""
 
     retry_s = 0.05
 
+    every = 8  # turns of a conversation (agentic or stock) before a new one starts
+
     def __init__(self, router: Router | FrontDoor, nodes: list[ServerProc], streaming: list[str],
-                 agentic: list[str], retries: bool):
-        super().__init__(streaming + agentic)
+                 agentic: list[str], retries: bool, conversations: list[str] = ()):
+        super().__init__(streaming + agentic + list(conversations))
         self.router, self.nodes, self.retries = router, nodes, retries
         self.keys = True  # False (--no-keys): what the store's check finds without them
         self.streaming, self.agentic = streaming, agentic
+        self.sessions, self.conversations = streaming + agentic, list(conversations)
         self.conns = {s: Conn(router.url) for s in self.ops}
         self.entry = {s: i % len(nodes) for i, s in enumerate(self.ops)}
         self.direct = {s: Conn(nodes[self.entry[s]].url) for s in self.ops}
-        self.history: dict[str, list[dict]] = {s: [] for s in agentic}
+        self.history: dict[str, list[dict]] = {s: [] for s in agentic + self.conversations}
+        self.turns: dict[str, list[dict]] = {s: [] for s in self.conversations}  # answered
+        self.at: dict[str, int] = {s: 0 for s in self.ops}  # the op each client is on
         self.appended: dict[str, list[tuple[int, str]]] = {s: [] for s in streaming}
         self.sent_appends: dict[str, list[str]] = {s: [] for s in streaming}
         self.statuses: dict[str, int] = {}  # final statuses of ops not acknowledged
+        self.conversation_statuses: dict[str, int] = {}  # the stock conversations' alone
         self.pending = 0  # 409 idempotency_key_pending: committed by a broken-off attempt
         self.appends_via_router = False  # the front door passes the session API on: True
         self.threads = [threading.Thread(target=self.run, args=(s,), daemon=True)
@@ -217,7 +244,7 @@ class Clients(SessionClients):
         return sum(op["ok"] for ops in self.ops.values() for op in ops)
 
     def send(self, sid: str, path: str, body: dict, via_router: bool, key: str | None = None):
-        h = {"x-session-id": sid}
+        h = {} if sid in self.conversations else {"x-session-id": sid}  # a stock one: none
 
         def once(extra):
             extra = extra if self.keys else {}
@@ -236,31 +263,52 @@ class Clients(SessionClients):
             else:
                 status, head, raw = once({"Idempotency-Key": key or new_key()})
         except (OSError, http.client.HTTPException):
-            name = f"{'router' if via_router else 'node'} connection"
-            self.statuses[name] = self.statuses.get(name, 0) + 1
+            self.unanswered(sid, f"{'router' if via_router else 'node'} connection")
             raise
         if status != 200 and not (status == 409 and b"idempotency_key_pending" in raw):
-            name = f"{'router' if via_router else 'node'} {status}"
-            self.statuses[name] = self.statuses.get(name, 0) + 1
+            self.unanswered(sid, f"{'router' if via_router else 'node'} {status}")
             raise RuntimeError(f"{path} {status}: {raw[:120]!r}")
         return status, head, raw
 
-    def step(self, sid: str, i: int) -> dict:
-        if sid in self.agentic:
-            if i % 8 == 0:  # within the context: start over (rolled back to version 0)
-                self.history[sid] = []
-            user = {"role": "user", "content": f"step {i}: how is it going?"}
-            body = {"model": "trend-reader", "messages": [*self.history[sid], user],
-                    "max_tokens": 3, "on_divergence": "rollback"}
+    def unanswered(self, sid: str, name: str) -> None:
+        for counts in (self.statuses, *([self.conversation_statuses]
+                                        if sid in self.conversations else [])):
+            counts[name] = counts.get(name, 0) + 1
+
+    def chat(self, sid: str, i: int, extra: dict, key: str | None = None) -> tuple[dict, dict]:
+        """A turn of a conversation the client holds whole (an agentic session's or a stock
+        one's): its history and the next user message sent, the answer appended to it."""
+        if i % self.every == 0:  # start over (an agentic session: rolled back to version 0)
+            self.history[sid] = []
+        who = f"{sid} " if sid in self.conversations else ""  # stock ones: none alike
+        user = {"role": "user", "content": f"{who}step {i}: how is it going?"}
+        body = {"model": "trend-reader", "messages": [*self.history[sid], user],
+                "max_tokens": 3, **extra}
+        status, head, raw = self.send(sid, "/v1/chat/completions", body, True, key)
+        if status == 409:  # its user message committed, the answer lost with its node:
+            self.pending += 1  # asked again (a new key): the conversation says what is
             status, head, raw = self.send(sid, "/v1/chat/completions", body, True)
-            if status == 409:  # its user message committed, the answer lost with its node:
-                self.pending += 1  # asked again (a new key): the conversation says what is
-                status, head, raw = self.send(sid, "/v1/chat/completions", body, True)
-                if status != 200:  # there, so nothing is committed twice
-                    raise RuntimeError(f"turn {status}: {raw[:120]!r}")
-            reply = json.loads(raw)
-            self.history[sid] += [user, {"role": "assistant",
-                                         "content": reply["choices"][0]["message"]["content"]}]
+            if status != 200:  # there, so nothing is committed twice
+                raise RuntimeError(f"turn {status}: {raw[:120]!r}")
+        reply = json.loads(raw)
+        self.history[sid] += [user, {"role": "assistant",
+                                     "content": reply["choices"][0]["message"]["content"]}]
+        return head, reply
+
+    def step(self, sid: str, i: int) -> dict:
+        self.at[sid] = i
+        if sid in self.conversations:  # one key for the turn, until it is answered
+            head, reply = self.chat(sid, i, {}, key=f"{sid}-turn-{i}")
+            usage = reply["usage"]
+            self.turns[sid].append({
+                "first": i % self.every == 0, "prompt": usage["prompt_tokens"],
+                "completion": usage["completion_tokens"],
+                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                "replayed": head.get("idempotent-replayed") == "true"})
+            return {"node": head.get("x-prepos-node"), "path": head.get("x-prepos-path"),
+                    "timing": head.get("server-timing"), "version": 0}  # no version kept
+        if sid in self.agentic:
+            head, reply = self.chat(sid, i, {"on_divergence": "rollback"})
             version = reply["prepos"]["version"]
         elif i % 2 == 0:
             data = f"{sid} tick {i}"
@@ -297,7 +345,7 @@ def duplicates(journal: Journal, c: Clients) -> dict[str, int]:
     newest message of two versions, or a turn's user message twice in one version's
     conversation."""
     dup = {}
-    for sid in c.ops:
+    for sid in c.sessions:
         history = journal.load_one(sid)[2]
         n = 0
         if sid in c.agentic:
@@ -330,12 +378,13 @@ def steps(nodes: list[ServerProc], sid: str, start: float, end: float) -> list:
 
 def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops: int,
           lease: float, sessions: int, kills_n: int, retries: bool, keys: bool = True,
-          subscribers: int = 0) -> dict:
+          subscribers: int = 0, conversations: int = 0) -> dict:
     streaming = [f"st-{i}" for i in range(sessions // 2)]
     agentic = [f"ag-{i}" for i in range(sessions - sessions // 2)]
     for i, sid in enumerate(streaming + agentic):
         make_session(nodes[i % 3].url, sid, "streaming" if sid in streaming else "agentic")
-    c = Clients(router, nodes, streaming, agentic, retries)
+    c = Clients(router, nodes, streaming, agentic, retries,
+                [f"cv-{i}" for i in range(conversations)])
     c.keys = keys
     c.appends_via_router = isinstance(router, FrontDoor)
     followers = following(router, streaming, agentic, subscribers)
@@ -350,9 +399,9 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
             log(f"kill {cycle + 1} after {c.acked()} ops")
             before = owners(pg.url)
             alive = {f"n{i}" for i, p in enumerate(nodes) if p.proc is not None}
-            counts = {n: sum(1 for s in c.ops if before.get(s) == n) for n in alive}
+            counts = {n: sum(1 for s in c.sessions if before.get(s) == n) for n in alive}
             victim = max(counts, key=counts.get)
-            affected = [s for s in c.ops if before.get(s) == victim]
+            affected = [s for s in c.sessions if before.get(s) == victim]
             proc = nodes[int(victim[1:])]
             t_kill, wall_kill = time.monotonic(), time.time()
             proc.proc.send_signal(signal.SIGKILL)
@@ -378,18 +427,19 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
         c.stop.set()
         for t in c.threads:
             t.join(90)
-    for sid in agentic:  # settle each agentic session's last turn if it failed
-        while not c.ops[sid][-1]["ok"]:
-            try:
-                c.ops[sid].append({"sent": time.monotonic(), "ok": True, "floor": 0,
-                                   **c.step(sid, 10_000)})
+    for sid in agentic + c.conversations:  # settle each conversation's last turn if it
+        settle = time.monotonic() + 60  # failed (an agentic one starts over, a stock one
+        while c.ops[sid] and not c.ops[sid][-1]["ok"] and time.monotonic() < settle:
+            try:  # asks its turn again)
+                c.ops[sid].append({"sent": time.monotonic(), "ok": True, "floor": 0, **c.step(
+                    sid, 10_000 if sid in agentic else c.at[sid])})
             except Exception:
                 time.sleep(0.2)
             c.ops[sid][-1].setdefault("done", time.monotonic())
     journal = Journal(Database(pg.url, migrate=False))
     sse = followed(journal, followers)
     lost = 0
-    for sid in c.ops:
+    for sid in c.sessions:
         stored = journal.load_one(sid)[2][-1][1]
         if sid in agentic:
             want = [(m["role"], m["content"]) for m in c.history[sid]]
@@ -400,11 +450,15 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
             lost += sum(1 for v, d in c.appended[sid]
                         if v not in kept or not has(kept[v][-1]["content"], d))
     all_ops = [op for ops in c.ops.values() for op in ops]
-    stale = sum(1 for op in all_ops if op["ok"] and op["version"] < op["floor"])
+    stale = sum(1 for sid in c.sessions for op in c.ops[sid]
+                if op["ok"] and op["version"] < op["floor"])
     dead = takeovers = 0
     takeover_s: list[float] = []
     asked_after: list[float] = []  # the same, counting only ops sent after the kill
     for k in kills:
+        dead += sum(1 for sid in c.conversations for op in c.ops[sid]  # no owner: any node
+                    if op["ok"] and op["node"] == k["victim"]
+                    and k["t_dead"] <= op["sent"] and op["done"] < k["t_restart"])
         for sid in k["affected"]:
             later = [op for op in c.ops[sid] if op["ok"] and op["sent"] >= k["t_kill"]]
             dead += sum(1 for op in later if op["node"] == k["victim"]
@@ -461,7 +515,39 @@ def chaos(pg: Postgres, router: Router | FrontDoor, nodes: list[ServerProc], ops
             "takeover_asked_after_kill_p99_s": summarize(asked_after)["p99_ms"] / 1e3,
             "takeovers": takeovers, "takeover_p50_s": tk["p50_ms"] / 1e3,
             "takeover_p99_s": tk["p99_ms"] / 1e3, "takeover_max_s": max(takeover_s),
-            "lease_s": lease, **sse}
+            "lease_s": lease, **sse, **stock(c)}
+
+
+def stock(c: Clients) -> dict:
+    """The stock conversations' turns: answered, continuing their history, their prefix
+    found cached (information: a kill takes the node that kept a conversation)."""
+    if not c.conversations:
+        return {"conversations": 0}
+    after, cached, broken = 0, 0, 0
+    for turns in c.turns.values():
+        for prev, turn in zip(turns, turns[1:]):
+            if turn["first"]:
+                continue
+            after += 1
+            cached += turn["cached"] >= prev["prompt"]
+            broken += turn["prompt"] <= prev["prompt"] + prev["completion"]
+    turns = [t for ts in c.turns.values() for t in ts]
+    answered_by: dict[str, int] = {}
+    for sid in c.conversations:
+        for op in c.ops[sid]:
+            if op["ok"]:
+                answered_by[op["node"] or "none"] = answered_by.get(op["node"] or "none", 0) + 1
+    return {"conversations": len(c.conversations), "conversation_turns_acked": len(turns),
+            "conversation_turns_unanswered": sum(
+                1 for sid in c.conversations if c.ops[sid] and not c.ops[sid][-1]["ok"]),
+            "conversation_5xx": sum(v for k, v in c.conversation_statuses.items()
+                                    if k.split()[-1][:1] == "5"),
+            "conversation_unanswered": c.conversation_statuses,
+            "conversation_discontinuities": broken,
+            "conversation_replayed": sum(t["replayed"] for t in turns),
+            "conversation_prefix_cached_fraction": cached / after if after else None,
+            "conversation_turns_after_first": after,
+            "conversation_answered_by": answered_by}  # x-prepos-node, where one was sent
 
 
 def following(front: Router | FrontDoor, streaming: list[str], agentic: list[str],
@@ -568,6 +654,9 @@ def main() -> int:
                     "the port after the nodes')")
     ap.add_argument("--subscribers", type=int, default=4, help="sessions followed over SSE "
                     "through the front door (--front haproxy only)")
+    ap.add_argument("--conversations", type=int, default=None, help="stock conversations "
+                    "(no session named, the history sent whole to /v1/chat/completions) "
+                    "beside the sessions (default: 8 with --front haproxy, else 0)")
     ap.add_argument("--router-defaults", action="store_true", help="the router with its "
                     "health flags only (its own retry defaults), to compare")
     ap.add_argument("--full", action="store_true", help="also parts 1, 2 and 4 (commit "
@@ -621,7 +710,9 @@ def main() -> int:
                 "store_commit_p50_ms": {k: v["p50_ms"] for k, v in commits.items()},
                 "store_commit": commits})
         result = chaos(pg, router, nodes, args.ops, args.lease, args.sessions, args.kills,
-                       not args.no_client_retries, not args.no_keys, args.subscribers)
+                       not args.no_client_retries, not args.no_keys, args.subscribers,
+                       args.conversations if args.conversations is not None
+                       else 8 if args.front == "haproxy" else 0)
         log("chaos done")
         if args.full:
             sids = [f"st-{i}" for i in range(args.sessions // 2)]
