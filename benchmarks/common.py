@@ -12,7 +12,9 @@ import os
 import platform
 import random
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -221,3 +223,33 @@ def read_chat_stream(r, url: str, times: list[float]) -> tuple[dict | None, dict
         usage = chunk.get("usage") or usage
         last = chunk
     return usage, last
+
+
+def together(n: int, work: Callable[[int, threading.Barrier], None], what: str,
+             timeout: float = 300) -> float:
+    """`work(i, barrier)` on n threads that each wait at `barrier` before their requests, so
+    all start together; returns that start (perf_counter). One that fails breaks the barrier
+    for the rest; the first failure that is not a broken barrier is raised, naming `what`."""
+    start: list[float] = []
+    failed: list[BaseException] = []
+    barrier = threading.Barrier(n, action=lambda: start.append(time.perf_counter()),
+                                timeout=timeout)
+
+    def run(i: int) -> None:
+        try:
+            work(i, barrier)
+        except BaseException as exc:  # the others then leave the barrier (broken) too
+            failed.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)),
+                 failed[0] if failed else None)
+    if first is not None:
+        raise RuntimeError(f"{what} failed: {first!r}") from first
+    return start[0]
+

@@ -81,7 +81,15 @@ from long_context import WORDS  # noqa: E402
 from stock_clients import KEYS, metrics, ratio, resolve, start_prepos, stop  # noqa: E402
 from token_cadence import TOPICS, Arm  # noqa: E402
 
-from common import RESULTS, machine, metric_samples, percentile, read_chat_stream, write  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    machine,
+    metric_samples,
+    percentile,
+    read_chat_stream,
+    together,
+    write,
+)
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
 from prepos.config import EngineConfig  # noqa: E402
 
@@ -141,12 +149,8 @@ def run_clients(url: str, key: str | None, n: int, per_client: int, max_tokens: 
     model = httpx.get(url + "/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
     got: list[list[dict]] = [[] for _ in range(n)]
     ended = [0.0] * n
-    start: list[float] = []
-    failed: list[BaseException] = []
-    barrier = threading.Barrier(n, action=lambda: start.append(time.perf_counter()),
-                                timeout=300)
 
-    def client(c: int) -> None:
+    def client(c: int, barrier: threading.Barrier) -> None:
         try:
             with httpx.Client(timeout=httpx.Timeout(1800.0, connect=60.0)) as http:
                 barrier.wait()
@@ -154,22 +158,12 @@ def run_clients(url: str, key: str | None, n: int, per_client: int, max_tokens: 
                     got[c].append(one_request(http, url, model,
                                               prompt(max_tokens, n, c, r, words),
                                               max_tokens, key))
-        except BaseException as exc:  # the barrier broke, or worse: the case fails
-            failed.append(exc)
-            barrier.abort()
-        ended[c] = time.perf_counter()
+        finally:
+            ended[c] = time.perf_counter()
 
     cpu0 = time.process_time()
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    first = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)),
-                 failed[0] if failed else None)
-    if first is not None:
-        raise RuntimeError(f"a client of {n} failed: {first!r}") from first
-    return [q for c in got for q in c], max(ended) - start[0], time.process_time() - cpu0
+    start = together(n, client, f"a client of {n}")
+    return [q for c in got for q in c], max(ended) - start, time.process_time() - cpu0
 
 
 # -- the figures (pure: tests/bench/test_concurrency_bench.py) ------------------------------

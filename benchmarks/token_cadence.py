@@ -83,6 +83,7 @@ from common import (  # noqa: E402
     machine,
     percentile,
     read_chat_stream,
+    together,
     turn_gaps,
     write,
 )
@@ -148,27 +149,12 @@ def four_at_once(url: str, args, key: str | None) -> tuple[list[dict], float]:
     how they overlap is the same each group): their gaps, and the wall time until the last
     ends from then."""
     got: list[dict] = [{}] * 4
-    sent: list[float] = []
-    failed: list[BaseException] = []
-    start = threading.Barrier(4, action=lambda: sent.append(time.perf_counter()), timeout=120)
 
-    def go(j: int) -> None:
-        try:
-            got[j] = one_stream(url, j, args.max_tokens, key, start)
-        except BaseException as exc:  # the others then leave the barrier (broken) too
-            failed.append(exc)
-            start.abort()
+    def go(j: int, start: threading.Barrier) -> None:
+        got[j] = one_stream(url, j, args.max_tokens, key, start)
 
-    threads = [threading.Thread(target=go, args=(j,)) for j in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    first = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)),
-                 failed[0] if failed else None)
-    if first is not None:
-        raise RuntimeError(f"a stream of four at once failed: {first!r}") from first
-    return got, time.perf_counter() - sent[0]
+    sent = together(4, go, "a stream of four at once", timeout=120)
+    return got, time.perf_counter() - sent
 
 
 class RawHttp:
