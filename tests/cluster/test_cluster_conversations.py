@@ -98,6 +98,38 @@ def test_a_conversation_is_continued_by_its_node_through_another(nodes):
     assert hops(b) == before + 2 and cached(third) >= second.usage.prompt_tokens
 
 
+def test_a_keyed_request_answered_through_another_node_is_replayed_once(nodes):
+    """A stock client's request with an Idempotency-Key that lands on a node not keeping its
+    conversation: answered by the node that keeps it (one hop), streamed and not; the same
+    key again is that first answer, replayed (that node recorded it), never a 500."""
+    a, b = nodes
+    msgs = [{"role": "system", "content": "ACME 50 51 53, BOLT 2 2 1. One word."},
+            {"role": "user", "content": "BOLT up or down?"}]
+    n = published(a)
+    ask(a, msgs)
+    wait_published(a, n)
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    for stream in (False, True):
+        msgs.append({"role": "user", "content": f"And ACME, streamed {stream}?"})
+        body = {"model": "trend-reader", "messages": msgs, "max_tokens": 3, "stream": stream}
+        headers = {**auth, "Idempotency-Key": f"hop-{stream}"}
+        before = hops(b)
+        first = httpx.post(b.url + "/v1/chat/completions", json=body, headers=headers,
+                           timeout=120)
+        assert first.status_code == 200, first.text
+        assert hops(b) == before + 1  # answered by a
+        again = httpx.post(b.url + "/v1/chat/completions", json=body, headers=headers,
+                           timeout=120)
+        assert again.status_code == 200, again.text
+        assert again.headers.get("idempotent-replayed") == "true"
+        assert again.content == first.content
+        if not stream:
+            msgs.append(first.json()["choices"][0]["message"])
+            wait_published(a, n + 1)
+        else:
+            msgs.pop()
+
+
 def owned(node) -> int:
     return httpx.get(node.url + "/health", timeout=30).json()["cluster"]["owned"]
 

@@ -245,4 +245,10 @@ async def hop(state, request: Request, owner: str | None, tools: list[dict],
             await upstream.aclose()
 
     out = {k: v for k, v in upstream.headers.items() if k.encode() not in HOP}
-    return StreamingResponse(body(), status_code=upstream.status_code, headers=out)
+    return Relayed(body(), status_code=upstream.status_code, headers=out)
+
+
+class Relayed(StreamingResponse):
+    """Another node's answer streamed through this one. That node ran the request, so it
+    records the result for the request's `Idempotency-Key` (sent on with the request);
+    this node records nothing of it."""
