@@ -78,8 +78,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from long_context import WORDS  # noqa: E402
-from stock_clients import KEYS, metrics, ratio, resolve, start_prepos, stop  # noqa: E402
-from token_cadence import TOPICS, Arm  # noqa: E402
+from stock_clients import KEYS, metrics, ratio, resolve, start_prepos  # noqa: E402
+from token_cadence import TOPICS, Arm, stop_pair  # noqa: E402
 
 from common import (  # noqa: E402
     RESULTS,
@@ -384,13 +384,7 @@ def run_n(n: int, max_tokens: list[int], args, served: str, gguf: Path, binary: 
                           "prepos": p, "llama_server": q, **ratios(p, q)})
         return cases, kv
     finally:
-        for server in (proc, llama and llama.proc):
-            if server is not None and server.poll() is None:
-                server.send_signal(signal.SIGCONT)  # a paused one takes its SIGTERM
-        if proc is not None:
-            stop(proc)
-        if llama is not None:
-            llama.stop()
+        stop_pair(proc, llama)
 
 
 def value_of(argv: list[str], flag: str, default):

@@ -503,6 +503,18 @@ def ratios(p: dict, ls: dict) -> dict:
     return out
 
 
+def stop_pair(proc, llama: LlamaServer | None) -> None:
+    """Stop prepos (`proc`) and llama-server, either possibly paused (SIGSTOP) or not
+    started (None): a paused one is continued first, so it takes its SIGTERM."""
+    for server in (proc, llama and llama.proc):
+        if server is not None and server.poll() is None:
+            server.send_signal(signal.SIGCONT)
+    if proc is not None:
+        stop(proc)
+    if llama is not None:
+        llama.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -549,13 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                 theirs.serve(llama.url, llama.proc.pid)
                 one_round((ours, theirs), args, local, runs)
             finally:
-                for server in (proc, llama and llama.proc):
-                    if server is not None and server.poll() is None:
-                        server.send_signal(signal.SIGCONT)  # a paused one takes its SIGTERM
-                if proc is not None:
-                    stop(proc)
-                if llama is not None:
-                    llama.stop()
+                stop_pair(proc, llama)
         mine, peer = ours.summaries(), theirs.summaries()
         out["rounds"] = args.rounds
         for case in sorted(local):
