@@ -89,9 +89,7 @@ class KeyedRequests:
                                *([k.lower(), v] for k, v in err.headers.items())]
                     await self._finish(a, err.status, headers, body.encode())
                 raise err from None
-            if isinstance(response, Relayed):  # the node that ran it records it
-                response.body_iterator = self._passed(a, response.body_iterator)
-                handed = True
+            if isinstance(response, Relayed):  # the node running it holds and records the key
                 return response
             if getattr(response, "chunks", None) is not None:  # an sse.EventStream
                 response.chunks = self._relay(state, a, response, response.chunks)
@@ -115,14 +113,6 @@ class KeyedRequests:
         finally:
             if not handed:
                 self._end(a)
-
-    async def _passed(self, a: Attempt, chunks):
-        """Another node's answer as it goes; the attempt here ends with it."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self._end(a)
 
     async def _relay(self, state, a: Attempt, response, chunks):
         """The stream's chunks as they go; recorded whole at its end, unless its client left
