@@ -142,6 +142,9 @@ class EngineConfig:
     # (a long one in chunks) in the rest, as llama-server's -b and vLLM's
     # --max-num-batched-tokens bound theirs (`prepos.worker.scheduler`)
     batch_tokens: int = 2048
+    # a step from idle waits at most this long for requests still on their way into the
+    # engine, so requests sent together start in one step (`prepos.worker.scheduler`)
+    batch_wait_ms: float = 50.0
     max_sequences: int = 256  # llama.cpp: sessions holding a KV at once (at most 256)
     # llama.cpp: "unified" (one pool: a session may use all of it, every step scans every
     # session's cells) or "streams" (kv_cells / max_sequences per session, scanned alone)

@@ -45,7 +45,7 @@ class Engine(Mutations, Requests, EngineView):
         self.sessions = SessionStore(config.max_sessions if backend.holds_tiers else min(
             config.max_sessions, backend.max_sessions or SessionStore.DEFAULT_MAX))
         self.scheduler = Scheduler(config.workers, config.idle_workers, backend.max_batch,
-                                   config.batch_tokens)
+                                   config.batch_tokens, config.batch_wait_ms / 1e3)
         t = config.tiers
         self.pool = KVPool(backend, min(config.budget.engine_cells,
                                         backend.kv_cells or config.budget.engine_cells),

@@ -7,6 +7,7 @@ A mixin of `Engine` (`facade.py`), whose `__init__` sets what it uses."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -20,6 +21,17 @@ from prepos.engine.session import HEADER, TURN, Session, query_key
 from prepos.engine.session_spec import AGENTIC, STREAMING, SessionSpec
 from prepos.engine.view import DEFAULT
 from prepos.errors import Conflict, InvalidInput, PreposError
+
+
+def arriving(entry):
+    """An entry that submits a request's task, counted as arriving until it returns: a step
+    from idle waits for it (`Scheduler.arriving`), so requests sent together start
+    together."""
+    @functools.wraps(entry)
+    def counted(self, *args, **kwargs):
+        with self.scheduler.arriving():
+            return entry(self, *args, **kwargs)
+    return counted
 
 
 class Requests:
@@ -70,6 +82,7 @@ class Requests:
                                     gap=header.gap if header is not None else None,
                                     on_finish=evidence)
 
+    @arriving
     def turn(self, sid: str, user: str | None = None, req: Request = DEFAULT) -> Stream:
         """Agentic: commit `user` (if given), generate the assistant turn, commit it. A turn
         that ends in a tool call leaves the session awaiting a tool result. With
@@ -77,6 +90,7 @@ class Requests:
         return self._agentic(sid, {"role": "user", "content": user} if user is not None else None,
                              req)
 
+    @arriving
     def tool_result(self, sid: str, content: str, req: Request = DEFAULT) -> Stream:
         """Agentic: commit a tool result, resume delta-only from the pre-positioned envelope."""
         return self._agentic(sid, {"role": "tool", "content": content}, req)
@@ -137,6 +151,7 @@ class Requests:
 
         return commit
 
+    @arriving
     def complete(self, sid: str, prompt: str | Sequence[int], req: Request = DEFAULT) -> Stream:
         """Raw completion: continue `prompt` exactly as given (text, tokenized with no chat
         template, or token ids taken as they are) on the session's KV, without touching its
@@ -149,16 +164,24 @@ class Requests:
         return self.answers.prefill(s, seq, len(snap.tokens), snap.version, ready, sampling,
                                     req.logprobs, t0, prompt_logprobs=req.prompt_logprobs)
 
+    def arrival(self) -> Callable[[], None]:
+        """A caller's request on its way into an entry (a server's, from its bytes until the
+        entry returns): a step from idle waits for it, at most `batch_wait_ms`, so requests
+        sent together start together. Returns what says it has arrived (idempotent)."""
+        return self.scheduler.arrival()
+
     # == a conversation sent whole (engine/chat_plan.py) ================================
     def plan_chat(self, sid: str, messages: list[dict], rollback: bool = False) -> ChatPlan:
         """Where a whole conversation meets agentic session `sid`, before anything changes:
         ConversationError where it diverges (unless `rollback`) or is out of order."""
         return chat_plan.plan(self, sid, messages, rollback)
 
+    @arriving
     def chat(self, plan: ChatPlan, req: Request = DEFAULT) -> Stream:
         """Commit what `plan` says the session lacks, then answer (a turn or a tool result)."""
         return chat_plan.carry_out(self, plan, req)
 
+    @arriving
     def converse(self, owner: str | None, messages: list[dict], tools: Sequence[dict] = (),
                  req: Request = DEFAULT) -> Stream:
         """A stock client's conversation, sent whole with no session named: continued on the

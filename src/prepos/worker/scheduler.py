@@ -23,6 +23,15 @@ whole. Idle tasks run by `priority`, highest first (what the work is
 worth: the engine gives a pre-position its session's chance of being asked before its next
 update), in turn among equals. The workers own the KV caches: only tasks touch them.
 
+Requests sent together start together (`batch_wait`): a foreground step that would start
+from idle (no foreground task in flight, every one it takes new) waits while other requests
+are still on their way into the engine (`arriving`: between an engine entry and its task's
+submission, rendering, tokenizing, committing), until none is or `batch_wait` has passed
+since the oldest was submitted. Without it, a burst of requests reaches the worker over
+several milliseconds, the first few start decoding alone, and the next step's prompts
+stall them (a mixed step of every other prompt). Nothing else waits: a single request
+finds nothing arriving, and a step with work in flight never waits.
+
 A bare `yield` ends the quantum only where another task is queued that the worker would run
 instead: a task alone goes on (a relayed stream reads its next token, housekeeping its next
 unit, without a pass through the queues).
@@ -40,6 +49,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Generator
 
@@ -132,7 +142,7 @@ class Scheduler:
     once."""
 
     def __init__(self, workers: int = 1, idle_workers: int | None = None, max_batch: int = 1,
-                 max_batch_tokens: int = 512) -> None:
+                 max_batch_tokens: int = 512, batch_wait: float = 0.0) -> None:
         if workers < 1 or max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("workers, max_batch and max_batch_tokens must be >= 1")
         self._fg: deque[Task] = deque()
@@ -150,6 +160,8 @@ class Scheduler:
         self._idle_cap = idle_workers or workers
         self._max_batch = max_batch
         self._max_batch_tokens = max_batch_tokens
+        self._batch_wait = batch_wait  # seconds a step from idle waits for arrivals, at most
+        self._arriving = 0  # requests between an engine entry and their task's submission
         self._chunks = workers == 1  # a long forward shares steps (see the module's doc)
         self._stopped = False
         # idle work queued when the queues run empty after other work (None: none)
@@ -185,6 +197,43 @@ class Scheduler:
             heapq.heappush(self._idle, (-task.priority, next(self._turns), task))
         else:
             self._fg.append(task)
+
+    def arrival(self) -> Callable[[], None]:
+        """A request on its way to a task (an engine entry, or a server's request until its
+        entry returns): a step from idle waits for it (see the module's doc). Returns what
+        says it has arrived (or failed), idempotent."""
+        with self._cv:
+            self._arriving += 1
+        done = False
+
+        def arrived() -> None:
+            nonlocal done
+            with self._cv:
+                if done:
+                    return
+                done = True
+                self._arriving -= 1
+                if not self._arriving:
+                    self._cv.notify_all()
+        return arrived
+
+    @contextmanager
+    def arriving(self):
+        """`arrival` around a block: an entry that submits its request's task."""
+        arrived = self.arrival()
+        try:
+            yield
+        finally:
+            arrived()
+
+    def _gather(self, batch: list[Task]) -> float:
+        """Seconds this foreground step waits for requests still arriving (under the lock):
+        0 unless it starts from idle and some are (see the module's doc)."""
+        if (not self._arriving or batch[0].idle or self._batch_wait <= 0
+                or self._fg_pending != len(batch) + len(self._fg)
+                or any(t.started is not None for t in itertools.chain(batch, self._fg))):
+            return 0.0
+        return min(t.submitted for t in batch) + self._batch_wait - time.perf_counter()
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self._fg), len(self._idle)
@@ -259,8 +308,15 @@ class Scheduler:
         while True:
             with self._cv:
                 batch: list[Task] = []
-                while not self._stopped and not (batch := self._take()):
-                    self._cv.wait()
+                while not self._stopped:
+                    if not (batch := self._take()):
+                        self._cv.wait()
+                        continue
+                    if (wait := self._gather(batch)) <= 0:
+                        break
+                    self._fg.extendleft(reversed(batch))  # taken again with the arrivals
+                    batch = []
+                    self._cv.wait_for(lambda: self._stopped or not self._arriving, wait)
                 if self._stopped:
                     for task in batch:
                         if task.idle:

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from prepos.engine import STREAMING
+from prepos.server.http.arrival import arriving
 from prepos.server.http.cluster_front import HEADER, SESSION_ID, ClusterFront
 from prepos.server.http.cross_site import CrossSite
 from prepos.server.http.errors import ApiError, as_api_error
@@ -169,9 +170,15 @@ class App(FastAPI):
         await self.front(scope, receive, send, self._serve)
 
     async def _serve(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
         line = self.fast_route
-        if line is not None and scope["type"] == "http":
+        if line is not None:
             taken = line.take(scope)
             if taken is not None:
                 return await line.answer(scope, receive, send, *taken)
-        await super().__call__(scope, receive, send)
+        done = arriving(scope, self.state.prepos.loaded)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            done()

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prepos.engine import conversation_keys
+from prepos.server.http.arrival import arrived
 from prepos.server.http.errors import ApiError
 from prepos.server.names import public
 from prepos.server.store.database import Database
@@ -221,6 +222,7 @@ async def hop(state, request: Request, owner: str | None, tools: list[dict],
         return None
     if url is None:
         return None
+    arrived(request.scope)  # its work is another node's
     import httpx
 
     client = cluster.forwarder.client()

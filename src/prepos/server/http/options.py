@@ -86,6 +86,11 @@ def parser() -> argparse.ArgumentParser:
                    "then prompts in the rest, a long one in chunks (default %(default)s; as "
                    "llama-server's -b). Smaller: a decoding stream waits less behind a "
                    "prompt, prompts take longer")
+    p.add_argument("--batch-wait-ms", type=float, default=EngineConfig.batch_wait_ms,
+                   help="a step that would start from idle waits at most this long for the "
+                   "chat, Responses and Messages requests still being read, so requests "
+                   "sent together start in one step (default %(default)s; 0: never wait). "
+                   "A lone request never waits")
     p.add_argument("--kv-sequences", type=int, default=EngineConfig.max_sequences,
                    help="llama.cpp: sessions holding a KV at once (at most 256)")
     p.add_argument("--kv-layout", default=EngineConfig.kv_layout, choices=KV_LAYOUTS,
@@ -262,6 +267,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                              f"{getattr(args, flag)}")
     if args.batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
+    if not 0 <= args.batch_wait_ms <= 10_000:
+        raise ValueError(f"--batch-wait-ms must be between 0 and 10000, got "
+                         f"{args.batch_wait_ms}")
     if not 0 < args.responses_ttl < float("inf"):
         raise ValueError(f"--responses-ttl must be a number of seconds > 0, got "
                          f"{args.responses_ttl}")
@@ -276,7 +284,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(device=args.device, dtype=args.dtype, threads=args.threads,
                           backend=args.backend, kv_cells=args.kv_cells,
                           max_sequences=args.kv_sequences, kv_layout=args.kv_layout,
-                          batch_tokens=args.batch_tokens,
+                          batch_tokens=args.batch_tokens, batch_wait_ms=args.batch_wait_ms,
                           kv_idle_cells=None if args.kv_idle_cells < 0 else args.kv_idle_cells,
                           tiers=TierConfig(**({} if args.kv_ram is None
                                               else {"ram_bytes": args.kv_ram}),

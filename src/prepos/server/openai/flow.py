@@ -32,6 +32,7 @@ from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
+from prepos.server.http.arrival import entered
 from prepos.server.http.errors import ApiError
 from prepos.server.http.idempotency import attempt_of
 from prepos.server.http.request_bodies import ChatCompletion, Completion
@@ -64,6 +65,7 @@ class ChatCall:
         self.state = state
         self.receive = request.receive  # a client that leaves cancels its stream
         self.origin = attempt_of(request)  # handed to the engine with every commit
+        self.scope = request.scope  # its arrival ends once its engine entry returns
         self.body = body
         self.sampling = sampling
         self.logprobs = bool(body.logprobs)
@@ -132,7 +134,7 @@ class ChatCall:
             for i in range(self.n):
                 sampling = choice_sampling(self.sampling, i)
                 sid, stream = await self.state.run(
-                    self.state.admission.start_ephemeral, eng, spec,
+                    entered(self.scope, self.state.admission.start_ephemeral), eng, spec,
                     lambda sid, sp=sampling: eng.turn(sid, None, self._req(sp, "off")),
                     [(0, msgs)])
                 sids.append(sid)
@@ -152,8 +154,8 @@ class ChatCall:
         self.sampling = self._session_sampling(eng, None, tools, msgs)
         req = self._req(self.sampling, self.body.fast_path)
         self.state.backpressure(eng)
-        stream = await self.state.run(self.state.admission.with_room, eng,
-                                      lambda: eng.converse(owner, msgs, tools, req))
+        stream = await self.state.run(entered(self.scope, self.state.admission.with_room),
+                                      eng, lambda: eng.converse(owner, msgs, tools, req))
         return await self._respond([stream], None, agentic=True,
                                    tools=bool(tools) and self.choice != "none")
 
@@ -210,7 +212,8 @@ class ChatCall:
                                             self._req(choice_sampling(self.sampling, i))))
             return streams[-1]
 
-        sid, _ = await self.state.run(self.state.admission.start_ephemeral, eng, spec, start)
+        sid, _ = await self.state.run(entered(self.scope, self.state.admission.start_ephemeral),
+                                      eng, spec, start)
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
                                    cleanup=lambda: self.state.admission.close_after(
                                        eng, streams[-1], sid),
@@ -237,7 +240,8 @@ class ChatCall:
             req = self._req(choice_sampling(self.sampling, i), mode)
             streams.append(await self.state.start_exact(
                 eng, s.id, query_key(question), req,
-                lambda req=req: eng.query(s.id, question, req), len(question)))
+                entered(self.scope, lambda req=req: eng.query(s.id, question, req)),
+                len(question)))
         return await self._respond(streams, s.id, agentic=False, tools=False)
 
     def _session_sampling(self, eng, sid: str | None, tools, msgs: list[dict]) -> SamplingParams:
@@ -282,10 +286,10 @@ class ChatCall:
                 self.state.will_be_fast(eng, s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
                 or self.body.stream and eng.serves_exact(s.id, TURN, req)):
-            stream = await self.state.committing(eng.chat, plan, req)
+            stream = await self.state.committing(entered(self.scope, eng.chat), plan, req)
         else:
             self.state.backpressure(eng)
-            stream = await self.state.run(eng.chat, plan, req)
+            stream = await self.state.run(entered(self.scope, eng.chat), plan, req)
         return await self._respond([stream], s.id, agentic=True, tools=tools,
                                    cleanup=cleanup and (lambda: cleanup(stream)))
 

@@ -1,0 +1,108 @@
+"""Requests sent together start together: a step that would start from idle waits, at most
+`batch_wait_ms`, for requests still on their way into the engine (`Engine.arrival`), and a
+step with work in flight never waits. What each step carried is read at the scheduler; no
+outcome depends on timing."""
+
+from __future__ import annotations
+
+import time
+
+from tests.worker.test_chunked_prefill import SYSTEM, no_end, record_steps
+
+QUESTION = "Which way is ACME moving?"
+
+
+def sessions(eng, n: int) -> list[str]:
+    return [eng.create_session("streaming", system=SYSTEM, preposition=False)
+            for _ in range(n)]
+
+
+def first_step_with(log, sid: str) -> int:
+    return next(i for i, step in enumerate(log) if any(k == sid for k, _, _ in step))
+
+
+def test_a_step_from_idle_waits_for_the_requests_arriving_beside_it(make_engine, monkeypatch):
+    eng = make_engine("chatml", batch_wait_ms=600_000)  # bounded by the arrival alone
+    a, b = sessions(eng, 2)
+    log = record_steps(eng, monkeypatch)
+    arrival = eng.arrival()  # a request on its way in (a server's, being read)
+    first = eng.query(a, QUESTION, no_end(eng, 4))
+    time.sleep(0.2)  # the worker holds `a`'s step while the other request arrives
+    assert not log
+    second = eng.query(b, QUESTION, no_end(eng, 4))
+    arrival()
+    arrival()  # idempotent
+    first.result(timeout=120), second.result(timeout=120)
+    if eng.backend.max_batch >= 2:  # one step, both prompts
+        assert first_step_with(log, a) == first_step_with(log, b) == 0
+    else:  # a step a session: both prompts before either decodes
+        assert {first_step_with(log, a), first_step_with(log, b)} == {0, 1}
+
+
+def test_nothing_waits_for_an_arrival_while_work_is_in_flight(make_engine, monkeypatch):
+    eng = make_engine("chatml", batch_wait_ms=600_000)
+    a, b = sessions(eng, 2)
+    log = record_steps(eng, monkeypatch)
+    running = eng.query(a, QUESTION, no_end(eng, 48))
+    while not log:  # `a` is in flight
+        time.sleep(0.01)
+    arrival = eng.arrival()  # never arrives while these run
+    try:
+        joined = eng.query(b, QUESTION, no_end(eng, 4))
+        joined.result(timeout=120), running.result(timeout=120)
+    finally:
+        arrival()
+    assert first_step_with(log, b) > 0
+
+
+def test_the_wait_is_bounded(make_engine, monkeypatch):
+    eng = make_engine("chatml", batch_wait_ms=50)
+    (a,) = sessions(eng, 1)
+    arrival = eng.arrival()  # a request that never comes
+    try:
+        assert eng.query(a, QUESTION, no_end(eng, 4)).result(timeout=120).tokens
+    finally:
+        arrival()
+
+
+def test_an_entry_counts_as_arriving_until_it_returns(make_engine):
+    eng = make_engine("chatml", batch_wait_ms=600_000)
+    sid = eng.create_session("agentic", system=SYSTEM, preposition=False)
+    # the turn's own entry submits its task before it returns: its step does not wait for
+    # the entry's own count (bounded by nothing here but the entry's return)
+    assert eng.turn(sid, "hello", no_end(eng, 2)).result(timeout=120).tokens
+    assert eng.scheduler._arriving == 0
+
+
+def test_every_counted_route_ends_its_arrival(model_dirs):
+    """Through the app: chat (streamed and not, stateless, on a session, refused), Responses
+    and Messages each end the request's arrival, so no later step waits for it."""
+    from starlette.testclient import TestClient
+
+    from prepos.config import EngineConfig
+    from prepos.server.http.app import create_app
+    from prepos.server.http.state import ServerConfig
+
+    app = create_app(ServerConfig(model=model_dirs["chatml"], engine=EngineConfig(
+        backend="torch", threads=2, batch_wait_ms=600_000)))
+    with TestClient(app, base_url="http://localhost") as c:
+        deadline = time.monotonic() + 120
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
+        eng = app.state.prepos.loaded
+        msgs = [{"role": "user", "content": "hi"}]
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        sid = c.post("/sessions", json={"kind": "agentic"}).json()["id"]
+        calls = [("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}, {}),
+                 ("/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "stream": True},
+                  {}),
+                 ("/v1/chat/completions", {"messages": msgs, "max_tokens": 2},
+                  {"x-session-id": sid}),
+                 ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, {}),
+                 ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, {}),
+                 ("/v1/messages", {"messages": msgs, "max_tokens": 2, "model": model}, {})]
+        for path, body, headers in calls:
+            status = c.post(path, json=body, headers=headers).status_code
+            assert status in (200, 400), (path, status)
+            assert eng.scheduler._arriving == 0, path
