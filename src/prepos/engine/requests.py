@@ -25,12 +25,15 @@ from prepos.errors import Conflict, InvalidInput, PreposError
 
 def arriving(entry):
     """An entry that submits a request's task, counted as arriving until it returns: a step
-    from idle waits for it (`Scheduler.arriving`), so requests sent together start
+    from idle waits for it (`Scheduler.arrival`), so requests sent together start
     together."""
     @functools.wraps(entry)
     def counted(self, *args, **kwargs):
-        with self.scheduler.arriving():
+        arrived = self.scheduler.arrival()
+        try:
             return entry(self, *args, **kwargs)
+        finally:
+            arrived()
     return counted
 
 

@@ -25,7 +25,7 @@ update), in turn among equals. The workers own the KV caches: only tasks touch t
 
 Requests sent together start together (`batch_wait`): a foreground step that would start
 from idle (no foreground task in flight, every one it takes new) waits while other requests
-are still on their way into the engine (`arriving`: between an engine entry and its task's
+are still on their way into the engine (`arrival`: between an engine entry and its task's
 submission, rendering, tokenizing, committing), until none is or `batch_wait` has passed
 since the oldest was submitted. Without it, a burst of requests reaches the worker over
 several milliseconds, the first few start decoding alone, and the next step's prompts
@@ -48,14 +48,14 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
-from contextlib import contextmanager
+from collections import deque
 from dataclasses import replace
 from typing import Callable, Generator
 
 from prepos.backends.base import idle_work
 from prepos.errors import EngineClosed
 from prepos.worker.sequence import Advance, Forward, run_forwards
+from prepos.worker.steps import Steps
 
 log = logging.getLogger("prepos.scheduler")
 
@@ -85,35 +85,6 @@ class Task:
         self.partial: Advance | None = None  # what the chunks of `want` run so far did
 
 
-class Steps:
-    """What the foreground steps carried (the engine's metrics read them): steps and the
-    seconds of their batched forwards by kind (`decode`: one-token steps and draft checks
-    only, `prefill`: longer forwards only, `mixed`: both), the forwards they carried, the
-    foreground tasks queued that a step did not carry, tokens by what they were, the
-    forwards cut to share a step (chunks), and the worker's whole time per step (the
-    tasks' own Python around the forward: sampling, detokenizing, streaming out)."""
-
-    def __init__(self) -> None:
-        # every key made now: the metrics copy these dicts from another thread
-        self.count: Counter[str] = Counter(decode=0, prefill=0, mixed=0)
-        self.seconds: Counter[str] = Counter(decode=0.0, prefill=0.0, mixed=0.0)
-        self.sequences = 0
-        self.waiting = 0
-        self.tokens: Counter[str] = Counter(decode=0, prefill=0)
-        self.chunks = 0
-        self.quantum_s = 0.0
-
-    @property
-    def total(self) -> int:
-        return sum(self.count.values())
-
-    def as_dict(self) -> dict:
-        return {"steps": dict(self.count), "step_seconds": dict(self.seconds),
-                "sequences": self.sequences, "waiting": self.waiting,
-                "tokens": dict(self.tokens), "prefill_chunks": self.chunks,
-                "quantum_seconds": self.quantum_s}
-
-
 def _joined(first: Advance | None, then: Advance) -> Advance:
     """One Advance for a forward run in chunks: the resident prefix found at its start and
     the sums of what each chunk paid."""
@@ -128,11 +99,6 @@ def _chunkable(f: Forward) -> bool:
     """A forward the scheduler may cut: one the task wants whole, not every position's
     logits of."""
     return f.max_tokens is None and f.logits_from is None
-
-
-def _decodes(f: Forward, plan: tuple[int, int, int]) -> bool:
-    """A decode step (one token) or a check of drafted tokens, not a prefill."""
-    return plan[2] - plan[1] == 1 or (f.logits_from or 0) > 0
 
 
 class Scheduler:
@@ -199,9 +165,9 @@ class Scheduler:
             self._fg.append(task)
 
     def arrival(self) -> Callable[[], None]:
-        """A request on its way to a task (an engine entry, or a server's request until its
-        entry returns): a step from idle waits for it (see the module's doc). Returns what
-        says it has arrived (or failed), idempotent."""
+        """A request on its way to a task (in an engine entry, or a server's until its entry
+        returns): a step from idle waits for it (see the module's doc). Returns what says it
+        has arrived (or failed), idempotent."""
         with self._cv:
             self._arriving += 1
         done = False
@@ -216,15 +182,6 @@ class Scheduler:
                 if not self._arriving:
                     self._cv.notify_all()
         return arrived
-
-    @contextmanager
-    def arriving(self):
-        """`arrival` around a block: an entry that submits its request's task."""
-        arrived = self.arrival()
-        try:
-            yield
-        finally:
-            arrived()
 
     def _gather(self, batch: list[Task]) -> float:
         """Seconds this foreground step waits for requests still arriving (under the lock):
@@ -426,7 +383,9 @@ class Scheduler:
             task.want, task.reply, task.partial = None, adv, None
         if not idle:
             ran = [(f, p) for f, p, adv in zip(forwards, plans, advances) if adv is not None]
-            self._count(ran, len(left) + len(forwards) - len(ran), time.perf_counter() - t1, t0)
+            if ran:  # else every forward waited for room: no step ran
+                self.steps.record(ran, len(self._fg) + len(left) + len(forwards) - len(ran),
+                                  time.perf_counter() - t1, time.perf_counter() - t0)
         return finished
 
     def _fill(self, batch: list[Task], idle: bool
@@ -467,24 +426,6 @@ class Scheduler:
             plans.append(plan)
             tokens += plan[2] - plan[1]
         return chosen, forwards, plans
-
-    def _count(self, ran: list[tuple[Forward, tuple[int, int, int]]], left: int,
-               step_s: float, t0: float) -> None:
-        """A foreground step's counters: the forwards it ran (not those that waited for
-        room: they count as left waiting, with those the cap left out)."""
-        st = self.steps
-        if not ran:  # every forward waited for room: no step ran
-            return
-        decodes = [_decodes(f, p) for f, p in ran]
-        kind = "decode" if all(decodes) else "prefill" if not any(decodes) else "mixed"
-        st.count[kind] += 1
-        st.seconds[kind] += step_s
-        st.sequences += len(ran)
-        st.waiting += len(self._fg) + left
-        for (f, (_, start, stop)), d in zip(ran, decodes):
-            st.tokens["decode" if d else "prefill"] += stop - start
-            st.chunks += f.max_tokens is not None and not d and stop < len(f.target)
-        st.quantum_s += time.perf_counter() - t0
 
     @staticmethod
     def _step(task: Task) -> bool:
