@@ -224,3 +224,23 @@ def test_the_store_imports_nothing_of_http():
                       if n.startswith(("prepos.server.http", "prepos.server.openai",
                                        "prepos.server.anthropic", "starlette", "fastapi"))]
     assert found == []
+
+
+def test_a_conversation_sent_whole_is_dispatched_in_one_place():
+    """Chat completions and Messages translate their bodies and call `flow.converse`: the
+    checks of a conversation's messages, the hop to the node that keeps it and the choice of
+    stateless, streaming or agentic are made there alone, not copied per API."""
+    calls: dict[str, list[str]] = {"check_input": [], "hop": [], "stateless": []}
+    for f in sorted((SRC / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if name in calls:
+                    calls[name].append(str(f.relative_to(SRC)))
+    assert calls["hop"] == ["server/openai/flow.py"]
+    # Responses choose a chain session first, else the same stateless answer
+    assert sorted(set(calls["stateless"])) == ["server/openai/flow.py",
+                                               "server/openai/responses.py"]
+    assert calls["check_input"].count("server/anthropic/routes.py") == 1  # count_tokens'
+    assert calls["check_input"].count("server/openai/routes.py") == 1  # completions' prompts

@@ -146,8 +146,9 @@ class ImplicitSessions:
 
     def start(self, spec: SessionSpec) -> str:
         """A new kept session for a conversation (`spec`, implicit), held by the request
-        that makes it; the least recently used free ones closed while the engine holds no
-        more sessions."""
+        that makes it; while the engine holds no more sessions, what it keeps on clients'
+        behalf gives way (`Engine.evict_conversation`: the least recently used free kept
+        conversation, else Responses chain)."""
         eng = self._loaded()
         sid = f"{EPHEMERAL}{eng.new_session_id()}"
         while True:
@@ -155,7 +156,7 @@ class ImplicitSessions:
                 eng.restore_session(sid, spec)
                 break
             except TooManySessions:
-                if not self.evict_one():
+                if not eng.evict_conversation():
                     raise
         self.keep(sid, spec.owner)
         return sid

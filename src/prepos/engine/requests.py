@@ -197,7 +197,7 @@ class Requests:
             sid = kept.start(SessionSpec(AGENTIC, system, tuple(tools), (), "exact", True,
                                          None, owner=owner, implicit=True))
         try:
-            stream = self.chat(self.plan_chat(sid, messages), req)
+            stream = chat_plan.carry_out(self, chat_plan.plan(self, sid, messages), req)
         except BaseException:
             kept.release(sid)
             raise

@@ -48,20 +48,16 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from prepos.chat.conversation import check_order, session_messages
-from prepos.engine import STREAMING
 from prepos.errors import InvalidInput
 from prepos.server.http.cluster_front import AGENT_HEADERS, SESSION_ID
 from prepos.server.http.errors import ApiError, as_api_error
-from prepos.server.http.forwarding import hop
 from prepos.server.http.idempotency import idempotent, kept
 from prepos.server.http.request_bodies import ChatCompletion, ChatMessage
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.state import ServerState
-from prepos.server.names import public
 from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
-from prepos.server.openai.flow import RepliedCall, _continuation_prompt
-from prepos.server.openai.routes import named
+from prepos.server.openai.flow import RepliedCall, _continuation_prompt, converse
 from prepos.server.store.idempotency import KeyClaimed
 
 from . import schema as S
@@ -143,13 +139,15 @@ class Translated:
     def __init__(self, body: S.AnthropicCountTokens, rename: Renamer):
         sent, rename.where = T.conversation(body)
         self.tools = T.function_tools(body.tools)
+        self.sent_tools = body.tools is not None  # a session's own are used where none are
         self.choice, self.parallel = T.tool_choice(body.tool_choice)
         self.messages = [ChatMessage.model_validate(m) for m in sent]
         self.msgs = session_messages(self.messages)
 
     def chat(self, state, **fields) -> ChatCompletion:
         return ChatCompletion.model_validate({
-            "model": state.model_name, "messages": [], "tools": self.tools or None,
+            "model": state.model_name, "messages": [],
+            "tools": self.tools if self.sent_tools else None,
             "tool_choice": self.choice, "parallel_tool_calls": self.parallel, **fields})
 
 
@@ -177,32 +175,9 @@ async def create_message(request: Request, rename: Renamer):
                   top_p=body.top_p, top_k=body.top_k, stream=bool(body.stream))
     sampling = chat_sampling(state, chat)
     sampling = replace(sampling, stop=stops, fit_context=sampling.fit_context or not strict)
-    msgs = t.msgs
-    for i, m in enumerate(msgs):
-        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
-    tools = tool_specs(chat)
     reply = MessageReply(state, state.model_name, bool(body.stream), stops, rename=rename)
     call = RepliedCall(state, chat, sampling, request, reply)
-    s = named(state, eng, _Named(session_name(request)), owner)
-    if s is None:  # no session of this key's named: stateless, found by its content
-        kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
-        if kept_elsewhere is not None:
-            return kept_elsewhere
-        return await call.stateless(eng, owner, msgs, tools)
-    if s.kind == STREAMING:
-        return await call.streaming(eng, s, msgs)
-    if body.tools is not None and tools != list(s.spec.tools):
-        raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
-                       f"{public(s.id)} was created with; send the same tools or none", "tools")
-    chat.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
-    return await call.agentic(eng, s, msgs)
-
-
-class _Named:
-    """What `openai_routes.named` reads of a body: its `session_id`."""
-
-    def __init__(self, session_id: str | None):
-        self.session_id = session_id
+    return await converse(call, request, eng, owner, t.msgs, session_name(request))
 
 
 def session_name(request: Request) -> str | None:

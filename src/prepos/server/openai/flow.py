@@ -33,13 +33,15 @@ from prepos.core import SamplingParams
 from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
 from prepos.server.http.arrival import entered
+from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError
+from prepos.server.http.forwarding import hop
 from prepos.server.http.idempotency import attempt_of
 from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.state import ServerState
 from prepos.server.names import public
 from prepos.server.openai.chat_reply import ChatReply, CompletionReply, respond
-from prepos.server.openai.checks import forced_call, tool_choice
+from prepos.server.openai.checks import forced_call, tool_choice, tool_specs
 
 
 def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -117,9 +119,17 @@ class ChatCall:
         forced = self.choice not in ("auto", "none")
         if continued or forced and not (kept and self.constrains(eng)):
             return await self._continue(eng, owner, msgs, tools)
-        if kept:  # a forced call too, constrained and committed there as on any session
+        if kept:  # a forced call too, constrained and committed there as on any session:
+            # continued on the kept session it extends, paying its delta only, or on a new
+            # one kept for its next turn (`Engine.converse`)
             try:
-                return await self.implicit(eng, owner, msgs, tools)
+                self.sampling = self._session_sampling(eng, None, tools, msgs)
+                req = self._req(self.sampling, self.body.fast_path)
+                self.state.backpressure(eng)
+                stream = await self.state.run(entered(self.scope, eng.converse), owner, msgs,
+                                              tools, req)
+                return await self._respond([stream], None, agentic=True,
+                                           tools=bool(tools) and self.choice != "none")
             except (ApiError, PreposError) as exc:
                 if not forced or exc.code not in ("over_budget", "context_length_exceeded"):
                     raise
@@ -146,18 +156,6 @@ class ChatCall:
             raise
         return await self._respond(streams, None, agentic=bool(tools), tools=bool(tools),
                                    cleanup=lambda: self._close_all(eng, streams, sids))
-
-    async def implicit(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
-        """A stateless conversation kept by the engine (`Engine.converse`): continued on the
-        kept session it extends, paying its delta only, or on a new one kept for its next
-        turn."""
-        self.sampling = self._session_sampling(eng, None, tools, msgs)
-        req = self._req(self.sampling, self.body.fast_path)
-        self.state.backpressure(eng)
-        stream = await self.state.run(entered(self.scope, self.state.admission.with_room),
-                                      eng, lambda: eng.converse(owner, msgs, tools, req))
-        return await self._respond([stream], None, agentic=True,
-                                   tools=bool(tools) and self.choice != "none")
 
     def _close_all(self, eng, streams, sids) -> None:
         for stream, sid in zip(streams, sids):
@@ -308,6 +306,45 @@ class RepliedCall(ChatCall):
         r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
         r.parallel = self.body.parallel_tool_calls is not False
         return await r.respond(self.receive, streams[0], cleanup)
+
+
+def named(state: ServerState, eng, sid: str | None, owner):
+    """The key's session `sid` names; None for none named, or a name that is no session of
+    this key's (400 where it is no valid name)."""
+    if sid is None:
+        return None
+    s = state.session_named(eng, sid, owner)
+    if s is None and not SESSION_ID.fullmatch(sid):
+        raise ApiError(400, "invalid_session_id", "session_id must be 1-128 letters, digits "
+                       f"and ._:- (starting with a letter or digit), got {sid[:140]!r}",
+                       "session_id")
+    return s
+
+
+async def converse(call: ChatCall, request, eng, owner, msgs: list[dict],
+                   name: str | None) -> Response:
+    """A conversation sent whole, answered one way whichever API sent it (chat completions,
+    Messages; each has translated its body into `call`'s chat terms): each message's size
+    checked, then, by the session `name` names: none of the key's, statelessly (on the node
+    that keeps the conversation, where another does); a streaming session's query; or an
+    agentic session's turn, with the session's tools (409 where others are sent)."""
+    state, body = call.state, call.body
+    for i, m in enumerate(msgs):
+        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
+    tools = tool_specs(body)
+    s = named(state, eng, name, owner)
+    if s is None:  # a name that is no session of this key's is the client's: stateless
+        kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
+        if kept_elsewhere is not None:
+            return kept_elsewhere
+        return await call.stateless(eng, owner, msgs, tools)
+    if s.kind == STREAMING:
+        return await call.streaming(eng, s, msgs)
+    if body.tools is not None and tools != list(s.spec.tools):
+        raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
+                       f"{public(s.id)} was created with; send the same tools or none", "tools")
+    body.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
+    return await call.agentic(eng, s, msgs)
 
 
 def prompt_text(eng, prompt: str | list[int], where: str) -> str:

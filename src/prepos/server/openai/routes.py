@@ -39,20 +39,17 @@ import re
 from starlette.requests import Request
 
 from prepos.chat.conversation import session_messages
-from prepos.engine import EPHEMERAL, STREAMING
+from prepos.engine import EPHEMERAL
 from prepos.errors import PreposError
 from prepos.server.http import response_bodies as R
-from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError
-from prepos.server.http.forwarding import hop
 from prepos.server.http.idempotency import idempotent, named_session
 from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.state import ServerState
-from prepos.server.names import public
-from prepos.server.openai.checks import chat_sampling, completion_input, tool_specs
-from prepos.server.openai.flow import ChatCall, complete, prompt_text
+from prepos.server.openai.checks import chat_sampling, completion_input
+from prepos.server.openai.flow import ChatCall, complete, converse, named, prompt_text
 
 EPHEMERAL_ID = re.compile(r"session " + re.escape(EPHEMERAL) + r"\S+")
 
@@ -87,20 +84,6 @@ def _context_errors(fn):
     return route
 
 
-def named(state, eng, body, owner):
-    """The key's session the body's `session_id` names; None for none named, or a name
-    that is no session of this key's (400 where it is no valid name)."""
-    sid = body.session_id
-    if sid is None:
-        return None
-    s = state.session_named(eng, sid, owner)
-    if s is None and not SESSION_ID.fullmatch(sid):
-        raise ApiError(400, "invalid_session_id", "session_id must be 1-128 letters, digits "
-                       f"and ._:- (starting with a letter or digit), got {sid[:140]!r}",
-                       "session_id")
-    return s
-
-
 @routes.add("GET", "/v1/models", 60, summary="List the models", response=R.ModelList,
             tags=("openai",))
 async def models(request: Request):
@@ -128,25 +111,9 @@ async def model(request: Request, model_id: str):
 async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
-    sampling = chat_sampling(state, body)
-    msgs = session_messages(body.messages)
-    for i, m in enumerate(msgs):
-        await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
-    tools = tool_specs(body)
-    s = named(state, eng, body, owner)
-    if s is None:  # a name that is no session of this key's is the client's: stateless
-        kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
-        if kept_elsewhere is not None:
-            return kept_elsewhere
-        return await ChatCall(state, body, sampling, request).stateless(
-            eng, owner, msgs, tools)
-    if s.kind == STREAMING:
-        return await ChatCall(state, body, sampling, request).streaming(eng, s, msgs)
-    if body.tools is not None and tools != list(s.spec.tools):
-        raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
-                       f"{public(s.id)} was created with; send the same tools or none", "tools")
-    body.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
-    return await ChatCall(state, body, sampling, request).agentic(eng, s, msgs)
+    call = ChatCall(state, body, chat_sampling(state, body), request)
+    return await converse(call, request, eng, owner, session_messages(body.messages),
+                          body.session_id)
 
 
 @routes.add("POST", "/v1/completions", 6, summary="Create a completion", body=Completion,
@@ -158,7 +125,7 @@ async def completions(request: Request):
     c = await ServerState.open(request, Completion)
     state, eng, owner, body = c.state, c.engine, c.owner, c.body
     prompts, sampling = completion_input(state, body)
-    s = named(state, eng, body, owner)
+    s = named(state, eng, body.session_id, owner)
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if s is not None:  # a streaming session's query: its text
