@@ -63,7 +63,7 @@ def finished(done, cut: str) -> bool:
     if done.returncode == 0:
         return True
     errors = [line for line in (done.stdout + done.stderr).splitlines()
-              if line.startswith(("ERROR", "Error"))]
+              if line.startswith(("ERROR", "Error", "API Error"))]
     return bool(errors) and all(cut in line for line in errors)
 
 
@@ -159,7 +159,10 @@ def test_claude_code_three_turns(server, tmp_path):
             n = len(rec.seen)
             done = run([claude, "-p", *(["--continue"] if i else []), said], work,
                        claude_env(rec, tmp_path / "home"))
-            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            # an answer cut at the server's 48 tokens is "Claude's response exceeded the
+            # ... output token maximum" to it (a sampled answer that rambles: not every run)
+            assert finished(done, "output token maximum"), \
+                done.stdout[-2000:] + done.stderr[-2000:]
             # the conversation's requests (with its tools), not side requests it makes
             turns.append([e for e in rec.seen[n:] if e.path == "/v1/messages"
                           and (e.request or {}).get("tools")])
