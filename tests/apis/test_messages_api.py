@@ -32,6 +32,7 @@ PRICE = {"name": "get_price", "description": "a ticker's last price",
              "ticker": {"type": "string", "enum": ["ACME", "BOLT"]}},
              "required": ["ticker"], "additionalProperties": False}}
 JSON = {"content-type": "application/json"}
+BEARER = {"authorization": f"Bearer {KEY}"}  # the session API's keys
 ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
                "not_found_error", "request_too_large", "rate_limit_error", "api_error",
                "overloaded_error"}
@@ -723,3 +724,20 @@ def test_smollm2_through_anthropics_sdk(smollm2):
         after = c.messages.create(model="smollm2", max_tokens=16, messages=ask, tools=[price])
         check_message(after, "smollm2", 16)
         assert after.usage.cache_read_input_tokens >= 0.9 * total_input(call)
+
+
+def test_a_forced_call_on_a_named_session_uses_the_session_s_tools(c, http, model):
+    """A named agentic session's tools answer a request that sends none, tool_choice
+    naming one of them included (chat completions and Messages share one dispatch)."""
+    made = http.post("/sessions", json={"kind": "agentic", "system": SYSTEM, "tools": [
+        {"type": "function", "function": {"name": PRICE["name"],
+                                          "parameters": PRICE["input_schema"]}}]},
+                     headers=BEARER)
+    assert made.status_code == 201, made.text
+    sid = made.json()["id"]
+    r = c.messages.create(model=model, max_tokens=128, extra_headers={"x-session-id": sid},
+                          messages=[{"role": "user", "content": "What is ACME trading at?"}],
+                          tool_choice={"type": "tool", "name": "get_price"})
+    assert r.stop_reason == "tool_use"
+    assert [b.name for b in r.content if b.type == "tool_use"] == ["get_price"]
+    assert http.get(f"/sessions/{sid}", headers=BEARER).json()["awaiting_tool_result"]

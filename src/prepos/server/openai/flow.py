@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from functools import cached_property
 
 from starlette.responses import Response
 
@@ -72,8 +73,12 @@ class ChatCall:
         self.sampling = sampling
         self.logprobs = bool(body.logprobs)
         self.n = body.n or 1
-        self.choice = tool_choice(body)
         self.forced: dict[str, str] | None = None  # a forced call's openings, by function
+
+    @cached_property
+    def choice(self) -> str:
+        """The tool choice, read once the tools are settled (a named session's own)."""
+        return tool_choice(self.body)
 
     @staticmethod
     def constrains(eng) -> bool:
