@@ -97,7 +97,6 @@ import argparse
 import json
 import math
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -112,7 +111,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stock_clients import resolve, serve_prepos, stop  # noqa: E402
+from stock_clients import resolve, serve_prepos  # noqa: E402
+from token_cadence import stop_pair  # noqa: E402
 
 from common import RESULTS, machine, metric_samples, write  # noqa: E402
 from prepos.backends.llama_server import LlamaServer, find_binary  # noqa: E402
@@ -1057,13 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{s['job_time']['p50_s']} s", file=sys.stderr, flush=True)
                 all_turns.extend({"agents": n, "arm": arm, **t} for t in turns)
             finally:
-                for p in (proc, llama and llama.proc):
-                    if p is not None and p.poll() is None:
-                        p.send_signal(signal.SIGCONT)
-                if proc is not None:
-                    stop(proc)
-                if llama is not None:
-                    llama.stop()
+                stop_pair(proc, llama)
         p, ls = row.get("prepos"), row.get("llama_server")
         if p and ls:
             row["prompt_tokens_agreement"] = agreement(

@@ -77,13 +77,20 @@ def wait_published(node, n: int) -> None:
         time.sleep(0.05)
 
 
+def ask_kept(node, msgs: list[dict], **kw):
+    """`ask`, then until `node` has published the conversation it keeps: the answer and
+    how many it had published before."""
+    n = published(node)
+    r = ask(node, msgs, **kw)
+    wait_published(node, n)
+    return r, n
+
+
 def test_a_conversation_is_continued_by_its_node_through_another(nodes):
     a, b = nodes
     msgs = [{"role": "system", "content": "ACME 40 41 43, BOLT 9 9 8. One word."},
             {"role": "user", "content": "ACME up or down?"}]
-    n = published(a)
-    first = ask(a, msgs)
-    wait_published(a, n)
+    first, n = ask_kept(a, msgs)
     msgs.append({"role": "user", "content": "And BOLT?"})
     before = hops(b)
     other = ask(b, [dict(m) for m in msgs[:-1]] + [msgs[-1]], key=KEYS[1])  # another key
@@ -105,9 +112,7 @@ def test_a_keyed_request_answered_through_another_node_is_replayed_once(nodes):
     a, b = nodes
     msgs = [{"role": "system", "content": "ACME 50 51 53, BOLT 2 2 1. One word."},
             {"role": "user", "content": "BOLT up or down?"}]
-    n = published(a)
-    ask(a, msgs)
-    wait_published(a, n)
+    _, n = ask_kept(a, msgs)
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
     for stream in (False, True):
         msgs.append({"role": "user", "content": f"And ACME, streamed {stream}?"})
@@ -140,9 +145,7 @@ def test_a_named_conversation_is_continued_through_another_node(nodes):
     a, b = nodes
     msgs = [{"role": "system", "content": "DYNA 1 2 4, EQTY 7 7 6. One word."},
             {"role": "user", "content": "DYNA up or down?"}]
-    n = published(a)
-    first = ask(a, msgs, name="named-conv-1")
-    wait_published(a, n)
+    first, n = ask_kept(a, msgs, name="named-conv-1")
     msgs.append({"role": "user", "content": "And EQTY?"})
     before = hops(b)
     second = ask(b, msgs, name="named-conv-1")
@@ -182,9 +185,7 @@ def test_a_conversation_whose_node_died_is_answered_where_it_lands(nodes):
     a, b = nodes
     msgs = [{"role": "system", "content": "CRUX 5 6 7. One word."},
             {"role": "user", "content": "CRUX up or down?"}]
-    n = published(a)
-    ask(a, msgs)
-    wait_published(a, n)
+    ask_kept(a, msgs)
     a.stop(signal.SIGKILL)
     msgs.append({"role": "user", "content": "And now?"})
     r = ask(b, msgs)  # a refuses the connection: answered here, prefilled once

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 
-from tests.worker.test_chunked_prefill import SYSTEM, no_end, record_steps
+from tests.support.helpers import no_end, record_steps
 
+SYSTEM = "Live prices. Answer in one word: up, down or flat."
 QUESTION = "Which way is ACME moving?"
 
 

@@ -9,33 +9,10 @@ import math
 import pytest
 
 from prepos.core import Request, SamplingParams
-from prepos.worker import scheduler as scheduler_module
-from tests.support.helpers import greedy_agrees, hold_worker
+from tests.support.helpers import greedy_agrees, hold_worker, no_end, record_steps
 
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
 CAP = 16  # a step's tokens, small so the tiny model's prompts run in several chunks
-
-
-def record_steps(eng, monkeypatch) -> list[list[tuple[str, int, bool]]]:
-    """Each foreground step's forwards as run: (session, tokens, whether it reached the end
-    of its target)."""
-    log: list[list[tuple[str, int, bool]]] = []
-    real = scheduler_module.run_forwards
-
-    def spy(backend, forwards, plans=None, moves=True):
-        if moves:  # foreground steps (idle work never moves others' KV)
-            log.append([(f.kv.key, stop - start, stop == len(f.target))
-                        for f, (_, start, stop) in zip(forwards, plans)])
-        return real(backend, forwards, plans, moves)
-
-    monkeypatch.setattr(scheduler_module, "run_forwards", spy)
-    return log
-
-
-def no_end(eng, max_tokens: int) -> Request:
-    """A greedy answer of exactly `max_tokens` tokens (its end-of-turn tokens banned)."""
-    ban = tuple((t, -100.0) for t in sorted(eng.fmt.end_of_turn))
-    return Request(SamplingParams(max_tokens=max_tokens, logit_bias=ban), fast_path="off")
 
 
 def entry(eng, sid, question):
