@@ -32,10 +32,12 @@ stream's end; content chunks where a server sent no usage: `tokens_from`), TTFT 
 (the time between two content chunks of one stream), the samples behind each, failed
 requests (a status other than 200, a broken stream, or an error event in it, as llama-server
 sends "Context size has been exceeded" when its cells run out: counted, left out of the
-figures, and the client goes on with its next request), answers shorter than max tokens
-(`short`: the model's end of text), the server's CPU seconds per generated token and where
-the machine's CPU went (token_cadence's CpuShare), and the clients' own CPU (this process:
-N threads reading SSE on the cores the servers compute on, the same on both arms).
+figures, and the client goes on with its next request; a keep-alive connection the server
+closed before answering is opened again once, as the SDKs do: `reconnects`), answers shorter
+than max tokens (`short`: the model's end of text), the server's CPU seconds per generated
+token and where the machine's CPU went (token_cadence's CpuShare), and the clients' own CPU
+(this process: N threads reading SSE on the cores the servers compute on, the same on both
+arms).
 `cells_needed` is N x (prompt + max tokens) of the run's own prompts: where it exceeds the
 cells, a server must move KV down tiers (prepos) or fail requests (llama-server). Ratios
 prepos over llama-server with their targets at every N: `tokens_per_s_ratio` >= 1.0,
@@ -124,20 +126,33 @@ def one_request(http: httpx.Client, url: str, model: str, msgs: list[dict], max_
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     times: list[float] = []
     sent = time.perf_counter()
+    reconnects = 0
     try:
-        with http.stream("POST", url + "/v1/chat/completions", json=body,
-                         headers=headers) as r:
+        while True:
+            try:
+                r = http.send(http.build_request("POST", url + "/v1/chat/completions",
+                                                 json=body, headers=headers), stream=True)
+                break
+            except (httpx.RemoteProtocolError, httpx.ConnectError):
+                # a keep-alive connection the server closed before any byte of an answer
+                # (it had not taken the request): opened again once, as the SDKs do
+                if reconnects:
+                    raise
+                reconnects += 1
+        try:
             usage, last = read_chat_stream(r, url, times)
+        finally:
+            r.close()
         if isinstance(last, dict) and last.get("error"):  # the server's error event
             raise RuntimeError(f"error event: {json.dumps(last['error'])[:200]}")
     except Exception as exc:  # counted; the client goes on with its next request
         return {"error": repr(exc)[:300], "ttft_s": None, "gaps_s": [], "chunks": len(times),
-                "completion_tokens": None, "prompt_tokens": None}
+                "completion_tokens": None, "prompt_tokens": None, "reconnects": reconnects}
     usage = usage or {}
     return {"error": None, "ttft_s": times[0] - sent if times else None,
             "gaps_s": [b - a for a, b in zip(times, times[1:])], "chunks": len(times),
             "completion_tokens": usage.get("completion_tokens"),
-            "prompt_tokens": usage.get("prompt_tokens")}
+            "prompt_tokens": usage.get("prompt_tokens"), "reconnects": reconnects}
 
 
 def run_clients(url: str, key: str | None, n: int, per_client: int, max_tokens: int,
@@ -187,6 +202,7 @@ def summary(reqs: list[dict], wall_s: float, server_cpu_s: float | None = None,
 
     out = {"requests": len(reqs), "errors": len(reqs) - len(ok),
            "error_examples": sorted({q["error"] for q in reqs if q["error"]})[:3],
+           "reconnects": sum(q.get("reconnects", 0) for q in reqs),
            "empty": sum(1 for q in ok if q["ttft_s"] is None),
            "short": (sum(1 for q in ok if (q["completion_tokens"] or q["chunks"]) < max_tokens)
                      if max_tokens else None),
