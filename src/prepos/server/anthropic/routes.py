@@ -49,8 +49,9 @@ from starlette.requests import Request
 
 from prepos.chat.conversation import check_order, session_messages
 from prepos.errors import InvalidInput
-from prepos.server.http.cluster_front import AGENT_HEADERS, SESSION_ID
+from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.head import AGENT_HEADERS
 from prepos.server.http.idempotency import idempotent, kept
 from prepos.server.http.request_bodies import ChatCompletion, ChatMessage
 from prepos.server.http.results import JSONBody

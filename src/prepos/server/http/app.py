@@ -25,9 +25,9 @@ from prepos.server.http.auth import open_warning
 from prepos.server.http.cluster_front import ClusterFront
 from prepos.server.http.console import routes as console_routes
 from prepos.server.http.cross_site import CrossSite
-from prepos.server.http.fast import App, FastRoute
+from prepos.server.http.fast import FastRoute
+from prepos.server.http.front import App, Sizes
 from prepos.server.http.guard import guarded_protocol
-from prepos.server.http.limits import BodyLimit
 from prepos.server.http.metrics import CONTENT_TYPE
 from prepos.server.http.options import config_from_args, parse_args
 from prepos.server.http.results import JSONBody
@@ -59,8 +59,9 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
     if not config.allowed_origins:  # CORS adds its headers to every response
         app.fast_route = FastRoute(state, respond)
     # x-session-id both ways; with a shared store, who serves the session
-    app.front = state.front = ClusterFront(respond, config.limits.max_body_bytes)
+    app.front = state.front = ClusterFront(respond)
     app.cross_site = CrossSite(config.host, config.allowed_hosts, config.allowed_origins)
+    app.sizes = Sizes(config.limits.max_body_bytes, config.limits.max_header_bytes)
 
     own = Routes()
 
@@ -102,8 +103,6 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
     api.routes += messages_routes.routes  # the Anthropic Messages API
     app.router.routes[:0] = api.ordered()  # before FastAPI's own (docs), hot routes first
     openapi.install(app, api.routes)  # /openapi.json: every route above
-    app.add_middleware(BodyLimit, max_bytes=config.limits.max_body_bytes,
-                       max_header_bytes=config.limits.max_header_bytes)
     if config.allowed_origins:  # browser clients: preflight answered, responses allowed
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"],

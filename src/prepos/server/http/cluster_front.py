@@ -20,12 +20,9 @@ import time
 from prepos.errors import PreposError
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.forwarding import replaying
+from prepos.server.http.head import AGENT_HEADERS, HEADER, of
 
 log = logging.getLogger("prepos.server.cluster")
-HEADER = b"x-session-id"
-# the headers coding agents name their conversation in, first found first: on the /v1/ routes
-# they name it where `x-session-id` is not sent (a value that is no valid name is ignored)
-AGENT_HEADERS = (b"x-claude-code-session-id", b"session-id", b"thread-id")
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 SLOW_S = 5.0  # a request on a session slower than this is logged
 NAMED_IN_BODY = ("/v1/chat/completions", "/v1/completions")
@@ -35,15 +32,11 @@ CLIENT_NAMED = (*NAMED_IN_BODY, "/v1/responses")  # a name no session has is the
 def named_session(scope) -> tuple[str | None, bool]:
     """The session id the path or `x-session-id` names, and whether the header gave it;
     400 where they differ."""
-    header = None
-    agents: dict[bytes, str] = {}
-    for name, value in scope["headers"]:
-        if name == HEADER:
-            header = value.decode("latin-1").strip() or None
-        elif name in AGENT_HEADERS:
-            agents[name] = value.decode("latin-1").strip()
+    head = of(scope)
+    header = None if head.session is None else head.session.decode("latin-1").strip() or None
     path = scope["path"]
-    if header is None and agents and path.startswith("/v1/"):
+    if header is None and head.agents and path.startswith("/v1/"):
+        agents = {k: v.decode("latin-1").strip() for k, v in head.agents.items()}
         header = next((agents[h] for h in AGENT_HEADERS if SESSION_ID.fullmatch(
             agents.get(h, ""))), None)
     in_path = None
@@ -64,16 +57,9 @@ class ClusterFront:
     """The ASGI layer in front of the app: the session's id both ways, and ownership where
     the store is shared (`cluster`, set once the node has joined)."""
 
-    def __init__(self, respond, max_body: int):
+    def __init__(self, respond):
         self.respond = respond  # an ApiError as the app's JSON error response
-        self.max_body = max_body  # a body over it is left to the app's 413, never read here
         self.cluster = None  # the node's `prepos.server.cluster.Cluster`
-
-    def small(self, scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                return value.isdigit() and int(value) <= self.max_body
-        return False
 
     async def __call__(self, scope, receive, send, app) -> None:
         t0 = time.monotonic()
@@ -82,7 +68,8 @@ class ClusterFront:
             sid, from_header = named_session(scope)
             cluster = self.cluster
             if scope["method"] == "POST" and scope["path"] in NAMED_IN_BODY and (
-                    from_header or cluster is not None) and self.small(scope):
+                    from_header or cluster is not None) and of(scope).length is not None:
+                # a declared length, within the limit (the front door refused the rest)
                 sid, receive = await with_body_session(sid, receive)
             if cluster is not None:
                 await cluster.forwarder.verify(scope, sid, receive)

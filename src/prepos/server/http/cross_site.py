@@ -28,6 +28,7 @@ import socket
 
 from prepos.server.http.auth import loopback
 from prepos.server.http.errors import ApiError
+from prepos.server.http.head import Head
 
 SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -53,23 +54,11 @@ class CrossSite:
         self.any_origin = "*" in self.origins
         self._known: set[bytes] = set()  # Host headers seen and allowed (a client's are few)
 
-    def check(self, scope) -> ApiError | None:
-        """The refusal of an HTTP request's scope, or None where it may go on."""
-        host = origin = media = fetch_site = None
-        body = False
-        for name, value in scope["headers"]:
-            if name == b"host":
-                host = value
-            elif name == b"origin":
-                origin = value
-            elif name == b"content-type":
-                media = value
-            elif name == b"content-length":
-                body = value not in (b"0", b"")
-            elif name == b"transfer-encoding":
-                body = True
-            elif name == b"sec-fetch-site":
-                fetch_site = value
+    def check(self, scope, head=None) -> ApiError | None:
+        """The refusal of an HTTP request's scope, or None where it may go on (`head`: its
+        `front.Head`, read here where not given)."""
+        head = head or Head(scope)
+        host, origin = head.host, head.origin
         if host is not None and host not in self._known:
             if not self.host_allowed(host.decode("latin-1")):
                 return ApiError(403, "host_not_allowed", f"this server does not answer requests "
@@ -82,10 +71,10 @@ class CrossSite:
         if origin is not None:
             if not self.origin_allowed(origin.decode("latin-1"), host, scope):
                 return _refused(origin.decode("latin-1"))
-        elif fetch_site == b"cross-site":
+        elif head.fetch_site == b"cross-site":
             return _refused("another site")
-        if body and not _json(media):
-            got = "none" if media is None else repr(media.decode("latin-1")[:100])
+        if head.body and not _json(head.media):
+            got = "none" if head.media is None else repr(head.media.decode("latin-1")[:100])
             return ApiError(415, "unsupported_media_type", f"this route takes a JSON body: send "
                             f"Content-Type: application/json (got {got})")
         return None

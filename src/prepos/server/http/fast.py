@@ -1,40 +1,36 @@
 """The straight line: a standing query (`POST /sessions/{id}/query`), a data append
 (`POST /sessions/{id}/append`) and a scrape (`GET /metrics`) handled in front of FastAPI's
-stack.
+stack (step 4 of the front door, `front.py`).
 
 A standing query answered from its pre-positioned ready distribution costs the engine a few
 tens of microseconds, a dashboard's data line a render and a tokenization, and a scrape the
 text of a few hundred values; FastAPI's layers around each (its telemetry check, the
-server-error, exception-telemetry, body-limit, exception and exit-stack middlewares,
-prepos's `BodyLimit`, the router's match, Starlette's request and exception wrappers) cost
-as much again, on the cores the model decodes on, while the dashboards append and the
-scraper scrapes through a stream's every token. `App` takes such a request none of those
-layers would act on straight to the route's own code (`sessions.ask`,
-`sessions.append_data`, `ServerState.scrape`), after the same checks in the same order
-(503, 401, 404, 400, 409) and with the same error responses. Every other
-request goes through the whole stack as before, and so does one of these whose head is over
-the limit, whose body has no Content-Length or is over the limit (a scrape: that has a
-body), that names a session in an `x-session-id` header, or that carries an `Idempotency-Key`
-(the route's wrapper keeps its answer); so does every request of a server with CORS on (its
-middleware adds headers to every response, `Vary: Origin` at least). On a single node the line
-also stands in front of `ClusterFront`: the path names the session, and the line names it back
-in `x-session-id` as `ClusterFront` would; in a cluster it runs behind `ClusterFront`, after
-the session's owner is settled."""
+server-error, exception-telemetry, exception and exit-stack middlewares, the router's match,
+Starlette's request and exception wrappers) cost as much again, on the cores the model
+decodes on, while the dashboards append and the scraper scrapes through a stream's every
+token. `FastRoute` takes such a request none of those layers would act on straight to the
+route's own code (`sessions.ask`, `sessions.append_data`, `ServerState.scrape`), after the
+same checks in the same order (503, 401, 404, 400, 409) and with the same error responses.
+Every other request goes through the whole stack, and so does one of these whose body has
+no Content-Length (a scrape: that has a body), that names a session in an `x-session-id`
+header, or that carries an `Idempotency-Key` (the route's wrapper keeps its answer); so does
+every request of a server with CORS on (its middleware adds headers to every response,
+`Vary: Origin` at least). On a single node the line stands in front of `ClusterFront`: the
+path names the session, and the line names it back in `x-session-id` as `ClusterFront`
+would; in a cluster it runs behind `ClusterFront`, after the session's owner is settled."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
 
-from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from prepos.engine import STREAMING
-from prepos.server.http.arrival import arriving
-from prepos.server.http.cluster_front import HEADER, SESSION_ID, ClusterFront
-from prepos.server.http.cross_site import CrossSite
+from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError, as_api_error
+from prepos.server.http.head import HEADER
 from prepos.server.http.metrics import CONTENT_TYPE
 from prepos.server.http.request_bodies import Append, Query
 from prepos.server.http.sessions import append_data, ask
@@ -43,7 +39,6 @@ from prepos.server.http.state import ServerState
 PREFIX = "/sessions/"
 QUERY, APPEND = "/query", "/append"
 METRICS = "/metrics"
-IDEMPOTENCY = b"idempotency-key"
 KNOWN_BYTES = 1024  # query bodies up to this size are remembered parsed,
 KNOWN_BODIES = 256  # this many at most
 
@@ -52,22 +47,24 @@ class FastRoute:
     def __init__(self, state: ServerState, respond: Callable[[ApiError], Response]):
         self.state = state
         self.respond = respond  # the error response the app's exception handlers give
-        self.max_body = state.limits.max_body_bytes
-        self.max_head = state.limits.max_header_bytes
         # bodies seen before, parsed, by the Authorization header that sent them: one key's
         # question is never found faster for another
         self.known: dict[tuple[str | None, bytes], Query] = {}
 
-    def take(self, scope) -> tuple[str, str, str | None] | None:
+    def take(self, scope, head) -> tuple[str, str, str | None] | None:
         """The route (`QUERY` or `APPEND`, the path's suffix; `METRICS`), the session id
         (a scrape: none) and the Authorization header of a request this line handles; None
-        for any other request."""
+        for any other request. `head`: its `front.Head`, whose sizes the front door has
+        checked."""
         path, method = scope["path"], scope["method"]
-        if scope.get("root_path"):
-            return None
+        if scope.get("root_path") or head.session is not None or head.idempotent:
+            return None  # ClusterFront checks the header against the path's; the route's
+            # wrapper keeps an idempotent request's answer
         if method == "GET" and path == METRICS:
+            if head.length is not None or head.chunked:  # a scrape has no body
+                return None
             route, sid = METRICS, ""
-        elif method != "POST" or not path.startswith(PREFIX):
+        elif method != "POST" or not path.startswith(PREFIX) or head.length is None:
             return None
         elif path.endswith(QUERY):
             route = QUERY
@@ -79,25 +76,7 @@ class FastRoute:
             sid = path[len(PREFIX):-len(route)]
             if not SESSION_ID.fullmatch(sid):  # the route's {sid}, one path segment; else 404
                 return None
-        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-        length = auth = None
-        for name, value in scope["headers"]:  # the head counted as BodyLimit counts it
-            head += len(name) + len(value) + 4
-            if name == b"content-length":
-                length = value if length is None else length
-            elif name == b"authorization":
-                auth = value if auth is None else auth
-            elif name == HEADER:  # ClusterFront checks it against the path's
-                return None
-            elif name == IDEMPOTENCY:  # the route's wrapper keeps its answer
-                return None
-        if route == METRICS:
-            body = length is not None
-        else:
-            body = length is None or not length.isdigit() or int(length) > self.max_body
-        if head > self.max_head or body:
-            return None
-        return route, sid, None if auth is None else auth.decode("latin-1")
+        return route, sid, None if head.auth is None else head.auth.decode("latin-1")
 
     async def query_body(self, receive, auth: str | None) -> Query:
         """The query's body, parsed; a small one its key sent before is the body parsed then
@@ -147,38 +126,3 @@ async def read_body(receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-class App(FastAPI):
-    """prepos's FastAPI app: what a web page may send checked first (`cross_site`), then
-    the straight line (`straight`, once set) in front."""
-
-    fast_route: FastRoute | None = None
-    front: ClusterFront | None = None
-    cross_site: CrossSite | None = None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or self.front is None:
-            return await self._serve(scope, receive, send)
-        if (refused := self.cross_site.check(scope)) is not None:
-            return await self.front.respond(refused, scope["path"])(scope, receive, send)
-        line = self.fast_route
-        if line is not None and self.front.cluster is None:
-            taken = line.take(scope)
-            if taken is not None:
-                return await line.answer(scope, receive, send, *taken, tag=True)
-        await self.front(scope, receive, send, self._serve)
-
-    async def _serve(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await super().__call__(scope, receive, send)
-        line = self.fast_route
-        if line is not None:
-            taken = line.take(scope)
-            if taken is not None:
-                return await line.answer(scope, receive, send, *taken)
-        done = arriving(scope, self.state.prepos.loaded)
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            done()

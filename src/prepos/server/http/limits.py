@@ -1,18 +1,17 @@
-"""Limits: body size (an ASGI middleware, before anything parses), tokens per request and
-per session, sessions per server and per key, and backpressure (429 + Retry-After when the
-model worker's foreground queue is full). Every check runs before the engine is called, so
-a refused request leaves every session as it was."""
+"""Limits: tokens per request and per session, sessions per server and per key, and
+backpressure (429 + Retry-After when the model worker's foreground queue is full). Every
+check runs before the engine is called, so a refused request leaves every session as it
+was. A request's head and body sizes are the front door's (`front.py`)."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
 from prepos.core import SamplingParams
 from prepos.engine import check_context
 from prepos.errors import InvalidSampling, OverBudget
-from prepos.server.http.errors import ApiError, shaped
+from prepos.server.http.errors import ApiError
 
 KNOWN_SAMPLINGS = 256
 
@@ -134,71 +133,3 @@ def share(cap: int, per_key: int | None, keys: int) -> int | None:
     if per_key is not None:
         return per_key
     return max(1, cap // keys) if keys else None
-
-
-class BodyLimit:
-    """Refuse headers over `max_header_bytes` with 431 (the HTTP protocol's guard bounds
-    them while they arrive; this counts a head that came whole), and bodies over `max_bytes`
-    with 413, by Content-Length when sent and by counting otherwise (chunked uploads)."""
-
-    def __init__(self, app, max_bytes: int, max_header_bytes: int = 64 * 1024):
-        self.app = app
-        self.max_bytes = max_bytes
-        self.max_header_bytes = max_header_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + \
-            sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
-        if head > self.max_header_bytes:
-            return await _refuse(scope, send, 431, "headers_too_large",
-                                 f"the request line and headers are {head} bytes, over this "
-                                 f"server's limit of {self.max_header_bytes} bytes")
-        limit = self.max_bytes
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    return await _refuse(scope, send, 400, "invalid_request",
-                                         "Content-Length is not a number")
-                if declared > limit:
-                    return await _refuse(scope, send, 413, "body_too_large",
-                                         f"the body is {declared} bytes, over this server's "
-                                         f"limit of {limit} bytes")
-                return await self.app(scope, receive, send)
-        seen = 0
-        started = False
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:  # the app's ApiError handler answers 413
-                    raise ApiError(413, "body_too_large", f"the body is over this server's "
-                                   f"limit of {limit} bytes (read {seen})")
-            return message
-
-        async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted, watched)
-        except ApiError as exc:
-            if started:
-                raise
-            await _refuse(scope, send, exc.status, exc.code, exc.message)
-
-
-async def _refuse(scope, send, status: int, code: str, message: str) -> None:
-    status, shape = shaped(ApiError(status, code, message), scope.get("path", ""))
-    body = json.dumps(shape).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
