@@ -115,6 +115,9 @@ class EngineConfig:
     reserve_tokens: int = 64  # head-room a streaming session keeps for a query and its answer
     max_versions: int = 1024  # committed versions kept for rollback per session
     preposition: bool = True  # pre-position on idle after each committed update
+    # a request that needs model work is refused (Overloaded) while this many foreground
+    # tasks are queued for the model worker (`Engine.admit`)
+    max_queue: int = 256
     # then pre-decode each exact entry's greedy answer at idle, up to this many tokens (a
     # session's answer_tokens overrides it; `prepos.engine.predecode`); 0: off
     predecode_tokens: int = 64

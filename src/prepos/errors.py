@@ -53,6 +53,17 @@ class EngineClosed(PreposError):
     code = "engine_closed"
 
 
+class Overloaded(PreposError):
+    """The model worker's foreground queue is full (`EngineConfig.max_queue`); `retry_after`:
+    the seconds to wait, an estimate."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Conflict(PreposError):
     """The session changed under a request that meant to commit to it."""
 

@@ -1,22 +1,23 @@
 """What a request must satisfy before any of it runs: a request object, sampling the back end
-can honour, a prompt of valid token ids, a session's spec and history of valid text, room in
-the context and in the session's budget.
+can honour, a prompt of valid token ids, a session's spec and history of valid text, a
+foreground queue with room (`Backpressure`), room in the context and in the session's budget.
 Each check raises a typed error and changes nothing. `Room` also frees KV cells for a task
 about to run (speculative cells only)."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
 from prepos.backends.base import Backend
 from prepos.chat.format import ChatFormat
-from prepos.core import Request, SamplingParams
+from prepos.core import AnswerPath, Request, Result, SamplingParams
 from prepos.decode.stream import Stream
 from prepos.engine.session import Session, SessionStore, check_context
 from prepos.engine.session_spec import AGENTIC, SessionSpec
-from prepos.errors import InvalidInput, InvalidSampling, OverBudget
+from prepos.errors import InvalidInput, InvalidSampling, OverBudget, Overloaded
 from prepos.worker.kv import KVPool
 
 
@@ -78,6 +79,29 @@ def valid_ids(ids: Sequence[object], vocab: int) -> bool:
     """A non-empty sequence of token ids, each an integer in the vocabulary."""
     return bool(ids) and all(not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab
                              for t in ids)
+
+
+class Backpressure:
+    """Admission by load: a request that needs model work is refused (`Overloaded`) while
+    `max_queue` foreground tasks or more wait for the model worker; the wait it is told is
+    the queue times an answer's recent time with model work (a moving average over the
+    engine's finished answers, `observe`)."""
+
+    def __init__(self, max_queue: int, queued: Callable[[], int]):
+        self.max_queue = max_queue
+        self.queued = queued  # the foreground tasks waiting now
+        self.answer_seconds = 0.05  # the moving average, seconds
+
+    def observe(self, res: Result) -> None:
+        if res.path is not AnswerPath.FAST:
+            self.answer_seconds = 0.9 * self.answer_seconds + 0.1 * res.timing.total
+
+    def check(self) -> None:
+        fg = self.queued()
+        if fg >= self.max_queue:
+            wait = max(1, math.ceil(fg * self.answer_seconds))
+            raise Overloaded(f"the model worker has {fg} requests queued (limit "
+                             f"{self.max_queue}); retry after {wait} s", wait)
 
 
 class Room:

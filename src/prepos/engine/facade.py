@@ -13,7 +13,7 @@ from prepos.chat.format import ChatFormat
 from prepos.config import EngineConfig, GateConfig
 from prepos.core import Result
 from prepos.decode.lookup import Lookup
-from prepos.engine.admission import Room
+from prepos.engine.admission import Backpressure, Room
 from prepos.engine.answers import Answers
 from prepos.engine.implicit import ImplicitSessions
 from prepos.engine.loading import load_parts
@@ -61,7 +61,10 @@ class Engine(Mutations, Requests, EngineView):
         self.lookup = Lookup(config.lookup_tokens, config.lookup_ngram,  # greedy drafts
                              config.lookup_min_ngram, config.lookup_max_batch,
                              self.scheduler.foreground)
-        self.observers: list[Callable[[Result], None]] = []  # called with every finished result
+        self.backpressure = Backpressure(config.max_queue,
+                                         lambda: self.scheduler.queue_lengths()[0])
+        # called with every finished result
+        self.observers: list[Callable[[Result], None]] = [self.backpressure.observe]
         # called as fn(event, session, payload) for "create", "commit" (payload: the new
         # Snapshot), "record" ((key, ReadyRecord)), "predecoded" ((key, Predecoded): a
         # pre-decoded answer ended) and "close"; keep them quick

@@ -133,6 +133,25 @@ class EngineView:
         """Tasks waiting for a model worker: (foreground, idle)."""
         return self.scheduler.queue_lengths()
 
+    def will_be_fast(self, sid: str, key: tuple, req: Request = DEFAULT) -> bool:
+        """Whether `req` for entry `key` will be answered from a ready record with no model
+        work: a one-token exact match, or a greedy one whose whole answer is pre-decoded."""
+        if not self.serves_exact(sid, key, req):
+            return False
+        n = req.sampling.max_tokens
+        if n == 1:
+            return True
+        answer = self.predecoding(sid, key)[1] if req.sampling.greedy else None
+        return answer is not None and (answer.finish == "end" or len(answer.tokens) >= n)
+
+    def admit(self, sid: str | None = None, key: tuple | None = None,
+              req: Request = DEFAULT) -> None:
+        """Admission by load, before a request's work is started: Overloaded while the
+        foreground queue is full (`EngineConfig.max_queue`), unless the request, for entry
+        `key` of session `sid`, needs no model work (`will_be_fast`). Changes nothing."""
+        if sid is None or not self.will_be_fast(sid, key, req):
+            self.backpressure.check()
+
     @property
     def paths(self) -> Counter[str]:
         """Answers by path so far: fast_exact, fast_relaxed, gate_miss, fall, cold."""

@@ -106,7 +106,7 @@ def answered(fn):
 
 def refused(request: Request, err: ApiError):
     """An error's response, counted as the app counts the errors it answers."""
-    ServerState.of(request).metrics.errors.labels(str(err.status), err.code).inc()
+    ServerState.of(request).metrics.refused(err)
     return error_response(err)
 
 

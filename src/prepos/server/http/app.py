@@ -54,8 +54,7 @@ def create_app(config: ServerConfig, engine_factory=None) -> App:
     app = App(title="prepos", version="0.1.0", lifespan=lifespan,
               description="A stateful-session LLM server that answers before it is asked.")
     app.state.prepos = state
-    respond = errors.install(app, on_error=lambda err: state.metrics.errors.labels(
-        str(err.status), err.code).inc())
+    respond = errors.install(app, on_error=state.metrics.refused)
     if not config.allowed_origins:  # CORS adds its headers to every response
         app.fast_route = FastRoute(state, respond)
     # x-session-id both ways; with a shared store, who serves the session

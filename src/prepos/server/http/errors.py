@@ -48,7 +48,7 @@ STATUS = {
                      "conflict", "session_busy", "conversation_diverged", "abandoned",
                      "idempotency_key_claimed", "conversation_changed"), 409),
     **dict.fromkeys(("over_budget", "conversations_too_large"), 413),
-    "too_many_sessions": 429,
+    **dict.fromkeys(("too_many_sessions", "overloaded"), 429),
     "backend_error": 500,
     "remote_error": 502,
     **dict.fromkeys(("engine_closed", "backend_unavailable", "answer_interrupted",
@@ -122,7 +122,9 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, PreposError):
-        return ApiError(status_of(exc), exc.code, str(exc), getattr(exc, "param", None))
+        wait = getattr(exc, "retry_after", None)  # Overloaded: the engine's estimate
+        return ApiError(status_of(exc), exc.code, str(exc), getattr(exc, "param", None),
+                        {"Retry-After": str(wait)} if wait is not None else None)
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     ref = uuid.uuid4().hex[:12]  # the log has the exception; the client, where to find it

@@ -1,11 +1,11 @@
-"""Limits: tokens per request and per session, sessions per server and per key, and
-backpressure (429 + Retry-After when the model worker's foreground queue is full). Every
-check runs before the engine is called, so a refused request leaves every session as it
-was. A request's head and body sizes are the front door's (`front.py`)."""
+"""Limits: tokens per request and per session, sessions per server and per key. Every check
+runs before the engine is called, so a refused request leaves every session as it was. A
+request's head and body sizes are the front door's (`front.py`); backpressure is the
+engine's (`Engine.admit`: 429 + Retry-After when the model worker's foreground queue is
+full)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from prepos.core import SamplingParams
@@ -29,7 +29,6 @@ class Limits:
     # refuse (400) a max_tokens over `max_tokens` or past the context, instead of answering up
     # to either and stopping there with finish_reason "length"
     strict_max_tokens: bool = False
-    max_queue: int = 256  # foreground tasks queued on the model worker before 429
     max_header_bytes: int = 64 * 1024  # a request's line and headers (431 beyond)
     # the sampling of each set of values asked for lately (a dashboard asks alike every time)
     _known: dict[tuple, SamplingParams] = field(default_factory=dict, init=False, repr=False,
@@ -115,15 +114,6 @@ class Limits:
 
     def input_limit(self, engine) -> int:
         return self.max_input_tokens or engine.max_context
-
-    def backpressure(self, engine, step_seconds: float) -> None:
-        fg, _ = engine.queue_lengths()
-        if fg >= self.max_queue:
-            wait = max(1, math.ceil(fg * step_seconds))
-            raise ApiError(429, "overloaded",
-                           f"the model worker has {fg} requests queued (limit "
-                           f"{self.max_queue}); retry after {wait} s",
-                           headers={"Retry-After": str(wait)})
 
 
 def share(cap: int, per_key: int | None, keys: int) -> int | None:

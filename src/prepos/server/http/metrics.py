@@ -71,7 +71,6 @@ class Metrics:
         self._ttft = {p: self.ttft.observer(p) for p in PATHS}
         self._e2e = {p: self.e2e.observer(p) for p in PATHS}
         self._requests: dict[tuple[str, str], object] = {}
-        self._step_ewma = 0.05  # seconds per foreground request, for Retry-After
         self.exposition = Exposition(r)
 
     def observe(self, res: Result) -> None:
@@ -100,12 +99,12 @@ class Metrics:
             counter = self._requests.setdefault(key, self.requests.labels(*key))
         counter.inc()
         self.cached_tokens.inc(cached_prompt_tokens(res))
-        if res.path is not AnswerPath.FAST:
-            self._step_ewma = 0.9 * self._step_ewma + 0.1 * res.timing.total
 
-    @property
-    def step_seconds(self) -> float:
-        return self._step_ewma
+    def refused(self, err) -> None:
+        """An error response (an `ApiError`), counted; backpressure's too, as a rejection."""
+        self.errors.labels(str(err.status), err.code).inc()
+        if err.code == "overloaded":
+            self.rejected.labels("queue_full").inc()
 
     def render(self) -> bytes:
         """The scrape's text: the registry's families, the engine's (`engine_metrics`), then

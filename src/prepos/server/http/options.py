@@ -302,14 +302,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                                                 start=args.relaxed_start),
                           implicit_memory=args.implicit_memory,
                           implicit_sessions=args.implicit_sessions,
-                          response_sessions=args.response_sessions)
+                          response_sessions=args.response_sessions,
+                          max_queue=args.max_queue)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_sessions=args.max_sessions,
                     max_sessions_per_key=args.max_sessions_per_key,
                     max_subscribers=args.max_subscribers,
                     max_subscribers_per_key=args.max_subscribers_per_key,
                     max_tokens=args.max_tokens,
                     default_max_tokens=min(args.default_max_tokens, args.max_tokens),
-                    max_input_tokens=args.max_input_tokens, max_queue=args.max_queue,
+                    max_input_tokens=args.max_input_tokens,
                     strict_max_tokens=args.strict_max_tokens,
                     max_header_bytes=args.max_header_bytes)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())

@@ -65,7 +65,7 @@ class SessionAdmission:
         requests."""
         lim = self.limits
         held = engine.session_limit  # set when it was made (`ServerState`), or the back end's
-        if held >= lim.max_sessions + lim.max_queue:
+        if held >= lim.max_sessions + engine.config.max_queue:
             self.session_cap = lim.max_sessions
             self.key_cap = share(self.session_cap, lim.max_sessions_per_key, self.keys)
             return

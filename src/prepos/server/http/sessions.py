@@ -67,7 +67,7 @@ async def _commit(c: RequestContext, fn, *args, quick: bool = False) -> Response
     unless it is `quick` (it renders little and waits for nothing; `ServerState.committing`);
     the committed version."""
     if c.body.wait:
-        c.state.backpressure(c.engine)
+        c.engine.admit()
     fn = partial(fn, origin=c.origin)
     version = await (c.state.committing(fn, *args) if quick else c.state.run(fn, *args))
     snap = c.engine.snapshot(c.sid, version)
@@ -347,7 +347,7 @@ async def tool_result(sid: str, request: Request):
 async def _committing(c: RequestContext, start, text: str, what: str, req: EngineRequest):
     """An agentic request that commits `text` first: behind backpressure, off the loop."""
     await c.check_input(text, what)
-    c.state.backpressure(c.engine)
+    c.engine.admit()
     return await c.state.run(start, c.sid, text, req)
 
 

@@ -1,6 +1,6 @@
 """The server's state: its configuration, the engine once loaded, the journal, the SSE hub,
 metrics, keys and limits, and the helpers every route uses: a request's context (`RequestContext`),
-session lookup, backpressure; its session admission (`session_admission.py`)."""
+session lookup; its session admission (`session_admission.py`)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ class ServerState:
         lim, made = config.limits, config.engine  # the engine config (not an engine)
         # the engine holds the persistent sessions and a queue's stateless ones
         config = replace(config, engine=replace(made, max_sessions=min(
-            made.max_sessions, lim.max_sessions + lim.max_queue)))
+            made.max_sessions, lim.max_sessions + made.max_queue)))
         self.config = config
         self.limits = config.limits
         self.keys = Keys(config.api_keys)
@@ -363,40 +363,20 @@ class ServerState:
         finally:
             gone.cancel()
 
-    @staticmethod
-    def will_be_fast(engine: Engine, sid: str, key: tuple, req: EngineRequest) -> bool:
-        """Whether the request will be answered from a ready record with no model work (a
-        one-token exact match, or a greedy one whose whole answer is pre-decoded): such
-        requests are never refused for backpressure."""
-        if not engine.serves_exact(sid, key, req):
-            return False
-        n = req.sampling.max_tokens
-        if n == 1:
-            return True
-        answer = engine.predecoding(sid, key)[1] if req.sampling.greedy else None
-        return answer is not None and (answer.finish == "end" or len(answer.tokens) >= n)
-
     async def start_exact(self, engine: Engine, sid: str, key: tuple, req: EngineRequest,
                           start: Callable[[], Stream], size: int = 0,
                           commits: bool = False) -> Stream:
-        """`start()` a request for entry `key`: refused for backpressure unless it needs no
-        model work (`will_be_fast`). It runs on the event loop (no thread hop: a fast answer is
-        written at once) unless it `commits` (its commit waits for the store) or its text,
-        `size` characters, is long enough that tokenizing it would hold the loop up."""
-        if not self.will_be_fast(engine, sid, key, req):
-            self.backpressure(engine)
+        """`start()` a request for entry `key`, once the engine admits it (`Engine.admit`:
+        refused for backpressure unless it needs no model work). It runs on the event loop
+        (no thread hop: a fast answer is written at once) unless it `commits` (its commit
+        waits for the store) or its text, `size` characters, is long enough that tokenizing
+        it would hold the loop up."""
+        engine.admit(sid, key, req)
         if commits:
             return await self.committing(start)
         if size <= INLINE_BYTES:
             return start()
         return await asyncio.get_running_loop().run_in_executor(self.cpu, start)
-
-    def backpressure(self, engine: Engine) -> None:
-        try:
-            self.limits.backpressure(engine, self.metrics.step_seconds)
-        except ApiError:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise
 
 
 def _load_engine(config: ServerConfig) -> Engine:

@@ -130,7 +130,7 @@ class ChatCall:
             try:
                 self.sampling = self._session_sampling(eng, None, tools, msgs)
                 req = self._req(self.sampling, self.body.fast_path)
-                self.state.backpressure(eng)
+                eng.admit()
                 stream = await self.state.run(entered(self.scope, eng.converse), owner, msgs,
                                               tools, req)
                 return await self._respond([stream], None, agentic=True,
@@ -141,7 +141,7 @@ class ChatCall:
                 # a call its session's reserve leaves no room for: a raw completion, whose
                 # room is the whole context
                 return await self._continue(eng, owner, msgs, tools)
-        self.state.backpressure(eng)
+        eng.admit()
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         spec = SessionSpec(AGENTIC, system, tuple(tools), (), "off", False, None, owner=owner)
         sids, streams = [], []
@@ -204,7 +204,7 @@ class ChatCall:
         except InvalidInput as exc:
             raise ApiError(400, "invalid_input", str(exc), "messages") from None
         prompt = _continuation_prompt(fmt, text)
-        self.state.backpressure(eng)
+        eng.admit()
         # a raw completion, never committed: the context is all its room
         spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
         streams: list = []
@@ -286,12 +286,12 @@ class ChatCall:
         req = self._req(sampling, self.body.fast_path)
         tools = bool(s.spec.tools) and self.choice != "none"
         if plan.commits_nothing and (
-                self.state.will_be_fast(eng, s.id, TURN, req)
+                eng.will_be_fast(s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
                 or self.body.stream and eng.serves_exact(s.id, TURN, req)):
             stream = await self.state.committing(entered(self.scope, eng.chat), plan, req)
         else:
-            self.state.backpressure(eng)
+            eng.admit()
             stream = await self.state.run(entered(self.scope, eng.chat), plan, req)
         return await self._respond([stream], s.id, agentic=True, tools=tools,
                                    cleanup=cleanup and (lambda: cleanup(stream)))
@@ -401,7 +401,7 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
                     lambda p=prompt, req=req: eng.query(s.id, p, req), len(prompt)))
         return await respond(CompletionReply(state, body, s.id, echo, n), state, receive,
                              streams)
-    state.backpressure(eng)
+    eng.admit()
     # stateless: the prompt is continued as given, no chat template (a raw completion)
     spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
     sids, streams = [], []
