@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ from prepos.core import Result, SamplingParams
 from prepos.decode.structured import Grammars
 from prepos.server.openai.chat_reply import message
 from prepos.server.openai.checks import forced_call
+from tests.support.helpers import loaded_app
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "trend-reader"
 PRICE = {"type": "function", "function": {"name": "get_price", "parameters": {
@@ -210,18 +210,13 @@ def test_an_answer_cut_inside_a_call_leaves_no_markup_in_the_content():
 # -- end to end on the bundled model ------------------------------------------------------
 @pytest.fixture(scope="module")
 def client():
-    from starlette.testclient import TestClient
 
     from prepos.config import EngineConfig
     from prepos.server.http.app import create_app
     from prepos.server.http.state import ServerConfig
 
     app = create_app(ServerConfig(model=BUNDLED, engine=EngineConfig(threads=2)))
-    with TestClient(app, base_url="http://localhost") as c:
-        deadline = time.monotonic() + 120
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.05)
+    with loaded_app(app) as c:
         yield c
 
 

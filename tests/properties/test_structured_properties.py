@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter
 
 import jsonschema
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 
 from prepos.config import EngineConfig
 from prepos.lab.tiny import build_model
+from tests.support.helpers import loaded_app
 from tests.support.models import BACKENDS, backend_config
 
 EXAMPLES = int(os.environ.get("PREPOS_STRUCTURED_EXAMPLES", "40"))
@@ -94,7 +94,6 @@ def requests(draw) -> dict:
 
 @pytest.fixture(scope="module", params=[b for b in BACKENDS if "/" not in b])
 def client(request, tmp_path_factory):
-    from starlette.testclient import TestClient
 
     from prepos.server.http.app import create_app
     from prepos.server.http.state import ServerConfig
@@ -102,11 +101,7 @@ def client(request, tmp_path_factory):
     cfg = backend_config(request.param)
     model = build_model(tmp_path_factory.mktemp("qwen") / "qwen-qwen2", "qwen", "qwen2", seed=1)
     app = create_app(ServerConfig(model=model, engine=EngineConfig(threads=2, **cfg)))
-    with TestClient(app, base_url="http://localhost") as c:
-        deadline = time.monotonic() + 120
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.05)
+    with loaded_app(app) as c:
         c.model_name = model.name
         c.backend_name = request.param
         yield c

@@ -4,13 +4,12 @@ tests/worker/test_arrivals.py)."""
 
 from __future__ import annotations
 
-import time
+from tests.support.helpers import loaded_app
 
 
 def test_every_counted_route_ends_its_arrival(model_dirs):
     """Through the app: chat (streamed and not, stateless, on a session, refused), Responses
     and Messages each end the request's arrival, so no later step waits for it."""
-    from starlette.testclient import TestClient
 
     from prepos.config import EngineConfig
     from prepos.server.http.app import create_app
@@ -18,11 +17,7 @@ def test_every_counted_route_ends_its_arrival(model_dirs):
 
     app = create_app(ServerConfig(model=model_dirs["chatml"], engine=EngineConfig(
         backend="torch", threads=2, batch_wait_ms=600_000)))
-    with TestClient(app, base_url="http://localhost") as c:
-        deadline = time.monotonic() + 120
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.05)
+    with loaded_app(app) as c:
         eng = app.state.prepos.loaded
         msgs = [{"role": "user", "content": "hi"}]
         model = c.get("/v1/models").json()["data"][0]["id"]

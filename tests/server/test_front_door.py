@@ -4,12 +4,11 @@ any route, with the connection closed and the refusal counted."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from prepos.server.http import head as head_module
 from prepos.server.http.head import Head
+from tests.support.helpers import loaded_app
 
 
 def scope(*headers: tuple[bytes, bytes], path: str = "/v1/chat/completions") -> dict:
@@ -34,7 +33,6 @@ def test_a_head_keeps_the_first_of_each_header_and_counts_its_size():
 
 @pytest.fixture(scope="module")
 def app_client(model_dirs):
-    from starlette.testclient import TestClient
 
     from prepos.config import EngineConfig
     from prepos.server.http.app import create_app
@@ -44,11 +42,7 @@ def app_client(model_dirs):
     app = create_app(ServerConfig(model=model_dirs["chatml"], limits=Limits(
         max_body_bytes=4096, max_header_bytes=2048), engine=EngineConfig(
         backend="torch", threads=2)))
-    with TestClient(app, base_url="http://localhost") as c:
-        deadline = time.monotonic() + 120
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, "the model did not load"
-            time.sleep(0.05)
+    with loaded_app(app) as c:
         yield c
 
 

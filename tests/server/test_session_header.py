@@ -6,11 +6,11 @@ naming the problem, and a malformed id in a path the route's 404, never a 500.""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
+from tests.support.helpers import loaded_app
 from tests.support.server_harness import ServerProc
 
 
@@ -119,7 +119,6 @@ def test_a_scrape_answers_the_same_on_the_straight_line_and_through_the_stack(mo
     request goes through the stack. Both answer alike: a 401 naming the problem without a
     metrics key, with a bad one and with an API key that is not one; the exposition's
     families with one, no session named back."""
-    from starlette.testclient import TestClient
 
     from prepos.config import EngineConfig
     from prepos.server.http.app import create_app
@@ -131,11 +130,7 @@ def test_a_scrape_answers_the_same_on_the_straight_line_and_through_the_stack(mo
                                       metrics_keys=("scrape",), allowed_origins=origins,
                                       engine=EngineConfig(backend="torch", threads=2)))
         assert (app.fast_route is None) == bool(origins)
-        with TestClient(app, base_url="http://localhost") as c:
-            deadline = time.monotonic() + 120
-            while c.get("/health").status_code != 200:
-                assert time.monotonic() < deadline, "the model did not load"
-                time.sleep(0.05)
+        with loaded_app(app) as c:
             seen = []
             for auth in (None, "Basic x", "Bearer nope", "Bearer key", "Bearer scrape"):
                 r = c.get("/metrics", headers={"Authorization": auth} if auth else {})

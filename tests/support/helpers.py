@@ -1,6 +1,8 @@
 """Shared test helpers: a cold forward with no cache, and session state snapshots."""
 
 import threading
+import time
+from contextlib import contextmanager
 
 import torch
 
@@ -162,3 +164,16 @@ def no_end(eng, max_tokens: int) -> Request:
     """A greedy answer of exactly `max_tokens` tokens (its end-of-turn tokens banned)."""
     ban = tuple((t, -100.0) for t in sorted(eng.fmt.end_of_turn))
     return Request(SamplingParams(max_tokens=max_tokens, logit_bias=ban), fast_path="off")
+
+
+@contextmanager
+def loaded_app(app, timeout: float = 120):
+    """A TestClient on `app` (prepos's, from `create_app`) once its model is loaded."""
+    from starlette.testclient import TestClient
+
+    with TestClient(app, base_url="http://localhost") as c:
+        deadline = time.monotonic() + timeout
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.05)
+        yield c
