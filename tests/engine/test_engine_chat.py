@@ -87,6 +87,41 @@ def test_a_stock_clients_conversation_is_kept_by_the_engine(make_engine):
     assert eng.evict_conversation() and eng.metrics()["implicit"]["evicted"] == 1
 
 
+def test_a_new_kept_conversation_starts_from_the_longest_prefix_another_holds(make_engine,
+                                                                           monkeypatch):
+    """A conversation a stock client sends whole starts on a new kept session with no
+    pre-position of its own (its turn follows at once): an entry pre-positioned first would
+    hold the session's system part alone, and its turn would then reuse that much of another
+    conversation's prefix, not all that the two share."""
+    eng = make_engine("chatml")
+    submitted = []  # (session, idle) of every task, in order
+    submit = eng.scheduler.submit
+
+    def recorded(gen, idle=False, key=None, *args, **kw):
+        submitted.append((key, idle))
+        return submit(gen, idle, key, *args, **kw)
+
+    monkeypatch.setattr(eng.scheduler, "submit", recorded)
+    opening = "Write a long, detailed essay about the weather in the mountains and "
+
+    def msgs(topic):
+        return [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": opening + topic}]
+
+    eng.converse("a", msgs("the sea"), (), ONE).result()
+    assert eng.wait_idle(120)
+    submitted.clear()
+    res = eng.converse("a", msgs("the rivers"), (), ONE).result()
+    assert submitted[0][1] is False  # the new session's first task is its turn
+    fmt = eng.fmt
+    one, two = (fmt.encode(fmt.render(msgs(t), generation_prompt=True))
+                for t in ("the sea", "the rivers"))
+    shared = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+    system = len(fmt.encode(fmt.render(msgs("x")[:1])))
+    assert shared > system + 4  # the two share more than the system part
+    assert res.cached_prompt_tokens >= shared - 1
+
+
 def test_a_streams_end_callbacks_run_before_its_reader_sees_the_end():
     from prepos.core import AnswerPath, Match, Result
     from prepos.decode.stream import Stream

@@ -153,7 +153,7 @@ class ImplicitSessions:
         sid = f"{EPHEMERAL}{eng.new_session_id()}"
         while True:
             try:
-                eng.restore_session(sid, spec)
+                eng.restore_session(sid, spec, prepare=False)  # its turn follows at once
                 break
             except TooManySessions:
                 if not eng.evict_conversation():

@@ -39,11 +39,14 @@ class Mutations:
         return self.restore_session(self.sessions.new_id(), spec, origin=origin)
 
     def restore_session(self, sid: str, spec: SessionSpec, history: Sequence[tuple[int,
-                        Sequence[dict]]] = (), warm: bool = False, origin: object = None
-                        ) -> str:
+                        Sequence[dict]]] = (), warm: bool = False, origin: object = None,
+                        prepare: bool = True) -> str:
         """A session with a given id, optionally from journalled history ((version, messages),
         the last current). Its KV is rebuilt by the pre-position job at idle priority (`warm`:
-        first in the foreground, waited for); ready records are recomputed, never restored."""
+        first in the foreground, waited for); ready records are recomputed, never restored.
+        `prepare=False`: no pre-position of the new session, whose first turn the caller
+        starts at once (its prefill then starts from the longest prefix any KV holds, where
+        an entry pre-positioned first would have taken the session's system part alone)."""
         check_session(spec, history, self.fmt)
         c = self.config
         self.pool.claim(sid, spec.owner)
@@ -52,7 +55,7 @@ class Mutations:
                     said_tokens=c.lookup_said_tokens if self.lookup.k else 0)
         self.sessions.add(s, origin)
         self._emit("create", s, s.snap)
-        self._committed(s, s.snap, None, wait=warm)
+        self._committed(s, s.snap, None, wait=warm, prepare=prepare)
         return s.id
 
     def close_session(self, sid: str, expected_version: int | None = None,
@@ -126,15 +129,17 @@ class Mutations:
         self._committed(s, snap, dropped, wait)
         return snap.version
 
-    def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None, wait) -> None:
-        """After every commit: settle the dropped pre-position, ingest, pre-position."""
+    def _committed(self, s: Session, snap: Snapshot, dropped: ReadySet | None, wait,
+                   prepare: bool = True) -> None:
+        """After every commit: settle the dropped pre-position, ingest, pre-position (unless
+        not `prepare`)."""
         self.prepositioner.invalidated(dropped, s.id)
         if dropped is not None:
             self._emit("commit", s, snap)
         if wait and snap.tokens:  # the commit stands: its KV is a cache, rebuilt when needed
             with contextlib.suppress(OverBudget):
                 self._call(self._ingest(s, snap), key=s.id)
-        if self.config.preposition and s.spec.preposition:
+        if prepare and self.config.preposition and s.spec.preposition:
             _, ready = s.current()
             if ready.version == snap.version and ready.valid:
                 self.prepositioner.scheduled(ready)
