@@ -56,7 +56,7 @@ class CrossSite:
 
     def check(self, scope, head=None) -> ApiError | None:
         """The refusal of an HTTP request's scope, or None where it may go on (`head`: its
-        `front.Head`, read here where not given)."""
+        `head.Head`, read here where not given)."""
         head = head or Head(scope)
         host, origin = head.host, head.origin
         if host is not None and host not in self._known:

@@ -54,7 +54,7 @@ class FastRoute:
     def take(self, scope, head) -> tuple[str, str, str | None] | None:
         """The route (`QUERY` or `APPEND`, the path's suffix; `METRICS`), the session id
         (a scrape: none) and the Authorization header of a request this line handles; None
-        for any other request. `head`: its `front.Head`, whose sizes the front door has
+        for any other request. `head`: its `head.Head`, whose sizes the front door has
         checked."""
         path, method = scope["path"], scope["method"]
         if scope.get("root_path") or head.session is not None or head.idempotent:
