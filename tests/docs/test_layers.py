@@ -227,10 +227,12 @@ def test_the_store_imports_nothing_of_http():
 
 
 def test_a_conversation_sent_whole_is_dispatched_in_one_place():
-    """Chat completions and Messages translate their bodies and call `flow.converse`: the
-    checks of a conversation's messages, the hop to the node that keeps it and the choice of
-    stateless, streaming or agentic are made there alone, not copied per API."""
-    calls: dict[str, list[str]] = {"check_input": [], "hop": [], "stateless": []}
+    """Chat completions, Messages and Responses each translate their body into a
+    `ConversationRequest` and hand it to the flow: the checks of a conversation's messages,
+    the hop to the node that keeps it (`converse`) and the choice of stateless, streaming or
+    agentic (`answer`) are made there alone, not copied per API."""
+    calls: dict[str, list[str]] = {name: [] for name in (
+        "check_input", "hop", "stateless", "streaming", "agentic", "ConversationRequest")}
     for f in sorted((SRC / "server").rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call):
@@ -239,8 +241,9 @@ def test_a_conversation_sent_whole_is_dispatched_in_one_place():
                 if name in calls:
                     calls[name].append(str(f.relative_to(SRC)))
     assert calls["hop"] == ["server/openai/flow.py"]
-    # Responses choose a chain session first, else the same stateless answer
-    assert sorted(set(calls["stateless"])) == ["server/openai/flow.py",
-                                               "server/openai/responses.py"]
+    for kind in ("stateless", "streaming", "agentic"):  # `flow.answer`, whichever API sent it
+        assert calls[kind] == ["server/openai/flow.py"], kind
+    assert sorted(calls["ConversationRequest"]) == [
+        "server/anthropic/routes.py", "server/openai/responses.py", "server/openai/routes.py"]
     assert calls["check_input"].count("server/anthropic/routes.py") == 1  # count_tokens'
     assert calls["check_input"].count("server/openai/routes.py") == 1  # completions' prompts

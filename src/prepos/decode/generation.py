@@ -36,7 +36,7 @@ class Generation:
         self._detok = Detokenizer(fmt, self.tokens)  # their text, a token at a time
         self._text = ""
         self._emitted = 0
-        self._hold = max((len(s) for s in sampling.stop), default=1) - 1
+        self._hold = max(map(len, sampling.stop), default=1) - 1
 
     def add(self, token: int, logits: torch.Tensor | Dist | None = None,
             logprob: float | None = None) -> bool:

@@ -80,8 +80,8 @@ class MessageReply:
         return self.body(content, reason, stopped, res)
 
     # -- the HTTP answer -----------------------------------------------------------------
-    async def respond(self, receive, stream: Stream, cleanup=None) -> Response:
-        state = self.state
+    async def respond(self, receive, streams: list[Stream], cleanup=None) -> Response:
+        state, (stream,) = self.state, streams  # one choice
         if not self.stream:
             res = await streaming.result(state, stream, receive, cleanup)
             return results.JSONBody(self.whole(res), headers=results.headers(res, self.sid))

@@ -43,22 +43,21 @@ and Anthropic's SDK work against prepos unchanged.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from starlette.requests import Request
 
 from prepos.chat.conversation import check_order, session_messages
 from prepos.errors import InvalidInput
+from prepos.server.conversation_request import ConversationRequest, tool_choice
 from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError, as_api_error
 from prepos.server.http.head import AGENT_HEADERS
 from prepos.server.http.idempotency import idempotent, kept
-from prepos.server.http.request_bodies import ChatCompletion, ChatMessage
+from prepos.server.http.request_bodies import ChatMessage
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.state import ServerState
-from prepos.server.openai.checks import chat_sampling, tool_choice, tool_specs
-from prepos.server.openai.flow import RepliedCall, _continuation_prompt, converse
+from prepos.server.openai.flow import ChatCall, _continuation_prompt, converse
 from prepos.server.store.idempotency import KeyClaimed
 
 from . import schema as S
@@ -135,7 +134,7 @@ def check_model(state, model: str) -> None:
 
 
 class Translated:
-    """A Messages body in the chat route's terms."""
+    """A Messages body in no API's terms (`request`: a `ConversationRequest`)."""
 
     def __init__(self, body: S.AnthropicCountTokens, rename: Renamer):
         sent, rename.where = T.conversation(body)
@@ -145,11 +144,10 @@ class Translated:
         self.messages = [ChatMessage.model_validate(m) for m in sent]
         self.msgs = session_messages(self.messages)
 
-    def chat(self, state, **fields) -> ChatCompletion:
-        return ChatCompletion.model_validate({
-            "model": state.model_name, "messages": [],
-            "tools": self.tools if self.sent_tools else None,
-            "tool_choice": self.choice, "parallel_tool_calls": self.parallel, **fields})
+    def request(self, sampling, name: str | None, stream: bool) -> ConversationRequest:
+        return ConversationRequest(self.msgs, sampling, self.tools, tools_sent=self.sent_tools,
+                                   tool_choice=self.choice, parallel=self.parallel, name=name,
+                                   stream=stream)
 
 
 @routes.add("POST", "/v1/messages", 8, summary="Create a message (Anthropic's Messages API)",
@@ -169,16 +167,12 @@ async def create_message(request: Request, rename: Renamer):
     if any(not s for s in stops):
         raise T.bad("a stop sequence must not be empty", "stop_sequences")
     # Claude Code asks for 32,000 tokens: answered up to the server's limit and the context's
-    # end, unless the server refuses such requests (its strict_max_tokens, where it has one)
-    strict = getattr(state.limits, "strict_max_tokens", False)
-    asked = body.max_tokens if strict else min(body.max_tokens, state.limits.max_tokens)
-    chat = t.chat(state, max_completion_tokens=asked, temperature=body.temperature,
-                  top_p=body.top_p, top_k=body.top_k, stream=bool(body.stream))
-    sampling = chat_sampling(state, chat)
-    sampling = replace(sampling, stop=stops, fit_context=sampling.fit_context or not strict)
+    # end, unless the server refuses such requests (--strict-max-tokens)
+    sampling = state.limits.sampling(body.max_tokens, body.temperature, body.top_k,
+                                     body.top_p, None, stops, param="max_tokens", fit=True)
     reply = MessageReply(state, state.model_name, bool(body.stream), stops, rename=rename)
-    call = RepliedCall(state, chat, sampling, request, reply)
-    return await converse(call, request, eng, owner, t.msgs, session_name(request))
+    conv = t.request(sampling, session_name(request), bool(body.stream))
+    return await converse(ChatCall(state, conv, request, reply), request, eng, owner)
 
 
 def session_name(request: Request) -> str | None:
@@ -210,9 +204,8 @@ async def count_tokens(request: Request, rename: Renamer):
     msgs = t.msgs
     for i, m in enumerate(msgs):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
-    chat = t.chat(state)
-    tool_choice(chat)  # refused as a create refuses it: a tool none of the tools is
-    tools = [] if t.choice == "none" else tool_specs(chat)
+    tool_choice(t.choice, t.tools)  # refused as a create refuses it: a tool none of them is
+    tools = [] if t.choice == "none" else t.tools
     check_order([], msgs, 0, continue_final=True)
     n = await asyncio.get_running_loop().run_in_executor(state.cpu, prompt_tokens, eng,
                                                          msgs, tools)

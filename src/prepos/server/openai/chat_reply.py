@@ -103,6 +103,7 @@ class Reply:
 
     def __init__(self, state, request: ChatCompletion | Completion, sid: str | None,
                  prefix: str, obj: str, chunk_obj: str):
+        self.state = state
         self.request = request
         self.sid = sid
         self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -114,6 +115,42 @@ class Reply:
         self.chat_format: ChatFormat = state.engine.fmt
         self.index = 0
         self.per_prompt = 1  # choices per prompt (completions: n)
+
+    async def respond(self, receive, streams: list[Stream], cleanup=None) -> Response:
+        """The answer: one JSON body, or chunks (`stream: true`) ending in `[DONE]`; one choice
+        per stream."""
+        if not self.request.stream:
+            try:
+                done = [await self.state.result(s, receive) for s in streams]
+            except BaseException:
+                for s in streams:
+                    s.cancel()
+                raise
+            finally:
+                if cleanup is not None:
+                    cleanup()
+            return self.whole(done)
+        if len(streams) == 1:
+            chunks = streaming.guarded(self.chunks(streams[0]), cleanup, last=DONE)
+            return await streaming.stream_response(streams[0], chunks, self.sid,
+                                                   self.state.metrics.token_stages, direct=True)
+
+        async def each(_source):  # the choices one after the other, each with its index
+            for i, stream in enumerate(streams):
+                one = self.at(i)
+                one.include_usage = False  # once, for all the choices, at the end
+                async for c in one.chunks(stream)(stream.aiter()):
+                    yield c
+            if self.include_usage:
+                yield self.usage_chunk([s.result() for s in streams])
+
+        def cancel_all():
+            for s in streams:
+                s.cancel()
+
+        chunks = streaming.guarded(each, cleanup, last=DONE)
+        return EventStream(chunks(None), headers={**results.pending_headers(self.sid),
+                                                  **SSE_HEADERS}, on_disconnect=cancel_all)
 
     def at(self, index: int) -> Reply:
         other = copy.copy(self)
@@ -154,49 +191,15 @@ class Reply:
         return results.JSONBody(out, headers=results.headers(first, self.sid))
 
 
-async def respond(reply: Reply, state, receive, streams: list[Stream], cleanup=None,
-) -> Response:
-    """The answer: one JSON body, or chunks (`stream: true`) ending in `[DONE]`; one choice
-    per stream."""
-    if not reply.request.stream:
-        try:
-            done = [await state.result(s, receive) for s in streams]
-        except BaseException:
-            for s in streams:
-                s.cancel()
-            raise
-        finally:
-            if cleanup is not None:
-                cleanup()
-        return reply.whole(done)
-    if len(streams) == 1:
-        chunks = streaming.guarded(reply.chunks(streams[0]), cleanup, last=DONE)
-        return await streaming.stream_response(streams[0], chunks, reply.sid,
-                                               state.metrics.token_stages, direct=True)
-
-    async def each(_source):  # the choices one after the other, each with its index
-        for i, stream in enumerate(streams):
-            one = reply.at(i)
-            one.include_usage = False  # once, for all the choices, at the end
-            async for c in one.chunks(stream)(stream.aiter()):
-                yield c
-        if reply.include_usage:
-            yield reply.usage_chunk([s.result() for s in streams])
-
-    def cancel_all():
-        for s in streams:
-            s.cancel()
-
-    chunks = streaming.guarded(each, cleanup, last=DONE)
-    return EventStream(chunks(None), headers={**results.pending_headers(reply.sid),
-                                              **SSE_HEADERS}, on_disconnect=cancel_all)
-
-
 # -- chat ---------------------------------------------------------------------------------
 class ChatReply(Reply):
-    def __init__(self, state, body: ChatCompletion, sid: str | None, agentic: bool,
-                 tools: bool, prefix: str = "", forced: dict[str, str] | None = None,
-                 parallel: bool = True):
+    """A chat completion's reply. The flow (`flow.ChatCall`) tells it how the answer is
+    parsed (`sid`, `agentic`, `tools`, `prefix`, `forced`, `parallel`), then asks it to
+    `respond`."""
+
+    def __init__(self, state, body: ChatCompletion, sid: str | None = None,
+                 agentic: bool = False, tools: bool = False, prefix: str = "",
+                 forced: dict[str, str] | None = None, parallel: bool = True):
         super().__init__(state, body, sid, "chatcmpl-", "chat.completion",
                          "chat.completion.chunk")
         self.agentic = agentic

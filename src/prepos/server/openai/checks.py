@@ -132,30 +132,6 @@ def response_format(state, body: ChatCompletion) -> str | None:
     return fmt
 
 
-def tool_choice(body: ChatCompletion) -> str | None:
-    """The request's tool choice: "auto", "none", "required", or the name of the function
-    it must call."""
-    choice = body.tool_choice
-    names = [t["function"]["name"] for t in tool_specs(body)]
-    if choice is None or choice in ("auto", "none"):
-        return choice or "auto"
-    if choice == "required":
-        if not names:
-            raise ApiError(400, "invalid_request", "tool_choice 'required' needs tools",
-                           "tool_choice")
-        return choice
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str) or choice.get("type", "function") != "function":
-        raise ApiError(400, "invalid_request", "tool_choice must be 'auto', 'none', "
-                       "'required' or {'type': 'function', 'function': {'name': ...}}",
-                       "tool_choice")
-    if name not in names:
-        raise ApiError(400, "invalid_request", f"tool_choice names function {name!r}, which "
-                       f"is not among the request's tools {names}", "tool_choice")
-    return name
-
-
 def forced_call(engine, msgs: list[dict], tools: list[dict], choice: str,
                 grammar: bool = True, parallel: bool = False
                 ) -> tuple[str | None, dict[str, str]]:

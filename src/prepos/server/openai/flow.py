@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from functools import cached_property
 
 from starlette.responses import Response
 
@@ -33,16 +32,17 @@ from prepos.core import Request as EngineRequest
 from prepos.core import SamplingParams
 from prepos.engine import AGENTIC, STREAMING, TURN, SessionSpec, query_key
 from prepos.errors import InvalidInput, InvalidResponseFormat, PreposError
+from prepos.server.conversation_request import ConversationRequest
 from prepos.server.http.arrival import entered
 from prepos.server.http.cluster_front import SESSION_ID
 from prepos.server.http.errors import ApiError
 from prepos.server.http.forwarding import hop
 from prepos.server.http.idempotency import attempt_of
-from prepos.server.http.request_bodies import ChatCompletion, Completion
+from prepos.server.http.request_bodies import Completion
 from prepos.server.http.state import ServerState
 from prepos.server.names import public
-from prepos.server.openai.chat_reply import ChatReply, CompletionReply, respond
-from prepos.server.openai.checks import forced_call, tool_choice, tool_specs
+from prepos.server.openai.chat_reply import CompletionReply
+from prepos.server.openai.checks import forced_call
 
 
 def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -64,21 +64,25 @@ def _continuation_prompt(fmt, text: str) -> str:
 
 
 class ChatCall:
-    def __init__(self, state: ServerState, body: ChatCompletion, sampling, request):
+    """One conversation request being answered: `reply` is its API's (chat completions',
+    the Messages API's or the Responses API's), told by the flow how to parse the answer
+    (`sid`, `agentic`, `tools`, `prefix`, `forced`, `parallel`) and then asked to
+    `respond(receive, streams, cleanup)`."""
+
+    def __init__(self, state: ServerState, conv: ConversationRequest, request, reply):
         self.state = state
         self.receive = request.receive  # a client that leaves cancels its stream
         self.origin = attempt_of(request)  # handed to the engine with every commit
         self.scope = request.scope  # its arrival ends once its engine entry returns
-        self.body = body
-        self.sampling = sampling
-        self.logprobs = bool(body.logprobs)
-        self.n = body.n or 1
+        self.conv = conv
+        self.reply = reply
+        self.sampling = conv.sampling
+        self.n = conv.n
         self.forced: dict[str, str] | None = None  # a forced call's openings, by function
 
-    @cached_property
+    @property
     def choice(self) -> str:
-        """The tool choice, read once the tools are settled (a named session's own)."""
-        return tool_choice(self.body)
+        return self.conv.choice
 
     @staticmethod
     def constrains(eng) -> bool:
@@ -92,7 +96,7 @@ class ChatCall:
         if self.choice in ("auto", "none") or not self.constrains(eng):
             return False
         grammar, self.forced = forced_call(eng, msgs, tools, self.choice,
-                                           parallel=self.body.parallel_tool_calls is not False)
+                                           parallel=self.conv.parallel)
         self.sampling = replace(self.sampling, grammar=grammar)
         try:  # compiled now: a call this model's vocabulary cannot write is refused by name
             eng.check_grammar(self.sampling)
@@ -102,18 +106,15 @@ class ChatCall:
         return True
 
     def _req(self, sampling: SamplingParams, fast_path: str | None = None) -> EngineRequest:
-        return EngineRequest(sampling, fast_path, self.logprobs, origin=self.origin)
-
-    def _reply(self, sid: str | None, agentic: bool, tools: bool, prefix: str = "",
-               forced: dict[str, str] | None = None) -> ChatReply:
-        return ChatReply(self.state, self.body, sid, agentic, tools, prefix=prefix,
-                         forced=forced or self.forced,
-                         parallel=self.body.parallel_tool_calls is not False)
+        return EngineRequest(sampling, fast_path, self.conv.logprobs, origin=self.origin)
 
     async def _respond(self, streams, sid: str | None, agentic: bool, tools: bool,
-                       cleanup=None, **kw) -> Response:
-        reply = self._reply(sid, agentic, tools, **kw)
-        return await respond(reply, self.state, self.receive, streams, cleanup)
+                       cleanup=None, prefix: str = "",
+                       forced: dict[str, str] | None = None) -> Response:
+        r = self.reply
+        r.sid, r.agentic, r.tools, r.prefix = sid, agentic, tools, prefix
+        r.forced, r.parallel = forced or self.forced, self.conv.parallel
+        return await r.respond(self.receive, streams, cleanup)
 
     async def stateless(self, eng, owner, msgs: list[dict], tools: list[dict]) -> Response:
         continued = msgs[-1]["role"] == "assistant"
@@ -129,7 +130,7 @@ class ChatCall:
             # one kept for its next turn (`Engine.converse`)
             try:
                 self.sampling = self._session_sampling(eng, None, tools, msgs)
-                req = self._req(self.sampling, self.body.fast_path)
+                req = self._req(self.sampling, self.conv.fast_path)
                 eng.admit()
                 stream = await self.state.run(entered(self.scope, eng.converse), owner, msgs,
                                               tools, req)
@@ -237,7 +238,7 @@ class ChatCall:
             raise ApiError(400, "invalid_request", f"session {public(s.id)} is a streaming "
                            "session: it has no tools to call", "tool_choice")
         question = asked[0]["content"]
-        mode = self.body.fast_path
+        mode = self.conv.fast_path
         streams = []
         for i in range(self.n):  # each from the same ready distribution when one is cached
             req = self._req(choice_sampling(self.sampling, i), mode)
@@ -282,35 +283,19 @@ class ChatCall:
         """Delta-only: commit what the session lacks, then answer; `cleanup(stream)` runs
         once it is out."""
         self.sampling = sampling = self._session_sampling(eng, s.id, s.spec.tools, msgs)
-        plan = eng.plan_chat(s.id, msgs, rollback=self.body.on_divergence == "rollback")
-        req = self._req(sampling, self.body.fast_path)
+        plan = eng.plan_chat(s.id, msgs, rollback=self.conv.rollback)
+        req = self._req(sampling, self.conv.fast_path)
         tools = bool(s.spec.tools) and self.choice != "none"
         if plan.commits_nothing and (
                 eng.will_be_fast(s.id, TURN, req)
                 # a streamed exact turn that decodes on: its first token is out at once
-                or self.body.stream and eng.serves_exact(s.id, TURN, req)):
+                or self.conv.stream and eng.serves_exact(s.id, TURN, req)):
             stream = await self.state.committing(entered(self.scope, eng.chat), plan, req)
         else:
             eng.admit()
             stream = await self.state.run(entered(self.scope, eng.chat), plan, req)
         return await self._respond([stream], s.id, agentic=True, tools=tools,
                                    cleanup=cleanup and (lambda: cleanup(stream)))
-
-
-class RepliedCall(ChatCall):
-    """The chat route's flow with another API's reply (`reply.respond`: the Responses API's
-    or the Messages API's), told what the chat reply would have been told."""
-
-    def __init__(self, state: ServerState, body: ChatCompletion, sampling, request, reply):
-        super().__init__(state, body, sampling, request)
-        self.reply = reply
-
-    async def _respond(self, streams, sid, agentic, tools, cleanup=None, **kw):
-        r = self.reply
-        r.sid, r.agentic, r.tools = sid, agentic, tools
-        r.prefix, r.forced = kw.get("prefix", ""), kw.get("forced") or self.forced
-        r.parallel = self.body.parallel_tool_calls is not False
-        return await r.respond(self.receive, streams[0], cleanup)
 
 
 def named(state: ServerState, eng, sid: str | None, owner):
@@ -326,30 +311,33 @@ def named(state: ServerState, eng, sid: str | None, owner):
     return s
 
 
-async def converse(call: ChatCall, request, eng, owner, msgs: list[dict],
-                   name: str | None) -> Response:
-    """A conversation sent whole, answered one way whichever API sent it (chat completions,
-    Messages; each has translated its body into `call`'s chat terms): each message's size
-    checked, then, by the session `name` names: none of the key's, statelessly (on the node
-    that keeps the conversation, where another does); a streaming session's query; or an
-    agentic session's turn, with the session's tools (409 where others are sent)."""
-    state, body = call.state, call.body
-    for i, m in enumerate(msgs):
+async def converse(call: ChatCall, request, eng, owner) -> Response:
+    """A conversation sent whole (`call.conv`), answered one way whichever API sent it:
+    each message's size checked, then by the session it names: none of the key's,
+    statelessly (on the node that keeps the conversation, where another does), else
+    `answer` on that session."""
+    state, conv = call.state, call.conv
+    for i, m in enumerate(conv.messages):
         await state.check_input(eng, m["content"], f"messages[{i}].content", context=True)
-    tools = tool_specs(body)
-    s = named(state, eng, name, owner)
+    s = named(state, eng, conv.name, owner)
     if s is None:  # a name that is no session of this key's is the client's: stateless
-        kept_elsewhere = await hop(state, request, owner, tools, msgs)  # on another node
-        if kept_elsewhere is not None:
+        kept_elsewhere = await hop(state, request, owner, conv.tools, conv.messages)
+        if kept_elsewhere is not None:  # kept on another node
             return kept_elsewhere
-        return await call.stateless(eng, owner, msgs, tools)
+    return await answer(call, eng, owner, s)
+
+
+async def answer(call: ChatCall, eng, owner, s, cleanup=None) -> Response:
+    """The one dispatch of a conversation whose session is settled (`s`; None: none):
+    statelessly, a streaming session's query, or an agentic session's turn with the
+    session's tools (`cleanup(stream)` once it is out)."""
+    conv = call.conv
+    if s is None:
+        return await call.stateless(eng, owner, conv.messages, conv.tools)
     if s.kind == STREAMING:
-        return await call.streaming(eng, s, msgs)
-    if body.tools is not None and tools != list(s.spec.tools):
-        raise ApiError(409, "tools_differ", f"the request's tools differ from those session "
-                       f"{public(s.id)} was created with; send the same tools or none", "tools")
-    body.tools = list(s.spec.tools)  # sent or not, the session's: tool_choice names them
-    return await call.agentic(eng, s, msgs)
+        return await call.streaming(eng, s, conv.messages)
+    conv.use_session_tools(public(s.id), s.spec.tools)
+    return await call.agentic(eng, s, conv.messages, cleanup)
 
 
 def prompt_text(eng, prompt: str | list[int], where: str) -> str:
@@ -399,8 +387,7 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
                 streams.append(await state.start_exact(
                     eng, s.id, query_key(prompt), req,
                     lambda p=prompt, req=req: eng.query(s.id, p, req), len(prompt)))
-        return await respond(CompletionReply(state, body, s.id, echo, n), state, receive,
-                             streams)
+        return await CompletionReply(state, body, s.id, echo, n).respond(receive, streams)
     eng.admit()
     # stateless: the prompt is continued as given, no chat template (a raw completion)
     spec = SessionSpec(STREAMING, None, (), (), "off", False, None, owner=owner)
@@ -428,6 +415,5 @@ async def complete(state: ServerState, receive, eng, owner, body: Completion,
             s.cancel()
         cleanup()
         raise
-    return await respond(CompletionReply(state, body, None, echo, n), state, receive, streams,
-                         cleanup=cleanup)
+    return await CompletionReply(state, body, None, echo, n).respond(receive, streams, cleanup)
 

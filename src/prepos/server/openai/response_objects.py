@@ -112,8 +112,8 @@ class Reply:
         return obj
 
     # -- the HTTP answer -----------------------------------------------------------------
-    async def respond(self, receive, stream: Stream, cleanup=None) -> Response:
-        state = self.state
+    async def respond(self, receive, streams: list[Stream], cleanup=None) -> Response:
+        state, (stream,) = self.state, streams  # one choice
         if not self.stream:
             res = await streaming.result(state, stream, receive, cleanup)
             return results.JSONBody(await self.finished(res),

@@ -42,6 +42,7 @@ from starlette.requests import Request
 from prepos.chat.conversation import check_order
 from prepos.engine import AGENTIC, Engine, SessionSpec
 from prepos.errors import PreposError
+from prepos.server.conversation_request import ConversationRequest
 from prepos.server.http.errors import ApiError
 from prepos.server.http.idempotency import attempt_of, idempotent
 from prepos.server.http.request_bodies import ChatCompletion, CreateResponse
@@ -50,7 +51,7 @@ from prepos.server.http.routing import QueryParam, Routes
 from prepos.server.http.state import ServerState
 from prepos.server.openai import responses_schema as RS
 from prepos.server.openai.checks import chat_sampling
-from prepos.server.openai.flow import ChatCall, RepliedCall
+from prepos.server.openai.flow import ChatCall, answer
 from prepos.server.openai.response_objects import Reply
 from prepos.server.openai.responses_input import (
     Renamer,
@@ -109,8 +110,8 @@ class ResponsesApi:
         if sid is None:
             sid = await self._new_chain(eng, owner, system, msgs, tools)
         try:
-            return await call.agentic(eng, eng.session(sid), msgs,
-                                      cleanup=lambda stream: self._release_after(stream, sid))
+            return await answer(call, eng, owner, eng.session(sid),
+                                cleanup=lambda stream: self._release_after(stream, sid))
         except BaseException:
             eng.release_chain(sid)
             raise
@@ -207,7 +208,10 @@ async def _create(c, request: Request, rename: Renamer):
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
             "top_logprobs": 0, "conversation": {"id": conv.id} if conv else None}
     reply = Reply(state, echo, bool(body.stream))
-    call = RepliedCall(state, chat, sampling, request, reply)
+    call = ChatCall(state, ConversationRequest(
+        msgs, sampling, tools, tools_sent=bool(tools), tool_choice=choice,
+        parallel=body.parallel_tool_calls is not False, stream=bool(body.stream)),
+        request, reply)
     forced = call.choice not in ("auto", "none")
 
     async def save(obj: dict, res) -> None:
@@ -239,7 +243,7 @@ async def _create(c, request: Request, rename: Renamer):
     on_session = not forced or call.constrains(eng)  # a forced call needs its grammar there
     if not store or not on_session or not api.engine.keeps_chains:
         reply.kept = on_session and eng.keeps_conversations
-        return await call.stateless(eng, owner, msgs, tools)
+        return await answer(call, eng, owner, None)
     return await api.on_chain(call, eng, owner, system, msgs, tools)
 
 

@@ -41,6 +41,7 @@ from starlette.requests import Request
 from prepos.chat.conversation import session_messages
 from prepos.engine import EPHEMERAL
 from prepos.errors import PreposError
+from prepos.server.conversation_request import ConversationRequest
 from prepos.server.http import response_bodies as R
 from prepos.server.http.errors import ApiError
 from prepos.server.http.idempotency import idempotent, named_session
@@ -48,7 +49,8 @@ from prepos.server.http.request_bodies import ChatCompletion, Completion
 from prepos.server.http.results import JSONBody
 from prepos.server.http.routing import Routes
 from prepos.server.http.state import ServerState
-from prepos.server.openai.checks import chat_sampling, completion_input
+from prepos.server.openai.chat_reply import ChatReply
+from prepos.server.openai.checks import chat_sampling, completion_input, tool_specs
 from prepos.server.openai.flow import ChatCall, complete, converse, named, prompt_text
 
 EPHEMERAL_ID = re.compile(r"session " + re.escape(EPHEMERAL) + r"\S+")
@@ -110,10 +112,16 @@ async def model(request: Request, model_id: str):
 @_context_errors
 async def chat_completions(request: Request):
     c = await ServerState.open(request, ChatCompletion)
-    state, eng, owner, body = c.state, c.engine, c.owner, c.body
-    call = ChatCall(state, body, chat_sampling(state, body), request)
-    return await converse(call, request, eng, owner, session_messages(body.messages),
-                          body.session_id)
+    state, body = c.state, c.body
+    sampling = chat_sampling(state, body)  # first: a request for another model is a 404
+    conv = ConversationRequest(
+        session_messages(body.messages), sampling, tool_specs(body),
+        tools_sent=body.tools is not None, tool_choice=body.tool_choice,
+        parallel=body.parallel_tool_calls is not False, name=body.session_id, n=body.n or 1,
+        logprobs=bool(body.logprobs), fast_path=body.fast_path,
+        rollback=body.on_divergence == "rollback", stream=bool(body.stream))
+    call = ChatCall(state, conv, request, ChatReply(state, body))
+    return await converse(call, request, c.engine, c.owner)
 
 
 @routes.add("POST", "/v1/completions", 6, summary="Create a completion", body=Completion,
