@@ -5,8 +5,10 @@ outcome depends on timing."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+from prepos.worker import scheduler as scheduler_module
 from tests.support.helpers import no_end, record_steps
 
 SYSTEM = "Live prices. Answer in one word: up, down or flat."
@@ -44,14 +46,24 @@ def test_nothing_waits_for_an_arrival_while_work_is_in_flight(make_engine, monke
     eng = make_engine("chatml", batch_wait_ms=600_000)
     a, b = sessions(eng, 2)
     log = record_steps(eng, monkeypatch)
-    running = eng.query(a, QUESTION, no_end(eng, 48))
-    while not log:  # `a` is in flight
-        time.sleep(0.01)
+    spy, in_step, submitted = scheduler_module.run_forwards, threading.Event(), threading.Event()
+
+    def held(backend, forwards, plans=None, moves=True):  # `a`'s first step lasts until `b`
+        if not submitted.is_set() and any(f.kv.key == a for f in forwards):  # is submitted:
+            in_step.set()  # `a` is in flight then, whatever this machine's speed
+            submitted.wait(120)
+        return spy(backend, forwards, plans, moves)
+
+    monkeypatch.setattr(scheduler_module, "run_forwards", held)
+    running = eng.query(a, QUESTION, no_end(eng, 8))
+    assert in_step.wait(120)
     arrival = eng.arrival()  # never arrives while these run
     try:
         joined = eng.query(b, QUESTION, no_end(eng, 4))
+        submitted.set()
         joined.result(timeout=120), running.result(timeout=120)
     finally:
+        submitted.set()
         arrival()
     assert first_step_with(log, b) > 0
 
