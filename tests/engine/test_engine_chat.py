@@ -122,6 +122,28 @@ def test_a_new_kept_conversation_starts_from_the_longest_prefix_another_holds(ma
     assert res.cached_prompt_tokens >= shared - 1
 
 
+def test_a_shared_prefix_in_a_lower_tier_is_reused_with_every_sequence_held(make_engine):
+    """With as many KV sequences as clients (here one), a new conversation's own sequence is
+    the only one: the prefix it shares with a conversation moved down a tier is loaded into
+    that sequence, not refused for want of a free one."""
+    eng = make_engine("chatml", max_sequences=1)
+    opening = "Write a long, detailed essay about the weather in the mountains and "
+
+    def msgs(topic):
+        return [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": opening + topic}]
+
+    eng.converse("a", msgs("the sea"), (), ONE).result()
+    assert eng.wait_idle(120)
+    res = eng.converse("a", msgs("the rivers"), (), ONE).result()
+    fmt = eng.fmt
+    one, two = (fmt.encode(fmt.render(msgs(t), generation_prompt=True))
+                for t in ("the sea", "the rivers"))
+    shared = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+    assert shared >= 32  # two whole blocks at least
+    assert res.cached_prompt_tokens >= shared - shared % 16
+
+
 def test_a_streams_end_callbacks_run_before_its_reader_sees_the_end():
     from prepos.core import AnswerPath, Match, Result
     from prepos.decode.stream import Stream

@@ -159,7 +159,7 @@ class KVPool:
                 elif away:  # a KV of no pool's, made for one use: its own handle
                     kv.ensure()
                 gained = kv.reuse(f.target, lambda donor: self._load(
-                    donor, moves, keep, spare, added))
+                    donor, kv, moves, keep, spare, added))
                 same = plans is not None and not (away or gained or len(kv.tokens) != held)
                 plan = plans[i] if same else f.plan()
                 grow = plan[2] - len(kv.tokens) if ours else 0
@@ -220,11 +220,13 @@ class KVPool:
         self._resize(len(kv.tokens))
         self._resident[sid] = None
 
-    def _load(self, donor: KVSequence, moves: bool, keep: set[str],
+    def _load(self, donor: KVSequence, into: KVSequence, moves: bool, keep: set[str],
               spare: Sequence[KVSequence], extra: int) -> object | None:
-        """A new handle holding `donor`'s state, read from its tier and left there, with
-        room made for all of its cells on top of `extra` (`_room`); None where that cannot
-        be had. The caller crops it to the prefix it takes."""
+        """A new handle for `into` holding `donor`'s state, read from its tier and left there,
+        with room made for all of its cells on top of `extra` (`_room`); None where that
+        cannot be had. The caller crops it to the prefix it takes. Where no handle is free
+        (as many sequences as clients, every one held), `into` gives up its own: the donor's
+        state replaces its cells anyway."""
         cells = self._saved.get(donor.key)
         if cells is None:
             return None
@@ -232,11 +234,18 @@ class KVPool:
         if data is None:
             self._lost(donor)
             return None
-        if not self._room(extra + cells, True, keep, spare, moves):
+        swap = into.handle is not None and self.backend.free_handles() == 0
+        if not self._room(extra + cells, not swap, keep, spare, moves):
             return None
+        if swap and self.backend.free_handles() == 0:
+            into.crop(0)
+            self.backend.release(into.handle)
+            into.handle = None
         handle = self.backend.load(data, None)
         if handle is None:
             self._lost(donor)
+            if into.handle is None:
+                into.handle = self.backend.new_kv(into.key)
             return None
         self.counts["prefix_loads"] += 1
         return handle

@@ -161,7 +161,8 @@ class KVSequence:
             handle = load(donor) if load is not None else None
             if handle is None:
                 return 0
-            self.backend.release(self.handle)
+            if self.handle is not None:  # else given up for the donor's (`KVPool._load`)
+                self.backend.release(self.handle)
             self.handle = handle
             self.backend.crop(handle, n)
         self._on_size(n - len(self.tokens))
