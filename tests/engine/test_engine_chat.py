@@ -125,7 +125,8 @@ def test_a_new_kept_conversation_starts_from_the_longest_prefix_another_holds(ma
 def test_a_shared_prefix_in_a_lower_tier_is_reused_with_every_sequence_held(make_engine):
     """With as many KV sequences as clients (here one), a new conversation's own sequence is
     the only one: the prefix it shares with a conversation moved down a tier is loaded into
-    that sequence, not refused for want of a free one."""
+    that sequence, not refused for want of a free one; and the scheduler's step counts say
+    the prefill ran the prompt less that prefix."""
     eng = make_engine("chatml", max_sequences=1)
     opening = "Write a long, detailed essay about the weather in the mountains and "
 
@@ -135,6 +136,7 @@ def test_a_shared_prefix_in_a_lower_tier_is_reused_with_every_sequence_held(make
 
     eng.converse("a", msgs("the sea"), (), ONE).result()
     assert eng.wait_idle(120)
+    before = eng.scheduler.steps.tokens["prefill"]
     res = eng.converse("a", msgs("the rivers"), (), ONE).result()
     fmt = eng.fmt
     one, two = (fmt.encode(fmt.render(msgs(t), generation_prompt=True))
@@ -142,6 +144,9 @@ def test_a_shared_prefix_in_a_lower_tier_is_reused_with_every_sequence_held(make
     shared = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
     assert shared >= 32  # two whole blocks at least
     assert res.cached_prompt_tokens >= shared - shared % 16
+    # the steps count what they ran: the prompt less the prefix it reused
+    assert (eng.scheduler.steps.tokens["prefill"] - before
+            == res.prompt_tokens - res.cached_prompt_tokens)
 
 
 def test_a_streams_end_callbacks_run_before_its_reader_sees_the_end():

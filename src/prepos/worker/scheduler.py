@@ -382,7 +382,9 @@ class Scheduler:
                 adv = _joined(task.partial, adv)
             task.want, task.reply, task.partial = None, adv, None
         if not idle:
-            ran = [(f, p) for f, p, adv in zip(forwards, plans, advances) if adv is not None]
+            # each as it ran: a prefix reused at admission is not run (`Advance.prefilled`)
+            ran = [(f, (p[0], p[2] - adv.prefilled, p[2]) if isinstance(adv, Advance) else p)
+                   for f, p, adv in zip(forwards, plans, advances) if adv is not None]
             if ran:  # else every forward waited for room: no step ran
                 self.steps.record(ran, len(self._fg) + len(left) + len(forwards) - len(ran),
                                   time.perf_counter() - t1, time.perf_counter() - t0)
