@@ -2,9 +2,9 @@
 SDK's beta client and Claude Code send it), streamed or not, and `POST
 /v1/messages/count_tokens`.
 
-One more translation onto the chat route's flow (`openai_flow.ChatCall`), as the Responses
-API is: a Messages body is put in the chat route's terms (`translate.py`) and answered as a
-chat request is: statelessly on the implicit session its conversation extends (a stock client
+One more translation onto the one flow (`server/openai/flow.py`), as the Responses API is: a
+Messages body becomes a `ConversationRequest` (`translate.py`) and is answered as a chat
+request is: statelessly on the implicit session its conversation extends (a stock client
 resending its whole conversation pays only its new messages), or on a named session; the
 reply alone is Anthropic's (`events.py`). So `ANTHROPIC_BASE_URL=http://127.0.0.1:8000 claude`
 and Anthropic's SDK work against prepos unchanged.

@@ -2,12 +2,12 @@
 
 A request is put in the chat route's terms (`responses_input.py`): its conversation is the
 stored conversation of `previous_response_id` (`server/store/responses.py`) or the items of its
-`conversation` (`conversation_store.py`), then its `input` items, after its own
+`conversation` (`server/store/conversations.py`), then its `input` items, after its own
 `instructions` as the system message (a previous response's are not carried over, as OpenAI
 documents). A response on a conversation adds its input and output items to it once it is
 done (not if it failed or was cancelled, nor if the conversation changed meanwhile: a 409).
-It is answered by the chat route's flow (`openai_flow.ChatCall`), whose reply this module
-replaces (`response_objects.py`):
+It becomes a `ConversationRequest`, answered by the one flow's dispatch (`flow.answer`) with
+this API's reply (`response_objects.py`):
 
 - `store: true` (the default): on a *chain session*, a persistent
   agentic session of the key (journalled, listed by the session API), the one of this key,
