@@ -87,6 +87,20 @@ def test_a_stock_clients_conversation_is_kept_by_the_engine(make_engine):
     assert eng.evict_conversation() and eng.metrics()["implicit"]["evicted"] == 1
 
 
+def essay(topic: str) -> list[dict]:
+    """A stock client's conversation; two topics share the system part and the request's
+    opening words."""
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Write a long, detailed essay about the weather in the "
+                                        "mountains and " + topic}]
+
+
+def shared_prefix(eng, a: str, b: str) -> int:
+    """The prompt tokens the essays on `a` and `b` share."""
+    one, two = (eng.fmt.encode(eng.fmt.render(essay(t), generation_prompt=True)) for t in (a, b))
+    return next(i for i, (x, y) in enumerate(zip(one, two)) if x != y)
+
+
 def test_a_new_kept_conversation_starts_from_the_longest_prefix_another_holds(make_engine,
                                                                            monkeypatch):
     """A conversation a stock client sends whole starts on a new kept session with no
@@ -102,22 +116,13 @@ def test_a_new_kept_conversation_starts_from_the_longest_prefix_another_holds(ma
         return submit(gen, idle, key, *args, **kw)
 
     monkeypatch.setattr(eng.scheduler, "submit", recorded)
-    opening = "Write a long, detailed essay about the weather in the mountains and "
-
-    def msgs(topic):
-        return [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": opening + topic}]
-
-    eng.converse("a", msgs("the sea"), (), ONE).result()
+    eng.converse("a", essay("the sea"), (), ONE).result()
     assert eng.wait_idle(120)
     submitted.clear()
-    res = eng.converse("a", msgs("the rivers"), (), ONE).result()
+    res = eng.converse("a", essay("the rivers"), (), ONE).result()
     assert submitted[0][1] is False  # the new session's first task is its turn
-    fmt = eng.fmt
-    one, two = (fmt.encode(fmt.render(msgs(t), generation_prompt=True))
-                for t in ("the sea", "the rivers"))
-    shared = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
-    system = len(fmt.encode(fmt.render(msgs("x")[:1])))
+    shared = shared_prefix(eng, "the sea", "the rivers")
+    system = len(eng.fmt.encode(eng.fmt.render(essay("x")[:1])))
     assert shared > system + 4  # the two share more than the system part
     assert res.cached_prompt_tokens >= shared - 1
 
@@ -128,20 +133,11 @@ def test_a_shared_prefix_in_a_lower_tier_is_reused_with_every_sequence_held(make
     that sequence, not refused for want of a free one; and the scheduler's step counts say
     the prefill ran the prompt less that prefix."""
     eng = make_engine("chatml", max_sequences=1)
-    opening = "Write a long, detailed essay about the weather in the mountains and "
-
-    def msgs(topic):
-        return [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": opening + topic}]
-
-    eng.converse("a", msgs("the sea"), (), ONE).result()
+    eng.converse("a", essay("the sea"), (), ONE).result()
     assert eng.wait_idle(120)
     before = eng.scheduler.steps.tokens["prefill"]
-    res = eng.converse("a", msgs("the rivers"), (), ONE).result()
-    fmt = eng.fmt
-    one, two = (fmt.encode(fmt.render(msgs(t), generation_prompt=True))
-                for t in ("the sea", "the rivers"))
-    shared = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+    res = eng.converse("a", essay("the rivers"), (), ONE).result()
+    shared = shared_prefix(eng, "the sea", "the rivers")
     assert shared >= 32  # two whole blocks at least
     assert res.cached_prompt_tokens >= shared - shared % 16
     # the steps count what they ran: the prompt less the prefix it reused
