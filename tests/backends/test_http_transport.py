@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prepos.backends.http_transport import Urllib3Transport
 from prepos.backends.remote_adapters import make_adapter
-from prepos.backends.remote_protocol import Call, RemoteError, ReplicaFailure
+from prepos.backends.remote_protocol import HttpCall, RemoteError, ReplicaFailure
 from prepos.backends.remote_replica import Replica
 
 
@@ -183,7 +183,7 @@ def test_the_events_are_the_same_however_the_bytes_are_cut(cuts, crlf, gzipped):
     at = sorted({min(c, len(data)) for c in cuts})
     pieces = [data[a:b] for a, b in zip([0, *at], [*at, len(data)]) if b > a]
     rep = replica(pieces, gzipped)
-    with rep.stream(Call("POST", "/completion", {})) as events:
+    with rep.stream(HttpCall("POST", "/completion", {})) as events:
         assert list(events) == EVENTS  # nothing after [DONE]
     rep.close()
 
@@ -192,6 +192,6 @@ def test_an_error_event_and_a_bad_event_fail_cleanly():
     for line, error in ((b"error: {\"message\": \"no slot\"}\n\n", RemoteError),
                         (b"data: {not json\n\n", ReplicaFailure)):
         rep = replica([line])
-        with pytest.raises(error), rep.stream(Call("POST", "/completion", {})) as events:
+        with pytest.raises(error), rep.stream(HttpCall("POST", "/completion", {})) as events:
             list(events)
         rep.close()

@@ -7,8 +7,8 @@ from typing import Callable
 
 from prepos.backends.remote_protocol import (
     Adapter,
-    Call,
     EngineInfo,
+    HttpCall,
     RemoteError,
     StreamParser,
     TopK,
@@ -45,14 +45,14 @@ class VLLMAdapter(Adapter):
     kind = "vllm"
     health_path = "/health"
 
-    def request(self, prompt, k, *, rid, background, slot=None) -> Call:
+    def request(self, prompt, k, *, rid, background, slot=None) -> HttpCall:
         body: dict = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0.0,
                       "logprobs": k, "return_tokens_as_token_ids": True, "stream": False}
         if self.model:
             body["model"] = self.model
         if background and self.background_priority is not None:
             body["priority"] = self.background_priority
-        return Call("POST", "/v1/completions", body, {"X-Request-Id": rid})
+        return HttpCall("POST", "/v1/completions", body, {"X-Request-Id": rid})
 
     def parse(self, body) -> TopK:
         try:
@@ -66,7 +66,7 @@ class VLLMAdapter(Adapter):
         return TopK(ids, lps, details.get("cached_tokens"), usage.get("prompt_tokens"))
 
     def stream_request(self, prompt, k, sampling, max_tokens, stop_ids, *, rid, background,
-                       slot=None) -> Call:
+                       slot=None) -> HttpCall:
         body: dict = {"prompt": list(prompt), "max_tokens": int(max_tokens),
                       "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
                       "top_k": int(sampling.top_k), "min_p": 0.0, "repetition_penalty": 1.0,
@@ -81,13 +81,13 @@ class VLLMAdapter(Adapter):
             body["model"] = self.model
         if background and self.background_priority is not None:
             body["priority"] = self.background_priority
-        return Call("POST", "/v1/completions", body, {"X-Request-Id": rid})
+        return HttpCall("POST", "/v1/completions", body, {"X-Request-Id": rid})
 
     def stream_parser(self) -> StreamParser:
         return _VLLMStream()
 
-    def info_call(self) -> Call:
-        return Call("GET", "/v1/models")
+    def info_call(self) -> HttpCall:
+        return HttpCall("GET", "/v1/models")
 
     def parse_info(self, body) -> EngineInfo:
         models = (body or {}).get("data") or []
@@ -155,14 +155,14 @@ class SGLangAdapter(Adapter):
     kind = "sglang"
     health_path = "/health"
 
-    def request(self, prompt, k, *, rid, background, slot=None) -> Call:
+    def request(self, prompt, k, *, rid, background, slot=None) -> HttpCall:
         body: dict = {"input_ids": list(prompt),
                       "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                       "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1,
                       "stream": False, "rid": rid}
         if background and self.background_priority is not None:
             body["priority"] = self.background_priority
-        return Call("POST", "/generate", body)
+        return HttpCall("POST", "/generate", body)
 
     def parse(self, body) -> TopK:
         if isinstance(body, list):  # a batch answer: one prompt was sent
@@ -177,7 +177,7 @@ class SGLangAdapter(Adapter):
         return TopK(ids, lps, meta.get("cached_tokens"), meta.get("prompt_tokens"))
 
     def stream_request(self, prompt, k, sampling, max_tokens, stop_ids, *, rid, background,
-                       slot=None) -> Call:
+                       slot=None) -> HttpCall:
         sp: dict = {"max_new_tokens": int(max_tokens),
                     "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
                     "top_k": int(sampling.top_k) or -1, "min_p": 0.0,
@@ -189,16 +189,16 @@ class SGLangAdapter(Adapter):
                       "rid": rid}
         if background and self.background_priority is not None:
             body["priority"] = self.background_priority
-        return Call("POST", "/generate", body)
+        return HttpCall("POST", "/generate", body)
 
     def stream_parser(self) -> StreamParser:
         return _SGLangStream()
 
-    def abort(self, rid: str) -> Call:
-        return Call("POST", "/abort_request", {"rid": rid})
+    def abort(self, rid: str) -> HttpCall:
+        return HttpCall("POST", "/abort_request", {"rid": rid})
 
-    def info_call(self) -> Call:
-        return Call("GET", "/v1/models")
+    def info_call(self) -> HttpCall:
+        return HttpCall("GET", "/v1/models")
 
     parse_info = VLLMAdapter.parse_info
 
@@ -263,13 +263,13 @@ class LlamaCppAdapter(Adapter):
         super().__init__(model, background_priority)
         self.token_to_id = token_to_id
 
-    def request(self, prompt, k, *, rid, background, slot=None) -> Call:
+    def request(self, prompt, k, *, rid, background, slot=None) -> HttpCall:
         body: dict = {"prompt": list(prompt), "n_predict": 1, "n_probs": k,
                       "cache_prompt": True, "temperature": 0.0, "post_sampling_probs": False,
                       "stream": False}
         if slot is not None:
             body["id_slot"] = slot
-        return Call("POST", "/completion", body)
+        return HttpCall("POST", "/completion", body)
 
     def parse(self, body) -> TopK:
         try:
@@ -317,7 +317,7 @@ class LlamaCppAdapter(Adapter):
         raise RemoteError(f"unknown llama.cpp probability format: {sorted(first)}")
 
     def stream_request(self, prompt, k, sampling, max_tokens, stop_ids, *, rid, background,
-                       slot=None) -> Call:
+                       slot=None) -> HttpCall:
         seed = _seed(sampling)
         body: dict = {"prompt": list(prompt), "n_predict": int(max_tokens), "n_probs": k,
                       "cache_prompt": True, "stream": True, "post_sampling_probs": False,
@@ -333,13 +333,13 @@ class LlamaCppAdapter(Adapter):
                       "seed": -1 if seed is None else int(seed)}
         if slot is not None:
             body["id_slot"] = slot
-        return Call("POST", "/completion", body)
+        return HttpCall("POST", "/completion", body)
 
     def stream_parser(self) -> StreamParser:
         return _LlamaCppStream(self)
 
-    def info_call(self) -> Call:
-        return Call("GET", "/props")
+    def info_call(self) -> HttpCall:
+        return HttpCall("GET", "/props")
 
     def parse_info(self, body) -> EngineInfo:
         body = body or {}

@@ -1,4 +1,4 @@
-"""The remote back end's vocabulary: its errors, what an engine request is (`Call`) and
+"""The remote back end's vocabulary: its errors, what an engine request is (`HttpCall`) and
 brings back (`TopK`, `EngineInfo`, a `StreamParser`'s tokens), and the `Adapter` interface
 each engine's format implements (`remote_adapters`).
 
@@ -71,7 +71,7 @@ class TopK:
 
 
 @dataclass
-class Call:
+class HttpCall:
     """One HTTP request an adapter wants made."""
 
     method: str
@@ -120,7 +120,7 @@ class Adapter:
         self.background_priority = background_priority
 
     def request(self, prompt: Sequence[int], k: int, *, rid: str, background: bool,
-                slot: int | None = None) -> Call:
+                slot: int | None = None) -> HttpCall:
         raise NotImplementedError
 
     def parse(self, body: Any) -> TopK:
@@ -128,17 +128,17 @@ class Adapter:
 
     def stream_request(self, prompt: Sequence[int], k: int, sampling: Any, max_tokens: int,
                        stop_ids: frozenset[int], *, rid: str, background: bool,
-                       slot: int | None = None) -> Call:
+                       slot: int | None = None) -> HttpCall:
         raise NotImplementedError
 
     def stream_parser(self) -> StreamParser:
         raise NotImplementedError
 
-    def abort(self, rid: str) -> Call | None:
+    def abort(self, rid: str) -> HttpCall | None:
         """The request that aborts an in-flight one, where the engine has such an API."""
         return None
 
-    def info_call(self) -> Call | None:
+    def info_call(self) -> HttpCall | None:
         return None
 
     def parse_info(self, body: Any) -> EngineInfo:

@@ -17,7 +17,7 @@ import orjson
 
 from prepos.backends.base import Preempted
 from prepos.backends.http_transport import Urllib3Transport
-from prepos.backends.remote_protocol import Adapter, Call, RemoteError, ReplicaFailure, TopK
+from prepos.backends.remote_protocol import Adapter, HttpCall, RemoteError, ReplicaFailure, TopK
 
 # where background streams do not share the engine's steps (`Replica.shares_steps`), one (a
 # pre-decode) waits this long for the foreground requests in flight to end, then gives way
@@ -71,13 +71,13 @@ class Replica:
             for k, v in kw.items():
                 self.counters[k] += v
 
-    def _check(self, r: httpx.Response, c: Call, text: str) -> None:
+    def _check(self, r: httpx.Response, c: HttpCall, text: str) -> None:
         if r.status_code >= 500 or r.status_code in (408, 429):
             raise ReplicaFailure(f"{self.url}{c.path}: HTTP {r.status_code} {text[:200]}")
         if r.status_code >= 400:
             raise RemoteError(f"{self.url}{c.path}: HTTP {r.status_code} {text[:500]}")
 
-    def call(self, c: Call) -> Any:
+    def call(self, c: HttpCall) -> Any:
         try:
             try:
                 r = self.client.request(c.method, c.path, json=c.json, headers=c.headers)
@@ -92,7 +92,7 @@ class Replica:
             raise ReplicaFailure(f"{self.url}{c.path}: not JSON: {r.text[:200]}") from exc
 
     @contextlib.contextmanager
-    def stream(self, c: Call) -> Iterator[Iterator[Any]]:
+    def stream(self, c: HttpCall) -> Iterator[Iterator[Any]]:
         """A streamed request: yields an iterator of its server-sent events' JSON objects.
         Leaving the block closes the connection, which aborts the request at the engine
         (vLLM and llama.cpp abort a task whose client disconnected). Transport failures,
@@ -114,7 +114,7 @@ class Replica:
         except httpx.TransportError as exc:
             raise ReplicaFailure(f"{self.url}: {type(exc).__name__}: {exc}") from exc
 
-    def _events(self, r: httpx.Response, c: Call) -> Iterator[Any]:
+    def _events(self, r: httpx.Response, c: HttpCall) -> Iterator[Any]:
         """The stream's events' JSON objects, its lines split here (an engine's events are
         UTF-8 JSON, read as bytes: no text decoding a chunk, nor content decoding where
         none was applied)."""
@@ -132,7 +132,7 @@ class Replica:
         if (event := self._event(rest, c)) is not None and event is not _END:
             yield event
 
-    def _event(self, line: bytes, c: Call) -> Any:
+    def _event(self, line: bytes, c: HttpCall) -> Any:
         """One line's event: its JSON object, None (no data), or _END (`[DONE]`)."""
         line = line.strip()
         if not line or line.startswith(b":"):
